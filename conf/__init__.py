@@ -1,0 +1,1 @@
+"""Hydra config tree for hostsweep, shipped in the wheel as ``hostsweep.conf``."""

@@ -1,0 +1,40 @@
+"""The entry point: `python -m hostsweep [overrides]` or the `hostsweep` script.
+
+Examples: `python -m hostsweep` (the embedded default on this machine),
+`python -m hostsweep +sku=h200 tp=4 model=llama-3.1-8b`, `python -m hostsweep --cfg job`.
+"""
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from hostsweep.config import ConfigError, check_group_overrides, register_configs
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="pkg://hostsweep.conf", config_name="config")
+def _sweep(cfg: DictConfig) -> None:
+    from hostsweep import sweep
+
+    try:
+        code = sweep.run(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except ConfigError as exc:
+        print(f"hostsweep: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code)
+
+
+def main() -> None:
+    try:
+        check_group_overrides(sys.argv[1:])
+    except ConfigError as exc:
+        print(f"hostsweep: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    _sweep()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Ray: connect or start a cluster, check the plan fits it, run workers, stream results.
+
+A Ray request for a resource no node has waits forever, so every plan is checked
+against the live nodes before any actor is created.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from hostsweep.config import ConfigError
+from hostsweep.grid import Cell, EngineSpec, group_by_engine
+from hostsweep.worker import CellResult, SweepWorker
+
+log = logging.getLogger(__name__)
+
+ACCELERATOR_PREFIX = "accelerator_type:"
+
+
+class InfeasiblePlan(ConfigError):
+    """The cluster has no node that can host some engine spec."""
+
+
+@dataclass(frozen=True)
+class NodeInventory:
+    node_id: str
+    cpus: float
+    gpus: float
+    accelerator_types: tuple[str, ...]
+
+
+def connect(address: str | None) -> bool:
+    """Join the cluster at `address`, or start a local one; True if we started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+        return False
+    ray.init(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+    return True
+
+
+def live_nodes() -> list[NodeInventory]:
+    import ray
+
+    nodes = []
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        res = node.get("Resources", {})
+        types = tuple(sorted(k[len(ACCELERATOR_PREFIX):] for k in res if k.startswith(ACCELERATOR_PREFIX)))
+        nodes.append(NodeInventory(node["NodeID"], res.get("CPU", 0.0), res.get("GPU", 0.0), types))
+    return nodes
+
+
+def describe_inventory(nodes: Iterable[NodeInventory]) -> str:
+    """'H100 x8 (2 nodes), CPU-only (1 node)' — what the cluster really has."""
+    kinds = Counter()
+    for node in nodes:
+        label = "/".join(node.accelerator_types) + f" x{int(node.gpus)}" if node.accelerator_types else "CPU-only"
+        kinds[label] += 1
+    if not kinds:
+        return "no live nodes"
+    return ", ".join(f"{label} ({n} node{'s' if n > 1 else ''})" for label, n in sorted(kinds.items()))
+
+
+def node_fits(spec: EngineSpec, node: NodeInventory) -> bool:
+    if spec.accelerator_type is None:
+        return node.cpus >= 1
+    return spec.accelerator_type in node.accelerator_types and node.gpus >= spec.tp
+
+
+def check_feasible(specs: Iterable[EngineSpec], nodes: list[NodeInventory]) -> None:
+    """Raise InfeasiblePlan naming what the cluster has if any spec fits no node."""
+    for spec in specs:
+        if not any(node_fits(spec, node) for node in nodes):
+            need = f"accelerator_type {spec.accelerator_type} with >= {spec.tp} GPUs on one node" \
+                if spec.accelerator_type else "a node with a CPU"
+            raise InfeasiblePlan(
+                f"sku={spec.sku} tp={spec.tp} needs {need}; the cluster has: {describe_inventory(nodes)}"
+            )
+
+
+def actor_options(spec: EngineSpec) -> dict[str, object]:
+    """Ray scheduling options pinning the worker to its SKU."""
+    if spec.accelerator_type is None:
+        return {"num_cpus": 1, "num_gpus": 0}
+    # The worker holds all tp GPUs of one node; vLLM's mp executor runs the TP ranks.
+    return {"num_cpus": 1, "num_gpus": spec.tp, "accelerator_type": spec.accelerator_type}
+
+
+def start_workers(specs: Iterable[EngineSpec]) -> dict[EngineSpec, object]:
+    import ray
+
+    remote_worker = ray.remote(SweepWorker)
+    return {spec: remote_worker.options(**actor_options(spec)).remote(spec) for spec in specs}
+
+
+def failed_result(cell: Cell, reason: str) -> CellResult:
+    return CellResult(cell.key, cell.params(), "FAILED", None, reason)
+
+
+def run_cells(
+    cells: list[Cell], resamples: int, ci_level: float,
+    on_result: Callable[[CellResult], None],
+) -> None:
+    """Measure every cell on its spec's worker; call on_result as each one finishes.
+
+    Cells of one spec queue on one actor and run in order on its one engine; different
+    specs run concurrently on whatever nodes fit them.
+    """
+    import ray
+
+    groups = group_by_engine(cells)
+    workers = start_workers(groups)
+    pending = {
+        workers[spec].measure.remote(cell, resamples, ci_level): cell
+        for spec, spec_cells in groups.items() for cell in spec_cells
+    }
+    try:
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            for ref in done:
+                cell = pending.pop(ref)
+                try:
+                    result = ray.get(ref)
+                except ray.exceptions.RayError as exc:  # the actor died or failed to start
+                    result = failed_result(cell, f"{type(exc).__name__}: {exc}")
+                on_result(result)
+    finally:
+        stop_workers(list(workers.values()))
+
+
+def stop_workers(actors: list[object]) -> None:
+    """Close engines cleanly (their EngineCore subprocesses exit), then end the actors."""
+    import ray
+
+    try:
+        ray.get([actor.close.remote() for actor in actors], timeout=60)
+    except ray.exceptions.GetTimeoutError:  # a subclass of RayError: test it first
+        log.warning("workers took over 60 s to close; killing them")
+    except ray.exceptions.RayError as exc:
+        log.warning("a worker did not close cleanly: %s", exc)
+    for actor in actors:
+        ray.kill(actor)
+
+
+def disconnect(started_here: bool) -> None:
+    import ray
+
+    if started_here and ray.is_initialized():
+        ray.shutdown()

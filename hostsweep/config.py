@@ -1,0 +1,216 @@
+"""Config schemas (dataclasses), their Hydra registration, and input validation.
+
+Schema lives here, values live in conf/*.yaml. Validation raises ConfigError naming
+the field and the allowed values, before any cluster or engine starts.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+CONFIG_GROUPS = ("sku", "model", "mode", "experiment")
+
+
+class ConfigError(ValueError):
+    """Bad user input, reported as one line before anything expensive starts."""
+
+
+@dataclass
+class ShapeConfig:
+    architecture: str = MISSING
+    hidden_size: int = MISSING
+    intermediate_size: int = MISSING
+    num_hidden_layers: int = MISSING
+    num_attention_heads: int = MISSING
+    num_key_value_heads: int = MISSING
+    head_dim: int = MISSING
+    vocab_size: int = MISSING
+    max_position_embeddings: int = MISSING
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    rms_norm_eps: float = 1e-5
+    rope_scaling: Optional[dict[str, Any]] = None
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    source: str = "shape"  # "shape": built from `shape`; "checkpoint": hub id or directory
+    path: Optional[str] = None
+    load_format: str = "dummy"
+    shape: Optional[ShapeConfig] = None
+
+
+@dataclass
+class SkuConfig:
+    name: str = MISSING
+    accelerator_type: Optional[str] = None  # Ray's accelerator type; None for the CPU
+    device_memory_gib: Optional[float] = None
+    peak_bf16_tflops: Optional[float] = None
+    mem_bandwidth_gbps: Optional[float] = None
+    interconnect: str = ""
+    interconnect_gbps: Optional[float] = None
+    gpus_per_node: int = 0
+
+
+@dataclass
+class ModeConfig:
+    name: str = MISSING
+    enforce_eager: bool = True
+    quantization: Optional[str] = None
+
+
+@dataclass
+class MeasureConfig:
+    T: int = 33
+    warmups: int = 2
+    reps: int = 12
+    bootstrap_resamples: int = 2000
+    ci_level: float = 0.95
+    seed: int = 0
+
+
+@dataclass
+class EngineConfig:
+    name: str = "vllm"  # "vllm", or "fake" (simulated timings, for tests and dry runs)
+    dtype: str = "bfloat16"
+    cpu_kvcache_gib: int = 1  # whole GiB: vLLM parses VLLM_CPU_KVCACHE_SPACE as an int
+    gpu_memory_utilization: float = 0.9
+
+
+@dataclass
+class RayConfig:
+    address: Optional[str] = None
+    feasibility_timeout_s: float = 10.0
+
+
+@dataclass
+class TrackingConfig:
+    uri: str = "sqlite:///outputs/mlflow.db"
+    experiment: Optional[str] = None
+
+
+@dataclass
+class OutputConfig:
+    cells_file: str = "cells.csv"
+
+
+@dataclass
+class SweepConfig:
+    study: str = "default"
+    sku: Optional[SkuConfig] = None
+    model: ModelConfig = MISSING
+    mode: ModeConfig = MISSING
+    # int or list of ints: Hydra users write `tp=4` as well as `tp=[2,4]`.
+    tp: Any = 1
+    batch: Any = field(default_factory=lambda: [1])
+    ctx: Any = field(default_factory=lambda: [128])
+    measure: MeasureConfig = field(default_factory=MeasureConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+
+def register_configs() -> None:
+    """Register the schemas so every YAML in conf/ is type-checked on composition."""
+    store = ConfigStore.instance()
+    store.store(name="hostsweep_schema", node=SweepConfig)
+    store.store(group="sku", name="sku_schema", node=SkuConfig)
+    store.store(group="model", name="model_schema", node=ModelConfig)
+    store.store(group="mode", name="mode_schema", node=ModeConfig)
+
+
+def group_options(group: str) -> list[str]:
+    """The YAML options shipped for one config group, e.g. ['cpu', 'h100', 'h200']."""
+    folder = resources.files("hostsweep.conf").joinpath(group)
+    if not folder.is_dir():
+        return []
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def check_group_overrides(argv: list[str]) -> None:
+    """Reject `sku=…`, `model=…`, `mode=…`, `experiment=…` options that do not exist.
+
+    Hydra reports these itself, but over many lines; this gives one line naming the
+    field and the allowed values, before Hydra composes anything.
+    """
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key, value = arg.split("=", 1)
+        group = key.lstrip("+~")
+        if group not in CONFIG_GROUPS or not value or value == "null":
+            continue
+        allowed = group_options(group)
+        for option in value.split(","):  # multirun sweeps list options with commas
+            if option not in allowed:
+                raise ConfigError(
+                    f"unknown {group} '{option}'; allowed {group} values: {', '.join(allowed)}"
+                )
+
+
+def load_sku(name: str) -> SkuConfig:
+    """Load conf/sku/<name>.yaml onto the schema."""
+    text = resources.files("hostsweep.conf").joinpath("sku", f"{name}.yaml").read_text()
+    merged = OmegaConf.merge(OmegaConf.structured(SkuConfig), OmegaConf.create(text))
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def local_sku_name() -> str:
+    """The kind of this machine: the first GPU's SKU when nvidia-smi sees one, else cpu."""
+    if shutil.which("nvidia-smi") is None:
+        return "cpu"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout
+    except (subprocess.SubprocessError, OSError):
+        return "cpu"
+    for option in group_options("sku"):
+        if option != "cpu" and option.upper() in out.upper():
+            return option
+    return "cpu"
+
+
+def to_sweep_config(cfg: DictConfig) -> SweepConfig:
+    """Typed config from Hydra's DictConfig; fills the SKU with the local kind if absent."""
+    typed: SweepConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    if typed.sku is None:
+        typed.sku = load_sku(local_sku_name())
+    if typed.model.source == "checkpoint" and typed.model.shape is None:
+        typed.model.shape = _shape_from_checkpoint(typed.model.path)
+    return typed
+
+
+def _shape_from_checkpoint(path: Optional[str]) -> Optional[ShapeConfig]:
+    """Read a local checkpoint's config.json; a hub id is resolved on the worker instead."""
+    if not path:
+        raise ConfigError("model.path is required with model=checkpoint (a hub id or a directory)")
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return None
+    hf = json.loads(config_file.read_text())
+    heads = hf["num_attention_heads"]
+    return ShapeConfig(
+        architecture=hf.get("architectures", ["?"])[0],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_hidden_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=hf.get("num_key_value_heads", heads),
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        vocab_size=hf["vocab_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+    )

@@ -1,0 +1,1 @@
+"""Engines: one module each, chosen by `engine.name` and imported lazily."""

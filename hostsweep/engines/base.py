@@ -1,0 +1,41 @@
+"""The engine interface the worker measures through, and the lazy engine loader."""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Protocol
+
+from hostsweep.grid import EngineSpec
+
+# Module and class per engine name; imported only when a worker starts that engine,
+# so `import hostsweep` works on a machine without vLLM.
+ENGINE_CLASSES = {
+    "vllm": ("hostsweep.engines.vllm_engine", "VllmEngine"),
+    "fake": ("hostsweep.engines.fake", "FakeEngine"),
+}
+
+
+class Engine(Protocol):
+    """A started inference engine serving one EngineSpec."""
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
+        """Greedy-decode exactly `max_tokens` per prompt; return each output's length."""
+        ...
+
+    def describe(self) -> dict[str, str]:
+        """Versions and device name, for provenance tags."""
+        ...
+
+    def vocab_size(self) -> int:
+        """Token ids in [0, vocab_size) are valid prompt tokens."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+def start_engine(spec: EngineSpec, workdir: Path) -> Engine:
+    """Import and start the engine named by the spec."""
+    module_name, class_name = ENGINE_CLASSES[spec.engine]
+    engine_class = getattr(importlib.import_module(module_name), class_name)
+    return engine_class(spec, workdir)

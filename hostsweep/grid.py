@@ -1,0 +1,118 @@
+"""The grid: cells and engine specs from a validated config (pure).
+
+A cell is one (sku, model, mode, tp, batch, ctx) point measured with one protocol.
+Cells that share (sku, model, mode, tp) share one engine, so one worker serves them.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from itertools import product
+
+from hostsweep.config import SweepConfig
+from hostsweep.validation import validate
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything an engine needs to start; one worker actor per distinct spec."""
+
+    sku: str
+    accelerator_type: str | None
+    model: str
+    model_source: str
+    model_path: str | None
+    load_format: str
+    shape_json: str | None  # the model's shape as canonical JSON (hashable)
+    mode: str
+    enforce_eager: bool
+    quantization: str | None
+    tp: int
+    dtype: str
+    max_model_len: int
+    max_num_seqs: int
+    engine: str
+    cpu_kvcache_gib: int
+    gpu_memory_utilization: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.sku}/{self.model}/{self.mode}/tp{self.tp}"
+
+
+@dataclass(frozen=True)
+class Cell:
+    engine: EngineSpec
+    batch: int
+    ctx: int
+    T: int
+    warmups: int
+    reps: int
+    seed: int
+
+    @property
+    def key(self) -> str:
+        """Stable identity: equal for the same measurement, whatever run asks for it."""
+        e = self.engine
+        identity = json.dumps(
+            [e.sku, e.model, e.shape_json, e.model_path, e.mode, e.quantization, e.tp,
+             e.dtype, e.engine, self.batch, self.ctx, self.T, self.warmups, self.reps],
+            sort_keys=True,
+        )
+        digest = hashlib.sha1(identity.encode()).hexdigest()[:10]
+        return f"{e.label}/b{self.batch}/ctx{self.ctx}/T{self.T}/{digest}"
+
+    def params(self) -> dict[str, object]:
+        """The parameters users filter by, as logged to MLflow and the cell table."""
+        e = self.engine
+        return {
+            "sku": e.sku, "model": e.model, "mode": e.mode, "tp": e.tp,
+            "batch": self.batch, "ctx": self.ctx, "T": self.T,
+            "reps": self.reps, "warmups": self.warmups, "dtype": e.dtype, "engine": e.engine,
+        }
+
+
+def engine_spec(cfg: SweepConfig, tp: int, batches: list[int], ctxs: list[int]) -> EngineSpec:
+    """Size the engine to the largest cell it serves: longest context plus T, widest batch."""
+    assert cfg.sku is not None, "to_sweep_config fills the SKU"
+    shape = cfg.model.shape
+    return EngineSpec(
+        sku=cfg.sku.name,
+        accelerator_type=cfg.sku.accelerator_type,
+        model=cfg.model.name,
+        model_source=cfg.model.source,
+        model_path=cfg.model.path,
+        load_format=cfg.model.load_format,
+        shape_json=json.dumps(asdict(shape), sort_keys=True) if shape is not None else None,
+        mode=cfg.mode.name,
+        enforce_eager=cfg.mode.enforce_eager,
+        quantization=cfg.mode.quantization,
+        tp=tp,
+        dtype=cfg.engine.dtype,
+        max_model_len=max(ctxs) + cfg.measure.T,
+        max_num_seqs=max(batches),
+        engine=cfg.engine.name,
+        cpu_kvcache_gib=cfg.engine.cpu_kvcache_gib,
+        gpu_memory_utilization=cfg.engine.gpu_memory_utilization,
+    )
+
+
+def build_cells(cfg: SweepConfig) -> list[Cell]:
+    """Validate the config and expand it to cells, grouped by engine spec."""
+    tps, batches, ctxs = validate(cfg)
+    m = cfg.measure
+    cells = []
+    for tp in tps:
+        spec = engine_spec(cfg, tp, batches, ctxs)
+        for batch, ctx in product(batches, ctxs):
+            cells.append(Cell(spec, batch, ctx, m.T, m.warmups, m.reps, m.seed))
+    return cells
+
+
+def group_by_engine(cells: list[Cell]) -> dict[EngineSpec, list[Cell]]:
+    """Cells per engine spec, in grid order: each group runs on one worker."""
+    groups: dict[EngineSpec, list[Cell]] = {}
+    for cell in cells:
+        groups.setdefault(cell.engine, []).append(cell)
+    return groups

@@ -1,0 +1,104 @@
+"""Per-step decode time by differencing, with medians and bootstrap CIs (pure).
+
+For one cell the same generate runs with T=1 and with T tokens. Load, warm-up and
+prefill are identical in both, so (wall_T - wall_1) / (T - 1) is the average cost of
+one steady-state decode step. Pairs are interleaved, and their order alternates, so
+slow drift on a shared machine lands on both members of a pair.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+# A callable that runs the cell's generate with the given number of output tokens
+# and returns its wall time in seconds. The worker builds it around an engine.
+TimedGenerate = Callable[[int], float]
+
+
+@dataclass(frozen=True)
+class RepTiming:
+    rep: int
+    t1_first: bool  # whether the T=1 generate ran before the T generate in this pair
+    wall_1_s: float
+    wall_T_s: float
+    step_s: float
+
+
+@dataclass(frozen=True)
+class CellMeasurement:
+    step_ms: float
+    step_ci_low_ms: float
+    step_ci_high_ms: float
+    wall_1_ms: float
+    wall_T_ms: float
+    reps: tuple[RepTiming, ...]
+
+
+def step_time(wall_1_s: float, wall_T_s: float, T: int) -> float:
+    """Seconds per decode step from one (T=1, T) pair."""
+    if T < 2:
+        raise ValueError(f"T must be >= 2 for differencing, got {T}")
+    return (wall_T_s - wall_1_s) / (T - 1)
+
+
+def run_protocol(timed_generate: TimedGenerate, T: int, warmups: int, reps: int) -> list[RepTiming]:
+    """Warm up, then time `reps` interleaved (T=1, T) pairs; warm-up pairs are discarded."""
+    for _ in range(warmups):
+        timed_generate(1)
+        timed_generate(T)
+    timings = []
+    for rep in range(reps):
+        t1_first = rep % 2 == 0
+        if t1_first:
+            wall_1 = timed_generate(1)
+            wall_T = timed_generate(T)
+        else:
+            wall_T = timed_generate(T)
+            wall_1 = timed_generate(1)
+        timings.append(RepTiming(rep, t1_first, wall_1, wall_T, step_time(wall_1, wall_T, T)))
+    return timings
+
+
+def bootstrap_median_ci(
+    values: Sequence[float], resamples: int, level: float, rng: np.random.Generator
+) -> tuple[float, float]:
+    """Percentile-bootstrap CI of the median, vectorized over resamples."""
+    data = np.asarray(values, dtype=float)
+    if data.size == 0:
+        raise ValueError("no values to bootstrap")
+    idx = rng.integers(0, data.size, size=(resamples, data.size))
+    medians = np.median(data[idx], axis=1)
+    tail = (1.0 - level) / 2.0 * 100.0
+    low, high = np.percentile(medians, [tail, 100.0 - tail])
+    return float(low), float(high)
+
+
+def summarize(
+    timings: Sequence[RepTiming], resamples: int = 2000, level: float = 0.95, seed: int = 0
+) -> CellMeasurement:
+    """Median step time with its bootstrap CI, and the median walls, in milliseconds."""
+    steps = np.array([t.step_s for t in timings]) * 1e3
+    low, high = bootstrap_median_ci(steps, resamples, level, np.random.default_rng(seed))
+    return CellMeasurement(
+        step_ms=float(np.median(steps)),
+        step_ci_low_ms=low,
+        step_ci_high_ms=high,
+        wall_1_ms=float(np.median([t.wall_1_s for t in timings]) * 1e3),
+        wall_T_ms=float(np.median([t.wall_T_s for t in timings]) * 1e3),
+        reps=tuple(timings),
+    )
+
+
+def random_prompts(batch: int, ctx: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """`batch` distinct prompts of `ctx` random token ids each (reproducible by seed)."""
+    rng = np.random.default_rng(seed)
+    prompts: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    while len(prompts) < batch:
+        ids = tuple(int(i) for i in rng.integers(0, vocab_size, size=ctx))
+        if ids not in seen:  # distinct prompts: no request can reuse another's KV
+            seen.add(ids)
+            prompts.append(list(ids))
+    return prompts

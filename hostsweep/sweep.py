@@ -1,0 +1,100 @@
+"""One sweep end to end: validate, plan, check the cluster, measure, record, print.
+
+Order matters: everything that can reject the input runs before Ray starts, and the
+cluster is checked before any actor is created, so bad input costs seconds.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pandas as pd
+from omegaconf import DictConfig, OmegaConf
+
+from hostsweep import cluster
+from hostsweep.config import SweepConfig, to_sweep_config
+from hostsweep.grid import Cell, build_cells, group_by_engine
+from hostsweep.provenance import driver_tags
+from hostsweep.report import cell_row, format_table
+from hostsweep.tracking import SweepTracker
+from hostsweep.worker import CellResult
+
+log = logging.getLogger(__name__)
+
+
+def experiment_name(cfg: SweepConfig) -> str:
+    return cfg.tracking.experiment or f"hostsweep-{cfg.study}"
+
+
+def sweep_params(cfg: SweepConfig, cells: list[Cell]) -> dict[str, object]:
+    assert cfg.sku is not None
+    return {
+        "study": cfg.study, "sku": cfg.sku.name, "model": cfg.model.name, "mode": cfg.mode.name,
+        "tp": sorted({c.engine.tp for c in cells}), "batch": sorted({c.batch for c in cells}),
+        "ctx": sorted({c.ctx for c in cells}), "T": cfg.measure.T, "reps": cfg.measure.reps,
+        "warmups": cfg.measure.warmups, "engine": cfg.engine.name, "n_cells": len(cells),
+    }
+
+
+class CellTable:
+    """The cell table in the run directory, rewritten after every cell so none is lost."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.rows: list[dict[str, object]] = []
+
+    def append(self, row: dict[str, object]) -> None:
+        self.rows.append(row)
+        pd.DataFrame(self.rows).to_csv(self.path, index=False)
+
+
+def measure_and_record(cfg: SweepConfig, cells: list[Cell], tracker: SweepTracker,
+                       table: CellTable) -> None:
+    """Dispatch the cells; log each result to MLflow and the table as it arrives."""
+    tags = driver_tags()
+    total = len(cells)
+
+    def on_result(result: CellResult) -> None:
+        run_id = tracker.log_cell(result, tags)
+        table.append(cell_row(result, run_id))
+        step = f"{result.measurement.step_ms:.3f} ms/step" if result.measurement else result.status
+        log.info("[%d/%d] %s: %s", len(table.rows), total, result.key, step)
+
+    cluster.run_cells(cells, cfg.measure.bootstrap_resamples, cfg.measure.ci_level, on_result)
+
+
+def where_results_are(tracker: SweepTracker, table: CellTable) -> str:
+    ui = f"mlflow ui --backend-store-uri {tracker.tracking_uri} --port 5000"
+    return (
+        f"cell table: {table.path}\n"
+        f"MLflow: experiment {tracker.experiment_id}, parent run {tracker.parent_run_id} "
+        f"in {tracker.tracking_uri}\n"
+        f"open the UI: {ui}\n"
+        f"  then browse {tracker.runs_table_url()}"
+    )
+
+
+def run(raw_cfg: DictConfig, run_dir: Path) -> int:
+    """Run the sweep the config describes; return the process exit code."""
+    cfg = to_sweep_config(raw_cfg)
+    cells = build_cells(cfg)  # raises ConfigError on bad input, before Ray starts
+    log.info("%d cells on %d engine(s)", len(cells), len(group_by_engine(cells)))
+    started_here = cluster.connect(cfg.ray.address)
+    try:
+        cluster.check_feasible(group_by_engine(cells), cluster.live_nodes())
+        tracker = SweepTracker(cfg.tracking.uri, experiment_name(cfg))
+        tracker.start_sweep(run_dir.name, OmegaConf.to_yaml(raw_cfg), sweep_params(cfg, cells),
+                            {**driver_tags(), "run_dir": str(run_dir)})
+        table = CellTable(run_dir / cfg.output.cells_file)
+        status = "KILLED"
+        try:
+            measure_and_record(cfg, cells, tracker, table)
+            failed = sum(r["status"] != "FINISHED" for r in table.rows)
+            status = "FINISHED" if failed == 0 else "FAILED"
+        finally:
+            tracker.finish_sweep(status, {"cells_done": float(len(table.rows))})
+    finally:
+        cluster.disconnect(started_here)
+    print(format_table(table.rows))
+    print(where_results_are(tracker, table))
+    return 0 if status == "FINISHED" else 1

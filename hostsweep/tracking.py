@@ -1,0 +1,119 @@
+"""MLflow recording: one experiment per study, a parent run per sweep, a child per cell.
+
+The only module that imports mlflow. It uses MlflowClient with explicit run ids, so
+results can be logged from the driver's result loop in any order.
+"""
+from __future__ import annotations
+
+import io
+import logging
+import math
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+from mlflow.entities import Metric, Param
+from mlflow.tracking import MlflowClient
+
+from hostsweep.worker import CellResult
+
+log = logging.getLogger(__name__)
+
+
+def local_artifact_root(tracking_uri: str) -> Optional[Path]:
+    """Artifacts beside a local sqlite store (outputs/mlartifacts), None for servers."""
+    prefix = "sqlite:///"
+    if not tracking_uri.startswith(prefix):
+        return None
+    return Path(tracking_uri[len(prefix):]).resolve().parent / "mlartifacts"
+
+
+def prepare_store(tracking_uri: str) -> None:
+    """Create the folder of a local sqlite store; MLflow does not."""
+    root = local_artifact_root(tracking_uri)
+    if root is not None:
+        root.parent.mkdir(parents=True, exist_ok=True)
+
+
+def timings_table(result: CellResult) -> str:
+    """The raw per-rep timings of a cell as CSV."""
+    assert result.measurement is not None
+    rows = [
+        {"rep": r.rep, "t1_first": r.t1_first, "wall_1_ms": r.wall_1_s * 1e3,
+         "wall_T_ms": r.wall_T_s * 1e3, "step_ms": r.step_s * 1e3}
+        for r in result.measurement.reps
+    ]
+    buffer = io.StringIO()
+    pd.DataFrame(rows).to_csv(buffer, index=False)
+    return buffer.getvalue()
+
+
+def cell_metrics(result: CellResult) -> dict[str, float]:
+    m = result.measurement
+    if m is None:
+        return {}
+    return {
+        "step_ms": m.step_ms, "step_ci_low_ms": m.step_ci_low_ms, "step_ci_high_ms": m.step_ci_high_ms,
+        "wall_1_ms": m.wall_1_ms, "wall_T_ms": m.wall_T_ms, "cell_duration_s": result.duration_s,
+    }
+
+
+class SweepTracker:
+    """Records one sweep: the parent run, then a child run per cell as it arrives."""
+
+    def __init__(self, tracking_uri: str, experiment: str) -> None:
+        prepare_store(tracking_uri)
+        self.tracking_uri = tracking_uri
+        self.client = MlflowClient(tracking_uri)
+        self.experiment_id = self._experiment_id(experiment)
+        self.parent_run_id: Optional[str] = None
+
+    def _experiment_id(self, name: str) -> str:
+        found = self.client.get_experiment_by_name(name)
+        if found is not None:
+            return found.experiment_id
+        root = local_artifact_root(self.tracking_uri)
+        location = (root / name).as_uri() if root is not None else None
+        return self.client.create_experiment(name, artifact_location=location)
+
+    def start_sweep(self, run_name: str, config_yaml: str, params: dict[str, object],
+                    tags: dict[str, str]) -> str:
+        run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
+        self.parent_run_id = run.info.run_id
+        self.client.log_batch(self.parent_run_id, params=[Param(k, str(v)) for k, v in params.items()])
+        self.client.log_text(self.parent_run_id, config_yaml, "config.yaml")
+        return self.parent_run_id
+
+    def log_cell(self, result: CellResult, tags: dict[str, str]) -> str:
+        """One child run for one cell, terminated with the cell's status."""
+        all_tags = {
+            "mlflow.parentRunId": self.parent_run_id or "",
+            "cell_key": result.key,
+            **result.host,
+            **tags,
+        }
+        name = "/".join(str(result.params[k]) for k in ("sku", "model", "mode")) + \
+            f"/tp{result.params['tp']}/b{result.params['batch']}/ctx{result.params['ctx']}"
+        run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
+        run_id = run.info.run_id
+        metrics = [Metric(k, v, 0, 0) for k, v in cell_metrics(result).items() if math.isfinite(v)]
+        self.client.log_batch(run_id, metrics=metrics,
+                              params=[Param(k, str(v)) for k, v in result.params.items()])
+        if result.measurement is not None:
+            self.client.log_text(run_id, timings_table(result), "raw_timings.csv")
+        if result.error:
+            self.client.set_tag(run_id, "failure_reason", result.error[:5000])
+            self.client.log_text(run_id, result.error, "failure.txt")
+        self.client.set_terminated(run_id, status=result.status)
+        return run_id
+
+    def finish_sweep(self, status: str, metrics: dict[str, float]) -> None:
+        if self.parent_run_id is None:
+            return
+        self.client.log_batch(self.parent_run_id, metrics=[Metric(k, v, 0, 0) for k, v in metrics.items()])
+        self.client.set_terminated(self.parent_run_id, status=status)
+
+    def runs_table_url(self, port: int = 5000) -> str:
+        """The UI link that opens the runs table (3.x opens a GenAI overview otherwise)."""
+        return f"http://127.0.0.1:{port}/#/experiments/{self.experiment_id}/runs?workflowType=machine_learning"
+

@@ -1,0 +1,110 @@
+"""Input validation: every check that can fail before Ray or vLLM starts.
+
+Each failure is a ConfigError whose message names the field, what was given and
+what is allowed, so the CLI can print it as one line.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from hostsweep.config import ConfigError, SweepConfig
+
+ENGINES = ("vllm", "fake")
+DTYPES = ("bfloat16", "float16", "float32", "auto")
+MODEL_SOURCES = ("shape", "checkpoint")
+LOAD_FORMATS = ("dummy", "auto", "safetensors", "pt")
+
+
+def positive_ints(field_name: str, value: Any) -> list[int]:
+    """Normalize `4` or `[1, 2, 4]` to a sorted list of distinct positive ints."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not values:
+        raise ConfigError(f"{field_name} is empty; give one positive integer or a list of them")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ConfigError(f"{field_name} must be positive integers, got {v!r}")
+    return sorted(set(values))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_choice(field_name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{field_name}={value!r} is not allowed; allowed: {', '.join(allowed)}")
+
+
+def check_measure(cfg: SweepConfig) -> None:
+    m = cfg.measure
+    if m.T < 2:
+        raise ConfigError(
+            f"measure.T must be >= 2 (step = (wall_T - wall_1) / (T - 1)), got {m.T}"
+        )
+    if m.warmups < 0:
+        raise ConfigError(f"measure.warmups must be >= 0, got {m.warmups}")
+    if m.reps < 2:
+        raise ConfigError(f"measure.reps must be >= 2 for a confidence interval, got {m.reps}")
+    if not 0.0 < m.ci_level < 1.0:
+        raise ConfigError(f"measure.ci_level must be in (0, 1), got {m.ci_level}")
+    if m.bootstrap_resamples < 100:
+        raise ConfigError(
+            f"measure.bootstrap_resamples must be >= 100, got {m.bootstrap_resamples}"
+        )
+
+
+def check_tp(cfg: SweepConfig, tps: list[int]) -> None:
+    shape, sku = cfg.model.shape, cfg.sku
+    assert sku is not None, "to_sweep_config fills the SKU"
+    if shape is not None:
+        heads = shape.num_attention_heads
+        for tp in tps:
+            if heads % tp:
+                raise ConfigError(
+                    f"tp={tp} does not divide the {heads} attention heads of model "
+                    f"{cfg.model.name}; allowed tp: {', '.join(map(str, _divisors(heads)))}"
+                )
+    if sku.gpus_per_node and max(tps) > sku.gpus_per_node:
+        raise ConfigError(
+            f"tp={max(tps)} exceeds the {sku.gpus_per_node} GPUs of one {sku.name} node; "
+            f"allowed tp: 1..{sku.gpus_per_node}"
+        )
+
+
+def check_context(cfg: SweepConfig, ctxs: list[int]) -> None:
+    shape = cfg.model.shape
+    if shape is None:
+        return
+    limit = shape.max_position_embeddings - cfg.measure.T
+    if max(ctxs) > limit:
+        raise ConfigError(
+            f"ctx={max(ctxs)} plus measure.T={cfg.measure.T} exceeds model {cfg.model.name}'s "
+            f"max_position_embeddings={shape.max_position_embeddings}; allowed ctx <= {limit}"
+        )
+
+
+def check_capabilities(cfg: SweepConfig) -> None:
+    """Refuse modes the SKU cannot run, instead of letting the engine fail obscurely."""
+    sku, mode = cfg.sku, cfg.mode
+    assert sku is not None
+    if mode.quantization and sku.accelerator_type is None:
+        raise ConfigError(
+            f"mode={mode.name} (quantization={mode.quantization}) needs a GPU SKU; "
+            f"the vLLM CPU build cannot run it on sku={sku.name}"
+        )
+
+
+def validate(cfg: SweepConfig) -> tuple[list[int], list[int], list[int]]:
+    """Check the whole config; return the normalized (tp, batch, ctx) lists."""
+    _check_choice("engine.name", cfg.engine.name, ENGINES)
+    _check_choice("engine.dtype", cfg.engine.dtype, DTYPES)
+    _check_choice("model.source", cfg.model.source, MODEL_SOURCES)
+    _check_choice("model.load_format", cfg.model.load_format, LOAD_FORMATS)
+    tps = positive_ints("tp", cfg.tp)
+    batches = positive_ints("batch", cfg.batch)
+    ctxs = positive_ints("ctx", cfg.ctx)
+    check_measure(cfg)
+    check_tp(cfg, tps)
+    check_context(cfg, ctxs)
+    check_capabilities(cfg)
+    return tps, batches, ctxs
