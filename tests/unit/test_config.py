@@ -1,0 +1,121 @@
+"""Config composition for every group option, and every bad input rejected up front."""
+from __future__ import annotations
+
+import pytest
+
+from hostsweep.config import ConfigError, check_group_overrides, default_dtype, group_options
+from hostsweep.grid import build_cells
+from hostsweep.validation import validate
+from tests.conftest import compose_raw, compose_typed
+
+
+@pytest.mark.parametrize("group", ["sku", "model", "mode"])
+def test_every_group_option_composes_onto_the_schema(group):
+    options = group_options(group)
+    assert options, f"no options shipped for {group}"
+    for option in options:
+        overrides = [f"+sku={option}" if group == "sku" else f"{group}={option}"]
+        if option == "checkpoint":
+            overrides.append("model.path=meta-llama/Llama-3.1-8B")
+        cfg = compose_raw(overrides)
+        assert cfg[group].name == option
+
+
+def test_shipped_options_include_the_seed_models_and_skus():
+    assert {"cpu", "h100", "h200"} <= set(group_options("sku"))
+    assert {"llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "llama-3.1-70b",
+            "qwen2.5-14b", "qwen2.5-32b", "tiny-llama", "small-llama"} <= set(group_options("model"))
+    assert "eager" in group_options("mode")
+
+
+def test_plus_sku_and_top_level_tp_compose_exactly_as_written():
+    cfg = compose_typed(["+sku=h200", "tp=4", "model=llama-3.1-8b"])
+    assert cfg.sku.name == "h200" and cfg.sku.accelerator_type == "H200"
+    assert cfg.tp == 4
+    assert cfg.engine.dtype == "bfloat16"  # auto resolves to bf16 on GPU SKUs
+    assert {c.engine.tp for c in build_cells(cfg)} == {4}
+
+
+def test_without_plus_sku_the_sku_is_the_local_kind(monkeypatch):
+    monkeypatch.setattr("hostsweep.config.local_sku_name", lambda: "cpu")
+    cfg = compose_typed([])
+    assert cfg.sku.name == "cpu" and cfg.sku.accelerator_type is None
+
+
+@pytest.mark.parametrize("gpu,flags,expected", [
+    (True, set(), "bfloat16"),
+    (False, {"avx2", "avx512_bf16"}, "bfloat16"),
+    (False, {"amx_bf16"}, "bfloat16"),
+    (False, {"avx2", "fma"}, "float32"),
+])
+def test_auto_dtype_uses_bf16_only_where_native(gpu, flags, expected):
+    assert default_dtype(gpu, flags) == expected
+
+
+@pytest.mark.parametrize("argv,field", [
+    (["+sku=h300"], "sku"),
+    (["model=llama-9b"], "model"),
+    (["mode=turbo"], "mode"),
+    (["model=tiny-llama,nope", "-m"], "model"),
+])
+def test_unknown_group_option_names_field_and_allowed_values(argv, field):
+    with pytest.raises(ConfigError) as err:
+        check_group_overrides(argv)
+    message = str(err.value)
+    assert field in message and "allowed" in message
+    assert "\n" not in message
+    for allowed in group_options(field):
+        assert allowed in message
+
+
+def test_known_group_options_and_plain_keys_pass_the_override_check():
+    check_group_overrides(["+sku=h200", "tp=4", "model=llama-3.1-8b", "mode=eager", "--cfg", "job"])
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (["+sku=cpu", "tp=3"], "tp=3"),                                  # 8 heads
+    (["+sku=h200", "model=llama-3.1-70b", "tp=16"], "tp=16"),         # > GPUs per node
+    (["+sku=cpu", "batch=[0]"], "batch"),
+    (["+sku=cpu", "batch=[1,-2]"], "batch"),
+    (["+sku=cpu", "ctx=0"], "ctx"),
+    (["+sku=cpu", "ctx=[4090]"], "max_position_embeddings"),        # 4090 + 33 > 4096
+    (["+sku=cpu", "measure.T=1"], "measure.T"),
+    (["+sku=cpu", "measure.reps=1"], "measure.reps"),
+    (["+sku=cpu", "engine.name=tgi"], "engine.name"),
+])
+def test_bad_input_raises_one_line_naming_the_field(overrides, field):
+    cfg = compose_typed(overrides)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert field in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_tp_error_lists_the_allowed_divisors():
+    cfg = compose_typed(["+sku=cpu", "tp=3"])
+    with pytest.raises(ConfigError, match=r"allowed tp: 1, 2, 4, 8"):
+        validate(cfg)
+
+
+def test_context_at_the_limit_is_accepted():
+    cfg = compose_typed(["+sku=cpu", "ctx=[4063]"])  # 4063 + 33 == 4096
+    validate(cfg)
+
+
+def test_quantized_mode_is_refused_on_cpu_before_any_engine_starts():
+    cfg = compose_typed(["+sku=cpu"])
+    cfg.mode.quantization = "fp8"
+    with pytest.raises(ConfigError, match="needs a GPU SKU"):
+        validate(cfg)
+
+
+def test_checkpoint_directory_supplies_the_shape(tmp_path):
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,'
+        ' "num_hidden_layers": 2, "num_attention_heads": 6, "vocab_size": 100,'
+        ' "max_position_embeddings": 512}'
+    )
+    cfg = compose_typed(["+sku=cpu", "model=checkpoint", f"model.path={tmp_path}", "tp=4"])
+    assert cfg.model.shape.num_attention_heads == 6
+    with pytest.raises(ConfigError, match="allowed tp: 1, 2, 3, 6"):
+        validate(cfg)

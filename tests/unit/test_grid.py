@@ -1,0 +1,41 @@
+"""The grid: cells, engine grouping, engine sizing and stable cell keys."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hostsweep.grid import build_cells, group_by_engine
+from tests.conftest import compose_typed
+
+
+def test_default_grid_is_batch_by_ctx_on_one_engine():
+    cells = build_cells(compose_typed(["+sku=cpu"]))
+    assert [(c.batch, c.ctx) for c in cells] == [(1, 128), (1, 512), (2, 128), (2, 512), (4, 128), (4, 512)]
+    assert len(group_by_engine(cells)) == 1
+
+
+def test_each_tp_degree_gets_its_own_engine():
+    cells = build_cells(compose_typed(["+sku=h100", "model=llama-3.1-70b", "tp=[2,4]", "batch=[1,8]", "ctx=[2048]"]))
+    groups = group_by_engine(cells)
+    assert sorted(spec.tp for spec in groups) == [2, 4]
+    assert all(len(group) == 2 for group in groups.values())
+
+
+def test_engine_is_sized_to_its_largest_cell():
+    cells = build_cells(compose_typed(["+sku=cpu", "batch=[1,3]", "ctx=[100,300]", "measure.T=17"]))
+    spec = cells[0].engine
+    assert spec.max_model_len == 300 + 17
+    assert spec.max_num_seqs == 3
+
+
+def test_cell_key_is_stable_and_distinguishes_measurements():
+    a = build_cells(compose_typed(["+sku=cpu"]))
+    b = build_cells(compose_typed(["+sku=cpu"]))
+    assert [c.key for c in a] == [c.key for c in b]
+    assert len({c.key for c in a}) == len(a)
+    assert replace(a[0], reps=3).key != a[0].key
+    assert a[0].key.startswith("cpu/tiny-llama/eager/tp1/b1/ctx128/T33/")
+
+
+def test_duplicate_grid_values_collapse():
+    cells = build_cells(compose_typed(["+sku=cpu", "batch=[2,2,1]", "ctx=128"]))
+    assert [c.batch for c in cells] == [1, 2]
