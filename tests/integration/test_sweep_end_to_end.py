@@ -1,0 +1,105 @@
+"""A 2-cell sweep through the real CLI, a real local Ray cluster, the real vLLM CPU
+engine and a real MLflow sqlite store, read back with mlflow.search_runs.
+
+One sweep (one engine start) serves every test in this module.
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import pandas as pd
+import pytest
+
+pytestmark = pytest.mark.integration
+
+PROVENANCE_TAGS = ("cell_key", "hostsweep_version", "vllm_version", "torch_version",
+                   "ray_version", "git_sha", "hostname", "device_name")
+
+
+def run_hostsweep(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "hostsweep", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sweep")
+    uri = f"sqlite:///{root}/mlflow.db"
+    proc = run_hostsweep(
+        ["+sku=cpu", "batch=[1,2]", "ctx=[64]", "measure.reps=4", "measure.warmups=1",
+         f"tracking.uri={uri}", "study=it", f"hydra.run.dir={root}/run"],
+        cwd=root, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return {"root": root, "uri": uri, "proc": proc}
+
+
+@pytest.fixture(scope="module")
+def runs(sweep) -> pd.DataFrame:
+    mlflow.set_tracking_uri(sweep["uri"])
+    return mlflow.search_runs(experiment_names=["hostsweep-it"])
+
+
+def test_one_parent_and_one_child_run_per_cell(runs):
+    parents = runs[runs["tags.mlflow.parentRunId"].isna()]
+    children = runs[runs["tags.mlflow.parentRunId"].notna()]
+    assert len(parents) == 1 and len(children) == 2
+    assert set(children["tags.mlflow.parentRunId"]) == set(parents["run_id"])
+    assert set(children["status"]) == {"FINISHED"} and set(parents["status"]) == {"FINISHED"}
+
+
+def test_children_have_finite_positive_steps_with_bracketing_cis(runs):
+    children = runs[runs["tags.mlflow.parentRunId"].notna()]
+    for _, run in children.iterrows():
+        step = run["metrics.step_ms"]
+        assert math.isfinite(step) and step > 0
+        assert run["metrics.step_ci_low_ms"] <= step <= run["metrics.step_ci_high_ms"]
+        assert run["metrics.wall_T_ms"] > run["metrics.wall_1_ms"] > 0
+
+
+def test_children_carry_cell_params_and_provenance_tags(runs):
+    children = runs[runs["tags.mlflow.parentRunId"].notna()]
+    assert sorted(children["params.batch"]) == ["1", "2"]
+    for key in ("sku", "model", "mode", "tp", "ctx", "T", "reps", "warmups"):
+        assert children[f"params.{key}"].notna().all(), key
+    assert set(children["params.sku"]) == {"cpu"} and set(children["params.T"]) == {"33"}
+    for tag in PROVENANCE_TAGS:
+        assert children[f"tags.{tag}"].notna().all(), tag
+    assert set(children["tags.vllm_version"]) != {"fake"}
+
+
+def test_raw_timings_and_config_are_artifacts(runs, sweep, tmp_path):
+    child = runs[runs["tags.mlflow.parentRunId"].notna()].iloc[0]
+    path = mlflow.artifacts.download_artifacts(run_id=child["run_id"], artifact_path="raw_timings.csv",
+                                               dst_path=str(tmp_path))
+    timings = pd.read_csv(path)
+    assert len(timings) == 4 and (timings["wall_T_ms"] > timings["wall_1_ms"]).all()
+    parent = runs[runs["tags.mlflow.parentRunId"].isna()].iloc[0]
+    config = mlflow.artifacts.download_artifacts(run_id=parent["run_id"], artifact_path="config.yaml",
+                                                 dst_path=str(tmp_path))
+    assert "tiny-llama" in Path(config).read_text()
+
+
+def test_cell_table_lands_in_the_run_directory_and_stdout(sweep):
+    table = pd.read_csv(sweep["root"] / "run" / "cells.csv")
+    assert list(table["batch"]) == [1, 2] and (table["status"] == "FINISHED").all()
+    out = sweep["proc"].stdout
+    assert "step_ms" in out and "mlflow ui --backend-store-uri" in out
+    assert "workflowType=machine_learning" in out
+
+
+def test_infeasible_sku_fails_fast_naming_what_the_cluster_has(tmp_path):
+    proc = run_hostsweep(["+sku=h200", "tp=4", "model=llama-3.1-8b",
+                          f"tracking.uri=sqlite:///{tmp_path}/m.db", f"hydra.run.dir={tmp_path}/run"],
+                         cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("hostsweep: error: sku=h200 tp=4 needs accelerator_type H200")
+    assert "the cluster has: CPU-only (1 node)" in last
+    assert not (tmp_path / "m.db").exists()
