@@ -12,7 +12,7 @@ from typing import Callable, Iterable
 
 from hostsweep.config import ConfigError
 from hostsweep.grid import Cell, EngineSpec, group_by_engine
-from hostsweep.worker import CellResult, SweepWorker
+from hostsweep.worker import CellResult, MeasureOptions, SweepWorker
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def failed_result(cell: Cell, reason: str) -> CellResult:
 
 
 def run_cells(
-    cells: list[Cell], resamples: int, ci_level: float,
+    cells: list[Cell], options: MeasureOptions,
     on_result: Callable[[CellResult], None],
 ) -> None:
     """Measure every cell on its spec's worker; call on_result as each one finishes.
@@ -118,7 +118,7 @@ def run_cells(
     groups = group_by_engine(cells)
     workers = start_workers(groups)
     pending = {
-        workers[spec].measure.remote(cell, resamples, ci_level): cell
+        workers[spec].measure.remote(cell, options): cell
         for spec, spec_cells in groups.items() for cell in spec_cells
     }
     try:

@@ -80,6 +80,26 @@ class MeasureConfig:
 
 
 @dataclass
+class SplitConfig:
+    """Device/host split from profiled T=1 / T pairs, separate from the timed reps."""
+
+    enabled: bool = True
+    reps: int = 1  # profiled pairs per cell; device_ms is their median
+    host_bound_threshold: float = 0.5  # host_frac at or above this is "host-bound"
+    top_ops: int = 15
+    keep_traces: bool = False  # traces are large; off unless asked for
+
+
+@dataclass
+class LinearityConfig:
+    """Opt-in: wall and kernel time over a decade of T, to check the two-point slope."""
+
+    enabled: bool = False
+    T: list[int] = field(default_factory=lambda: [8, 16, 32, 64, 128, 256, 512])
+    reps: int = 3  # unprofiled generates per T; their median wall is used
+
+
+@dataclass
 class EngineConfig:
     name: str = "vllm"  # "vllm", or "fake" (simulated timings, for tests and dry runs)
     # "auto": bfloat16 on GPUs and on CPUs with native bf16 (avx512_bf16/AMX); float32 on
@@ -117,6 +137,8 @@ class SweepConfig:
     batch: Any = field(default_factory=lambda: [1])
     ctx: Any = field(default_factory=lambda: [128])
     measure: MeasureConfig = field(default_factory=MeasureConfig)
+    split: SplitConfig = field(default_factory=SplitConfig)
+    linearity: LinearityConfig = field(default_factory=LinearityConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)

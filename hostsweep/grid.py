@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from itertools import product
 
 from hostsweep.config import SweepConfig
-from hostsweep.validation import validate
+from hostsweep.validation import max_tokens, validate
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class EngineSpec:
     max_model_len: int
     max_num_seqs: int
     engine: str
+    profile: bool  # started with the torch profiler configured (for the split)
     cpu_kvcache_gib: int
     gpu_memory_utilization: float
 
@@ -90,9 +91,10 @@ def engine_spec(cfg: SweepConfig, tp: int, batches: list[int], ctxs: list[int]) 
         quantization=cfg.mode.quantization,
         tp=tp,
         dtype=cfg.engine.dtype,
-        max_model_len=max(ctxs) + cfg.measure.T,
+        max_model_len=max(ctxs) + max_tokens(cfg)[0],
         max_num_seqs=max(batches),
         engine=cfg.engine.name,
+        profile=cfg.split.enabled,
         cpu_kvcache_gib=cfg.engine.cpu_kvcache_gib,
         gpu_memory_utilization=cfg.engine.gpu_memory_utilization,
     )

@@ -5,7 +5,8 @@ from typing import Iterable
 
 from hostsweep.worker import CellResult
 
-COLUMNS = ("sku", "model", "mode", "tp", "batch", "ctx", "step_ms", "ci95_ms", "host", "status")
+COLUMNS = ("sku", "model", "mode", "tp", "batch", "ctx", "step_ms", "ci95_ms", "device_ms", "host_frac",
+           "regime", "host", "status")
 
 
 def cell_row(result: CellResult, run_id: str) -> dict[str, object]:
@@ -19,6 +20,16 @@ def cell_row(result: CellResult, run_id: str) -> dict[str, object]:
         "step_ci_high_ms": m.step_ci_high_ms if m else None,
         "wall_1_ms": m.wall_1_ms if m else None,
         "wall_T_ms": m.wall_T_ms if m else None,
+        "device_ms": result.split.device_ms if result.split else None,
+        "host_ms": result.split.host_ms if result.split else None,
+        "host_frac": result.split.host_frac if result.split else None,
+        "overlap_gap_ms": result.split.overlap_gap_ms if result.split else None,
+        "profiler_overhead": result.split.profiler_overhead if result.split else None,
+        "kernel_source": result.split.kernel_source if result.split else None,
+        "regime": result.split.regime if result.split else None,
+        "r2_wall": result.linearity.r2_wall if result.linearity else None,
+        "r2_kernel": result.linearity.r2_kernel if result.linearity else None,
+        "slope_disagreement": result.linearity.slope_disagreement if result.linearity else None,
         "host": result.host.get("hostname", "?"),
         "device": result.host.get("device_name", "?"),
         "cell_key": result.key,
@@ -34,6 +45,11 @@ def _display(row: dict[str, object]) -> dict[str, str]:
         shown["ci95_ms"] = f"[{row['step_ci_low_ms']:.3f}, {row['step_ci_high_ms']:.3f}]"
     else:
         shown["step_ms"], shown["ci95_ms"] = "-", "-"
+    if row.get("device_ms") is not None:
+        shown["device_ms"] = f"{row['device_ms']:.3f}"
+        shown["host_frac"] = f"{row['host_frac']:.1%}"
+    else:
+        shown["device_ms"], shown["host_frac"], shown["regime"] = "-", "-", "-"
     return shown
 
 

@@ -17,7 +17,7 @@ from hostsweep.grid import Cell, build_cells, group_by_engine
 from hostsweep.provenance import driver_tags
 from hostsweep.report import cell_row, format_table
 from hostsweep.tracking import SweepTracker
-from hostsweep.worker import CellResult
+from hostsweep.worker import CellResult, MeasureOptions
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,20 @@ def sweep_params(cfg: SweepConfig, cells: list[Cell]) -> dict[str, object]:
         "ctx": sorted({c.ctx for c in cells}), "T": cfg.measure.T, "reps": cfg.measure.reps,
         "warmups": cfg.measure.warmups, "engine": cfg.engine.name, "n_cells": len(cells),
     }
+
+
+def measure_options(cfg: SweepConfig) -> MeasureOptions:
+    return MeasureOptions(
+        resamples=cfg.measure.bootstrap_resamples,
+        ci_level=cfg.measure.ci_level,
+        split=cfg.split.enabled,
+        split_reps=cfg.split.reps,
+        host_bound_threshold=cfg.split.host_bound_threshold,
+        top_ops=cfg.split.top_ops,
+        keep_traces=cfg.split.keep_traces,
+        linearity_T=tuple(sorted(set(cfg.linearity.T))) if cfg.linearity.enabled else (),
+        linearity_reps=cfg.linearity.reps,
+    )
 
 
 class CellTable:
@@ -58,9 +72,11 @@ def measure_and_record(cfg: SweepConfig, cells: list[Cell], tracker: SweepTracke
         run_id = tracker.log_cell(result, tags)
         table.append(cell_row(result, run_id))
         step = f"{result.measurement.step_ms:.3f} ms/step" if result.measurement else result.status
+        if result.split is not None:
+            step += f", device {result.split.device_ms:.3f} ms, host {result.split.host_frac:.0%}"
         log.info("[%d/%d] %s: %s", len(table.rows), total, result.key, step)
 
-    cluster.run_cells(cells, cfg.measure.bootstrap_resamples, cfg.measure.ci_level, on_result)
+    cluster.run_cells(cells, measure_options(cfg), on_result)
 
 
 def where_results_are(tracker: SweepTracker, table: CellTable) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import logging
 import math
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -52,10 +53,45 @@ def cell_metrics(result: CellResult) -> dict[str, float]:
     m = result.measurement
     if m is None:
         return {}
-    return {
+    metrics = {
         "step_ms": m.step_ms, "step_ci_low_ms": m.step_ci_low_ms, "step_ci_high_ms": m.step_ci_high_ms,
         "wall_1_ms": m.wall_1_ms, "wall_T_ms": m.wall_T_ms, "cell_duration_s": result.duration_s,
     }
+    if result.split is not None:
+        sp = result.split
+        metrics.update(device_ms=sp.device_ms, host_ms=sp.host_ms, host_frac=sp.host_frac,
+                       overlap_gap_ms=sp.overlap_gap_ms, profiled_step_ms=sp.profiled_step_ms,
+                       profiler_overhead=sp.profiler_overhead)
+        if sp.kernel_source == "cuda":
+            metrics.update(copy_ms=sp.copy_ms, copy_bytes_per_step=sp.copy_bytes)
+    if result.linearity is not None:
+        lin = result.linearity
+        metrics.update(r2_wall=lin.r2_wall, r2_kernel=lin.r2_kernel,
+                       slope_disagreement=lin.slope_disagreement, linearity_slope_fit_ms=lin.slope_fit_ms)
+    return metrics
+
+
+def split_tags(result: CellResult) -> dict[str, str]:
+    if result.split is None:
+        return {}
+    return {"kernel_source": result.split.kernel_source, "regime": result.split.regime}
+
+
+def top_ops_table(result: CellResult) -> str:
+    """Ops/kernels by time per decode step, from the differenced profiled pair."""
+    assert result.split is not None
+    frame = pd.DataFrame(result.split.top_ops, columns=["op", "ms_per_step"])
+    frame["share_of_device"] = frame["ms_per_step"] / result.split.device_ms
+    return frame.to_csv(index=False)
+
+
+def linearity_table(result: CellResult) -> str:
+    assert result.linearity is not None
+    lin = result.linearity
+    frame = pd.DataFrame({"T": lin.tokens, "wall_ms": lin.wall_ms})
+    if lin.kernel_ms:
+        frame["kernel_ms"] = lin.kernel_ms
+    return frame.to_csv(index=False)
 
 
 class SweepTracker:
@@ -90,6 +126,7 @@ class SweepTracker:
             "mlflow.parentRunId": self.parent_run_id or "",
             "cell_key": result.key,
             **result.host,
+            **split_tags(result),
             **tags,
         }
         name = "/".join(str(result.params[k]) for k in ("sku", "model", "mode")) + \
@@ -101,11 +138,23 @@ class SweepTracker:
                               params=[Param(k, str(v)) for k, v in result.params.items()])
         if result.measurement is not None:
             self.client.log_text(run_id, timings_table(result), "raw_timings.csv")
+        self._log_analysis(run_id, result)
         if result.error:
             self.client.set_tag(run_id, "failure_reason", result.error[:5000])
             self.client.log_text(run_id, result.error, "failure.txt")
         self.client.set_terminated(run_id, status=result.status)
         return run_id
+
+    def _log_analysis(self, run_id: str, result: CellResult) -> None:
+        if result.split is not None:
+            self.client.log_text(run_id, top_ops_table(result), "top_ops.csv")
+        if result.linearity is not None:
+            self.client.log_text(run_id, linearity_table(result), "linearity.csv")
+        if result.traces:
+            with tempfile.TemporaryDirectory() as folder:
+                for name, data in result.traces.items():
+                    (Path(folder) / name).write_bytes(data)
+                self.client.log_artifacts(run_id, folder, "traces")
 
     def finish_sweep(self, status: str, metrics: dict[str, float]) -> None:
         if self.parent_run_id is None:

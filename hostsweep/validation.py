@@ -53,6 +53,20 @@ def check_measure(cfg: SweepConfig) -> None:
         )
 
 
+def check_split(cfg: SweepConfig) -> None:
+    if cfg.split.reps < 1:
+        raise ConfigError(f"split.reps must be >= 1, got {cfg.split.reps}")
+    if not 0.0 < cfg.split.host_bound_threshold < 1.0:
+        raise ConfigError(f"split.host_bound_threshold must be in (0, 1), got {cfg.split.host_bound_threshold}")
+    lin = cfg.linearity
+    if lin.enabled:
+        tokens = positive_ints("linearity.T", lin.T)
+        if len(tokens) < 3 or min(tokens) < 2:
+            raise ConfigError(f"linearity.T needs at least 3 distinct values >= 2, got {list(lin.T)}")
+        if lin.reps < 1:
+            raise ConfigError(f"linearity.reps must be >= 1, got {lin.reps}")
+
+
 def check_tp(cfg: SweepConfig, tps: list[int]) -> None:
     shape, sku = cfg.model.shape, cfg.sku
     assert sku is not None, "to_sweep_config fills the SKU"
@@ -71,14 +85,22 @@ def check_tp(cfg: SweepConfig, tps: list[int]) -> None:
         )
 
 
+def max_tokens(cfg: SweepConfig) -> tuple[int, str]:
+    """The longest generate any cell runs, and the field that asks for it."""
+    if cfg.linearity.enabled and max(cfg.linearity.T) > cfg.measure.T:
+        return max(cfg.linearity.T), "linearity.T"
+    return cfg.measure.T, "measure.T"
+
+
 def check_context(cfg: SweepConfig, ctxs: list[int]) -> None:
     shape = cfg.model.shape
     if shape is None:
         return
-    limit = shape.max_position_embeddings - cfg.measure.T
+    longest, field_name = max_tokens(cfg)
+    limit = shape.max_position_embeddings - longest
     if max(ctxs) > limit:
         raise ConfigError(
-            f"ctx={max(ctxs)} plus measure.T={cfg.measure.T} exceeds model {cfg.model.name}'s "
+            f"ctx={max(ctxs)} plus {field_name}={longest} exceeds model {cfg.model.name}'s "
             f"max_position_embeddings={shape.max_position_embeddings}; allowed ctx <= {limit}"
         )
 
@@ -104,6 +126,7 @@ def validate(cfg: SweepConfig) -> tuple[list[int], list[int], list[int]]:
     batches = positive_ints("batch", cfg.batch)
     ctxs = positive_ints("ctx", cfg.ctx)
     check_measure(cfg)
+    check_split(cfg)
     check_tp(cfg, tps)
     check_context(cfg, ctxs)
     check_capabilities(cfg)

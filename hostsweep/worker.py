@@ -13,10 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+
 from hostsweep.engines.base import Engine, start_engine
 from hostsweep.grid import Cell, EngineSpec
 from hostsweep.measure import CellMeasurement, random_prompts, run_protocol, summarize
 from hostsweep.provenance import hostname
+from hostsweep.split import LinearityResult, SplitResult, device_split, linearity
+from hostsweep.traces import TraceTotals, load_trace, totals
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +28,21 @@ log = logging.getLogger(__name__)
 # threads must be sized as in a plain process, or the harness changes what it measures
 # (seen here: 2.9 -> 4.5 ms per step with num_cpus=1).
 RAY_THREAD_ENV = ("OMP_NUM_THREADS",)
+
+
+@dataclass(frozen=True)
+class MeasureOptions:
+    """How the worker analyses a cell beyond the timed reps (from split/linearity config)."""
+
+    resamples: int = 2000
+    ci_level: float = 0.95
+    split: bool = True
+    split_reps: int = 1
+    host_bound_threshold: float = 0.5
+    top_ops: int = 15
+    keep_traces: bool = False
+    linearity_T: tuple[int, ...] = ()  # empty: no linearity sweep
+    linearity_reps: int = 3
 
 
 @dataclass(frozen=True)
@@ -35,6 +54,9 @@ class CellResult:
     error: Optional[str]
     host: dict[str, str] = field(default_factory=dict)
     duration_s: float = 0.0
+    split: Optional[SplitResult] = None
+    linearity: Optional[LinearityResult] = None
+    traces: dict[str, bytes] = field(default_factory=dict)  # file name -> gzipped trace
 
 
 def release_ray_thread_limits(environ: dict[str, str]) -> dict[str, str]:
@@ -54,6 +76,8 @@ class SweepWorker:
         # On a remote node the driver's folders do not exist: default to a local temp dir.
         folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="hostsweep-"))
         self.engine: Engine = start_engine(spec, folder)
+        self._options = MeasureOptions()
+        self._profile_count = 0
         self.host = {
             "hostname": hostname(),
             **self.engine.describe(),
@@ -76,20 +100,64 @@ class SweepWorker:
 
         return timed
 
-    def measure(self, cell: Cell, resamples: int, ci_level: float) -> CellResult:
+    def _profiled(self, prompts: list[list[int]], tokens: int, prefix: str,
+                  keep: dict[str, bytes]) -> tuple[list[TraceTotals], float]:
+        """One profiled generate: per-rank kernel totals and its (inflated) wall time."""
+        self.engine.start_profile(prefix)
+        wall = self._timed_generate(prompts)(tokens)
+        files = self.engine.stop_profile(prefix)
+        rank_totals = [totals(load_trace(path)) for path in files]
+        for path in files:  # traces are large: keep only when asked, never accumulate
+            if self._options.keep_traces:
+                keep[path.name] = path.read_bytes()
+            path.unlink(missing_ok=True)
+        return rank_totals, wall
+
+    def _split(self, cell: Cell, prompts: list[list[int]], step_ms: float,
+               keep: dict[str, bytes]) -> SplitResult:
+        """Profiled pairs, separate from the timed reps; the median-device pair wins."""
+        opts, splits = self._options, []
+        for rep in range(opts.split_reps):
+            self._profile_count += 1
+            prefix = f"p{self._profile_count}_b{cell.batch}_ctx{cell.ctx}_r{rep}"
+            short, wall_1 = self._profiled(prompts, 1, f"{prefix}_T1", keep)
+            long, wall_T = self._profiled(prompts, cell.T, f"{prefix}_T{cell.T}", keep)
+            profiled_step_ms = (wall_T - wall_1) / (cell.T - 1) * 1e3
+            splits.append(device_split(short, long, cell.T, step_ms, profiled_step_ms,
+                                       opts.host_bound_threshold, opts.top_ops))
+        return sorted(splits, key=lambda s: s.device_ms)[(len(splits) - 1) // 2]
+
+    def _linearity(self, cell: Cell, prompts: list[list[int]], keep: dict[str, bytes]) -> LinearityResult:
+        """Median wall (and one profiled kernel total) at each T of a decade-wide sweep."""
+        timed = self._timed_generate(prompts)
+        tokens, walls, kernels = list(self._options.linearity_T), [], []
+        for t in tokens:
+            walls.append(float(np.median([timed(t) for _ in range(self._options.linearity_reps)])) * 1e3)
+            if self.spec.profile and self._options.split:
+                self._profile_count += 1
+                rank_totals, _ = self._profiled(prompts, t, f"lin{self._profile_count}_T{t}", keep)
+                kernels.append(max(r.kernel_sum_us for r in rank_totals) / 1e3)
+        return linearity(tokens, walls, kernels)
+
+    def measure(self, cell: Cell, options: MeasureOptions) -> CellResult:
         """Run the differencing protocol on one cell; failures become FAILED results."""
         start = time.perf_counter()
+        self._options = options
+        keep: dict[str, bytes] = {}
         try:
             prompts = random_prompts(cell.batch, cell.ctx, self.engine.vocab_size(), prompt_seed(cell))
             timings = run_protocol(self._timed_generate(prompts), cell.T, cell.warmups, cell.reps)
-            measurement = summarize(timings, resamples, ci_level, cell.seed)
+            measurement = summarize(timings, options.resamples, options.ci_level, cell.seed)
+            split = self._split(cell, prompts, measurement.step_ms, keep) \
+                if options.split and self.spec.profile else None
+            lin = self._linearity(cell, prompts, keep) if options.linearity_T else None
         except Exception as exc:  # the sweep goes on; the reason is recorded with the cell
             log.error("cell %s failed: %s", cell.key, exc)
             reason = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"
             return CellResult(cell.key, cell.params(), "FAILED", None, reason, self.host_info(),
                               time.perf_counter() - start)
         return CellResult(cell.key, cell.params(), "FINISHED", measurement, None, self.host_info(),
-                          time.perf_counter() - start)
+                          time.perf_counter() - start, split, lin, keep)
 
     def close(self) -> None:
         self.engine.close()

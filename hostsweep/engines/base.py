@@ -22,6 +22,14 @@ class Engine(Protocol):
         """Greedy-decode exactly `max_tokens` per prompt; return each output's length."""
         ...
 
+    def start_profile(self, prefix: str) -> None:
+        """Start the engine-process profiler (every rank) for one generate."""
+        ...
+
+    def stop_profile(self, prefix: str) -> list[Path]:
+        """Stop it; return one chrome trace per rank, in rank order."""
+        ...
+
     def describe(self) -> dict[str, str]:
         """Versions and device name, for provenance tags."""
         ...

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import time
 from pathlib import Path
 
 from hostsweep.grid import EngineSpec
@@ -38,6 +40,38 @@ def materialize_model(spec: EngineSpec, workdir: Path) -> str:
     config = hf_config(json.loads(spec.shape_json), spec.dtype)
     (model_dir / "config.json").write_text(json.dumps(config, indent=2))
     return str(model_dir)
+
+
+def profiler_config(trace_dir: Path) -> dict[str, object]:
+    """Torch profiler in the engine's worker processes, one chrome trace per rank.
+
+    No Python stacks: they multiply the profiler's own overhead and the split needs
+    only op and kernel events.
+    """
+    return {
+        "profiler": "torch",
+        "torch_profiler_dir": str(trace_dir),
+        "torch_profiler_with_stack": False,
+        "torch_profiler_dump_cuda_time_total": False,
+    }
+
+
+def find_traces(trace_dir: Path, prefix: str, ranks: int, timeout_s: float = 60.0) -> list[Path]:
+    """The per-rank traces of one profiled generate, rank order; waits for slow writers."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = sorted(trace_dir.glob(f"{prefix}_rank*.pt.trace.json*"), key=_rank_of)
+        if len(found) >= ranks or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    if len(found) != ranks:
+        raise RuntimeError(f"expected {ranks} trace(s) for {prefix} in {trace_dir}, found {len(found)}")
+    return found
+
+
+def _rank_of(path: Path) -> int:
+    match = re.search(r"_rank(\d+)", path.name)
+    return int(match.group(1)) if match else 0
 
 
 def engine_kwargs(spec: EngineSpec, model: str) -> dict[str, object]:
@@ -75,7 +109,10 @@ class VllmEngine:
         from vllm import LLM  # lazy: vLLM is only needed where an engine runs
 
         self.spec = spec
+        self.trace_dir = workdir / "traces"
         kwargs = engine_kwargs(spec, materialize_model(spec, workdir))
+        if spec.profile:
+            kwargs["profiler_config"] = profiler_config(self.trace_dir)
         log.info("starting vLLM for %s: %s", spec.label, kwargs)
         self.llm = LLM(**kwargs)
 
@@ -89,6 +126,14 @@ class VllmEngine:
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         return [len(o.outputs[0].token_ids) for o in outputs]
+
+    def start_profile(self, prefix: str) -> None:
+        self.llm.start_profile(prefix)
+
+    def stop_profile(self, prefix: str) -> list[Path]:
+        """Stop profiling; return the trace of every rank for this prefix."""
+        self.llm.stop_profile()
+        return find_traces(self.trace_dir, prefix, self.spec.tp)
 
     def vocab_size(self) -> int:
         return int(self.llm.llm_engine.model_config.get_vocab_size())

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from hostsweep.grid import build_cells
-from hostsweep.worker import SweepWorker, release_ray_thread_limits
+from hostsweep.worker import MeasureOptions, SweepWorker, release_ray_thread_limits
 from tests.conftest import compose_typed
 
 
@@ -16,7 +18,7 @@ def fake_cells(*overrides: str):
 def test_worker_measures_a_cell_with_a_finite_step_and_bracketing_ci(tmp_path):
     cell = fake_cells("batch=[1]", "ctx=[64]")[0]
     worker = SweepWorker(cell.engine, str(tmp_path))
-    result = worker.measure(cell, resamples=500, ci_level=0.95)
+    result = worker.measure(cell, MeasureOptions(resamples=500))
     assert result.status == "FINISHED" and result.error is None
     m = result.measurement
     assert math.isfinite(m.step_ms) and m.step_ms > 0
@@ -29,7 +31,7 @@ def test_a_short_generate_fails_the_cell_instead_of_corrupting_it(tmp_path):
     cell = fake_cells("batch=[2]", "ctx=[8]")[0]
     worker = SweepWorker(cell.engine, str(tmp_path))
     worker.engine.generate = lambda prompts, tokens: [tokens, tokens - 1]
-    result = worker.measure(cell, resamples=500, ci_level=0.95)
+    result = worker.measure(cell, MeasureOptions(resamples=500))
     assert result.status == "FAILED" and result.measurement is None
     assert "engine produced" in result.error
 
@@ -38,3 +40,37 @@ def test_ray_thread_caps_are_dropped_and_reported():
     environ = {"OMP_NUM_THREADS": "1", "PATH": "/bin"}
     assert release_ray_thread_limits(environ) == {"OMP_NUM_THREADS": "1"}
     assert environ == {"PATH": "/bin"}
+
+
+def test_split_through_the_fake_profiler_recovers_the_known_device_share(tmp_path):
+    from hostsweep.engines.fake import FakeEngine
+
+    cell = fake_cells("batch=[2]", "ctx=[64]", "tp=2")[0]
+    worker = SweepWorker(cell.engine, str(tmp_path))
+    result = worker.measure(cell, MeasureOptions(resamples=500, split=True, split_reps=3))
+    assert result.status == "FINISHED", result.error
+    expected_ms = FakeEngine.step_seconds(worker.engine, 2, 64) * FakeEngine.device_share * 1e3
+    split = result.split
+    assert split.kernel_source == "cpu-ops"
+    assert split.device_ms == pytest.approx(expected_ms, rel=1e-9)
+    assert split.per_rank_device_ms == pytest.approx((expected_ms, expected_ms), rel=1e-9)
+    assert 0 < split.host_frac < 1 and split.host_ms == pytest.approx(result.measurement.step_ms - split.device_ms)
+    assert split.top_ops[0][0] == "aten::linear"
+    assert not list((tmp_path / "traces").glob("*.json.gz"))  # parsed traces are not left behind
+
+
+def test_kept_traces_come_back_with_the_result(tmp_path):
+    cell = fake_cells("batch=[1]", "ctx=[16]")[0]
+    worker = SweepWorker(cell.engine, str(tmp_path))
+    result = worker.measure(cell, MeasureOptions(resamples=200, keep_traces=True))
+    assert len(result.traces) == 2 and all(name.endswith(".json.gz") for name in result.traces)
+
+
+def test_linearity_sweep_reports_r2_for_wall_and_kernels(tmp_path):
+    cell = fake_cells("batch=[1]", "ctx=[16]")[0]
+    worker = SweepWorker(cell.engine, str(tmp_path))
+    result = worker.measure(cell, MeasureOptions(resamples=200, linearity_T=(4, 8, 16, 32), linearity_reps=1))
+    lin = result.linearity
+    assert lin.tokens == (4, 8, 16, 32) and len(lin.kernel_ms) == 4
+    assert lin.r2_kernel == pytest.approx(1.0)  # synthetic kernels are exactly linear in T
+    assert lin.r2_wall > 0.8

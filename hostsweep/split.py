@@ -1,0 +1,114 @@
+"""Device/host split of a decode step, and the linearity check of differencing (pure).
+
+device_ms is the differenced kernel-time total per step, (kernels(T) - kernels(1)) /
+(T - 1), from profiled generates; host_ms = step_ms - device_ms is the host-exposed
+residual, with step_ms from the separate unprofiled reps.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from hostsweep.traces import TraceTotals
+
+
+@dataclass(frozen=True)
+class SplitResult:
+    kernel_source: str
+    device_ms: float
+    host_ms: float
+    host_frac: float
+    overlap_gap_ms: float  # (kernel sum - kernel union) per step
+    copy_ms: float  # host<->device copy time per step (cuda traces only)
+    copy_bytes: float  # bytes copied per step (cuda traces only)
+    profiled_step_ms: float
+    profiler_overhead: float  # profiled step / unprofiled step
+    regime: str  # "host-bound" or "device-bound", from host_frac
+    per_rank_device_ms: tuple[float, ...]
+    top_ops: tuple[tuple[str, float], ...]  # (name, ms per step), largest first
+
+
+@dataclass(frozen=True)
+class LinearityResult:
+    tokens: tuple[int, ...]
+    wall_ms: tuple[float, ...]
+    kernel_ms: tuple[float, ...]  # empty when the split is off
+    r2_wall: float
+    r2_kernel: float
+    slope_fit_ms: float  # least-squares wall slope over all points
+    slope_two_point_ms: float  # wall slope from the first and last points alone
+    slope_disagreement: float  # |two-point - fit| / fit
+
+
+def per_step(total_1: float, total_T: float, T: int) -> float:
+    return (total_T - total_1) / (T - 1)
+
+
+def differenced_top_ops(short: TraceTotals, long: TraceTotals, T: int, n: int) -> tuple[tuple[str, float], ...]:
+    """The n ops/kernels with the most time per decode step (ms)."""
+    names = set(short.by_name_us) | set(long.by_name_us)
+    diffs = Counter({name: per_step(short.by_name_us.get(name, 0.0), long.by_name_us.get(name, 0.0), T) / 1e3
+                     for name in names})
+    return tuple((name, ms) for name, ms in diffs.most_common(n))
+
+
+def device_split(
+    ranks_1: Sequence[TraceTotals], ranks_T: Sequence[TraceTotals], T: int, step_ms: float,
+    profiled_step_ms: float, host_bound_threshold: float, top_n: int = 15,
+) -> SplitResult:
+    """Split one cell's step given per-rank totals of a profiled T=1 / T pair.
+
+    With several ranks the step waits for the slowest, so device_ms is the largest
+    per-rank value; all ranks are kept in per_rank_device_ms.
+    """
+    if len(ranks_1) != len(ranks_T) or not ranks_1:
+        raise ValueError(f"need one trace per rank for both generates, got {len(ranks_1)} and {len(ranks_T)}")
+    per_rank = [per_step(a.kernel_sum_us, b.kernel_sum_us, T) / 1e3 for a, b in zip(ranks_1, ranks_T)]
+    slowest = int(np.argmax(per_rank))
+    short, long = ranks_1[slowest], ranks_T[slowest]
+    device_ms = per_rank[slowest]
+    union_ms = per_step(short.kernel_union_us, long.kernel_union_us, T) / 1e3
+    host_ms = step_ms - device_ms
+    host_frac = host_ms / step_ms
+    return SplitResult(
+        kernel_source=long.kernel_source,
+        device_ms=device_ms,
+        host_ms=host_ms,
+        host_frac=host_frac,
+        overlap_gap_ms=device_ms - union_ms,
+        copy_ms=per_step(short.copy_us, long.copy_us, T) / 1e3,
+        copy_bytes=per_step(short.copy_bytes, long.copy_bytes, T),
+        profiled_step_ms=profiled_step_ms,
+        profiler_overhead=profiled_step_ms / step_ms,
+        regime="host-bound" if host_frac >= host_bound_threshold else "device-bound",
+        per_rank_device_ms=tuple(per_rank),
+        top_ops=differenced_top_ops(short, long, T, top_n),
+    )
+
+
+def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
+    """(slope, intercept, R²) of the least-squares line."""
+    x, y = np.asarray(xs, float), np.asarray(ys, float)
+    slope, intercept = np.polyfit(x, y, 1)
+    residual = y - (slope * x + intercept)
+    total = np.sum((y - y.mean()) ** 2)
+    r2 = 1.0 - float(np.sum(residual ** 2) / total) if total > 0 else float("nan")
+    return float(slope), float(intercept), r2
+
+
+def linearity(tokens: Sequence[int], wall_ms: Sequence[float], kernel_ms: Sequence[float] = ()) -> LinearityResult:
+    """Is wall (and kernel) time linear in T, and does the two-point slope agree with the fit?"""
+    if len(tokens) < 3:
+        raise ValueError(f"linearity needs at least 3 values of T, got {list(tokens)}")
+    order = np.argsort(tokens)
+    t = [int(tokens[i]) for i in order]
+    w = [float(wall_ms[i]) for i in order]
+    k = [float(kernel_ms[i]) for i in order] if len(kernel_ms) else []
+    slope, _, r2_wall = linear_fit(t, w)
+    two_point = (w[-1] - w[0]) / (t[-1] - t[0])
+    r2_kernel = linear_fit(t, k)[2] if k else float("nan")
+    return LinearityResult(tuple(t), tuple(w), tuple(k), r2_wall, r2_kernel, slope, two_point,
+                           abs(two_point - slope) / abs(slope))

@@ -1,0 +1,148 @@
+"""Profiler trace → kernel-time totals: sum, interval union, copies, top ops (pure).
+
+Reads the chrome traces torch.profiler writes (one per rank, from vLLM's engine
+processes). What counts as a "kernel":
+
+- **cuda**: events with cat "kernel". Memcpy ("gpu_memcpy") and memset ("gpu_memset")
+  are kept apart: they are copies, not compute, and are reported on their own.
+- **cpu-ops** (the vLLM CPU build, where the "device" is the CPU): compute ops among
+  the "cpu_op" events, by this rule:
+    * vLLM's compiled kernels (`_C::…`, e.g. `_C::onednn_mm`,
+      `_C::cpu_attention_with_kv_cache`) and aten ops that touch tensor data count;
+    * aten ops that only make views or read metadata (view, slice, reshape, to, item…)
+      do not, nor do wrapper ops (`vllm::…` custom ops that hold Python attention
+      bookkeeping around a `_C` kernel): their compute children still count;
+    * a compute op nested inside another compute op on the same thread is part of its
+      parent and is not counted again.
+  On a GPU those non-counted ops are host work (no kernel launch), which is why they are
+  left on the host side of the split here too.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+# aten ops that create views or read metadata: no arithmetic on tensor data.
+CPU_METADATA_OPS = frozenset({
+    "aten::view", "aten::reshape", "aten::_reshape_alias", "aten::_unsafe_view", "aten::slice",
+    "aten::as_strided", "aten::select", "aten::narrow", "aten::split", "aten::split_with_sizes",
+    "aten::chunk", "aten::unsqueeze", "aten::squeeze", "aten::flatten", "aten::unflatten",
+    "aten::permute", "aten::transpose", "aten::t", "aten::expand", "aten::detach", "aten::alias",
+    "aten::empty", "aten::empty_strided", "aten::new_empty", "aten::empty_like",
+    "aten::result_type", "aten::item", "aten::_local_scalar_dense", "aten::to", "aten::lift_fresh",
+    "aten::is_nonzero", "aten::unbind", "aten::contiguous", "aten::resolve_conj", "aten::resolve_neg",
+})
+# Wrapper namespaces: their own time is host bookkeeping; kernels inside still count.
+CPU_WRAPPER_PREFIXES = ("vllm::",)
+GPU_COPY_CATEGORIES = ("gpu_memcpy", "gpu_memset")
+
+
+@dataclass(frozen=True)
+class Interval:
+    start_us: float
+    end_us: float
+    name: str
+
+
+@dataclass
+class TraceTotals:
+    """Kernel-time totals of one trace (one rank, one profiled generate), in microseconds."""
+
+    kernel_source: str  # "cuda" or "cpu-ops"
+    kernel_sum_us: float
+    kernel_union_us: float
+    kernel_count: int
+    copy_us: float = 0.0
+    copy_bytes: float = 0.0
+    by_name_us: Counter = field(default_factory=Counter)
+
+
+def load_trace(path: Path) -> dict[str, Any]:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as handle:  # type: ignore[operator]
+        return json.load(handle)
+
+
+def kernel_source(events: Iterable[dict[str, Any]]) -> str:
+    """'cuda' when the trace holds CUDA kernels, else 'cpu-ops'."""
+    return "cuda" if any(e.get("cat") == "kernel" for e in events) else "cpu-ops"
+
+
+def interval_union_us(intervals: Iterable[Interval]) -> float:
+    """Total time covered by at least one interval (overlaps counted once)."""
+    total, current_start, current_end = 0.0, None, None
+    for iv in sorted(intervals, key=lambda i: i.start_us):
+        if current_end is None or iv.start_us > current_end:
+            if current_end is not None:
+                total += current_end - current_start
+            current_start, current_end = iv.start_us, iv.end_us
+        else:
+            current_end = max(current_end, iv.end_us)
+    if current_end is not None:
+        total += current_end - current_start
+    return total
+
+
+def is_cpu_compute_op(name: str) -> bool:
+    if name in CPU_METADATA_OPS or name.startswith(CPU_WRAPPER_PREFIXES):
+        return False
+    return name.startswith("aten::") or name.startswith("_C")
+
+
+def outermost_compute_ops(events: Iterable[dict[str, Any]]) -> list[Interval]:
+    """CPU compute ops not nested inside another compute op of the same thread."""
+    by_thread: dict[tuple[Any, Any], list[Interval]] = {}
+    for e in events:
+        if e.get("cat") == "cpu_op" and e.get("ph") == "X" and is_cpu_compute_op(e["name"]):
+            iv = Interval(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e["name"])
+            by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(iv)
+    kept: list[Interval] = []
+    for intervals in by_thread.values():
+        # Longest first at equal starts, so a parent precedes the children it encloses.
+        intervals.sort(key=lambda i: (i.start_us, -i.end_us))
+        enclosing_end = float("-inf")
+        for iv in intervals:
+            if iv.end_us <= enclosing_end:
+                continue  # nested in a counted op: its time is already in the parent
+            kept.append(iv)
+            enclosing_end = iv.end_us
+    return kept
+
+
+def cuda_kernels(events: Iterable[dict[str, Any]]) -> list[Interval]:
+    return [Interval(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e["name"])
+            for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"]
+
+
+def copy_totals(events: Iterable[dict[str, Any]]) -> tuple[float, float]:
+    """(time in us, bytes) of host<->device copies and memsets."""
+    time_us, nbytes = 0.0, 0.0
+    for e in events:
+        if e.get("cat") in GPU_COPY_CATEGORIES and e.get("ph") == "X":
+            time_us += float(e.get("dur", 0.0))
+            nbytes += float(e.get("args", {}).get("bytes", 0.0))
+    return time_us, nbytes
+
+
+def totals(trace: dict[str, Any]) -> TraceTotals:
+    """Kernel sum, union, count, copies and per-name time of one trace."""
+    events = trace.get("traceEvents", [])
+    source = kernel_source(events)
+    kernels = cuda_kernels(events) if source == "cuda" else outermost_compute_ops(events)
+    by_name: Counter = Counter()
+    for iv in kernels:
+        by_name[iv.name] += iv.end_us - iv.start_us
+    copy_us, copy_bytes = copy_totals(events) if source == "cuda" else (0.0, 0.0)
+    return TraceTotals(
+        kernel_source=source,
+        kernel_sum_us=sum(iv.end_us - iv.start_us for iv in kernels),
+        kernel_union_us=interval_union_us(kernels),
+        kernel_count=len(kernels),
+        copy_us=copy_us,
+        copy_bytes=copy_bytes,
+        by_name_us=by_name,
+    )

@@ -1,0 +1,88 @@
+"""The trace parser on small synthesized traces, GPU and CPU, with known answers."""
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from hostsweep.traces import interval_union_us, is_cpu_compute_op, load_trace, outermost_compute_ops, totals
+from hostsweep.traces import Interval
+
+
+def kernel(name, ts, dur, stream):
+    return {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": stream, "ts": ts, "dur": dur}
+
+
+def cpu_op(name, ts, dur, tid=1):
+    return {"ph": "X", "cat": "cpu_op", "name": name, "pid": 7, "tid": tid, "ts": ts, "dur": dur}
+
+
+def test_gpu_kernels_on_two_overlapping_streams_sum_exceeds_union():
+    events = [
+        kernel("gemm", 0, 100, stream=7),
+        kernel("allreduce", 50, 100, stream=13),   # overlaps gemm by 50 us
+        kernel("norm", 200, 10, stream=7),
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 160, "dur": 4, "args": {"bytes": 4096}},
+        {"ph": "X", "cat": "gpu_memset", "name": "Memset", "ts": 170, "dur": 1, "args": {"bytes": 64}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 5},
+    ]
+    t = totals({"traceEvents": events})
+    assert t.kernel_source == "cuda"
+    assert t.kernel_sum_us == 210 and t.kernel_union_us == 160 and t.kernel_count == 3
+    assert t.copy_us == 5 and t.copy_bytes == 4096 + 64
+    assert t.by_name_us["allreduce"] == 100
+
+
+def test_cpu_op_tree_counts_each_compute_op_once():
+    events = [
+        cpu_op("aten::linear", 0, 100),
+        cpu_op("aten::t", 1, 2),            # metadata inside a compute op
+        cpu_op("aten::addmm", 5, 90),       # nested compute: inside linear's time
+        cpu_op("aten::copy_", 10, 20),      # nested two deep
+        cpu_op("vllm::unified_attention_with_output", 200, 100),  # wrapper: host bookkeeping
+        cpu_op("_C::cpu_attention_with_kv_cache", 250, 30),       # kernel inside the wrapper
+        cpu_op("aten::slice", 400, 10),     # view op: not compute
+        cpu_op("aten::reshape", 500, 40),   # metadata wrapper ...
+        cpu_op("aten::clone", 505, 25),     # ... whose copy is compute
+    ]
+    t = totals({"traceEvents": events})
+    assert t.kernel_source == "cpu-ops"
+    assert t.kernel_sum_us == 100 + 30 + 25
+    assert t.kernel_union_us == t.kernel_sum_us
+    assert dict(t.by_name_us) == {"aten::linear": 100, "_C::cpu_attention_with_kv_cache": 30, "aten::clone": 25}
+
+
+def test_cpu_ops_on_two_threads_are_both_counted_and_may_overlap():
+    events = [cpu_op("aten::mm", 0, 100, tid=1), cpu_op("aten::mm", 40, 100, tid=2)]
+    t = totals({"traceEvents": events})
+    assert t.kernel_sum_us == 200 and t.kernel_union_us == 140
+
+
+def test_equal_start_parent_encloses_child():
+    kept = outermost_compute_ops([cpu_op("aten::addmm", 0, 10), cpu_op("aten::linear", 0, 50)])
+    assert [iv.name for iv in kept] == ["aten::linear"]
+
+
+@pytest.mark.parametrize("name,counts", [
+    ("_C::onednn_mm", True), ("aten::mm", True), ("aten::silu", True), ("aten::_to_copy", True),
+    ("aten::view", False), ("aten::to", False), ("aten::item", False), ("vllm::unified_kv_cache_update", False),
+    ("python_thing", False),
+])
+def test_cpu_compute_rule(name, counts):
+    assert is_cpu_compute_op(name) is counts
+
+
+@pytest.mark.parametrize("spans,union", [
+    ([], 0), ([(0, 10)], 10), ([(0, 10), (5, 15)], 15), ([(0, 10), (20, 30)], 20), ([(0, 30), (5, 10)], 30),
+])
+def test_interval_union(spans, union):
+    assert interval_union_us(Interval(a, b, "k") for a, b in spans) == union
+
+
+def test_gzipped_and_plain_traces_load_alike(tmp_path):
+    trace = {"traceEvents": [kernel("k", 0, 5, 7)]}
+    (tmp_path / "a.json").write_text(json.dumps(trace))
+    with gzip.open(tmp_path / "b.json.gz", "wt") as handle:
+        json.dump(trace, handle)
+    assert load_trace(tmp_path / "a.json") == load_trace(tmp_path / "b.json.gz") == trace
