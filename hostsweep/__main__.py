@@ -14,17 +14,20 @@ from hostsweep.config import ConfigError, check_group_overrides, register_config
 
 register_configs()
 
+# Worst exit code over the jobs of this process: a multirun (-m) runs several sweeps
+# in one process, so a job must not exit before the others have run.
+_exit_codes: list[int] = [0]
+
 
 @hydra.main(version_base="1.3", config_path="pkg://hostsweep.conf", config_name="config")
 def _sweep(cfg: DictConfig) -> None:
     from hostsweep import sweep
 
     try:
-        code = sweep.run(cfg, Path(HydraConfig.get().runtime.output_dir))
+        _exit_codes.append(sweep.run(cfg, Path(HydraConfig.get().runtime.output_dir)))
     except ConfigError as exc:
         print(f"hostsweep: error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(code)
+        _exit_codes.append(2)
 
 
 def main() -> None:
@@ -34,6 +37,7 @@ def main() -> None:
         print(f"hostsweep: error: {exc}", file=sys.stderr)
         sys.exit(2)
     _sweep()
+    sys.exit(max(_exit_codes))
 
 
 if __name__ == "__main__":

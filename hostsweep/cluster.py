@@ -85,10 +85,17 @@ def check_feasible(specs: Iterable[EngineSpec], nodes: list[NodeInventory]) -> N
             )
 
 
-def actor_options(spec: EngineSpec) -> dict[str, object]:
+def cpu_engine_cpus(nodes: list[NodeInventory]) -> int:
+    """CPUs a CPU-engine worker reserves: a whole CPU node, so no two CPU engines (or
+    anything else Ray schedules) share its cores while it measures."""
+    cpu_nodes = [n.cpus for n in nodes if not n.accelerator_types] or [n.cpus for n in nodes]
+    return max(1, int(max(cpu_nodes, default=1)))
+
+
+def actor_options(spec: EngineSpec, cpu_cpus: int = 1) -> dict[str, object]:
     """Ray scheduling options pinning the worker to its SKU."""
     if spec.accelerator_type is None:
-        return {"num_cpus": 1, "num_gpus": 0}
+        return {"num_cpus": cpu_cpus, "num_gpus": 0}
     # The worker holds all tp GPUs of one node; vLLM's mp executor runs the TP ranks.
     return {"num_cpus": 1, "num_gpus": spec.tp, "accelerator_type": spec.accelerator_type}
 
@@ -97,7 +104,8 @@ def start_workers(specs: Iterable[EngineSpec]) -> dict[EngineSpec, object]:
     import ray
 
     remote_worker = ray.remote(SweepWorker)
-    return {spec: remote_worker.options(**actor_options(spec)).remote(spec) for spec in specs}
+    cpu_cpus = cpu_engine_cpus(live_nodes())
+    return {spec: remote_worker.options(**actor_options(spec, cpu_cpus)).remote(spec) for spec in specs}
 
 
 def failed_result(cell: Cell, reason: str) -> CellResult:

@@ -26,6 +26,12 @@ def experiment_name(cfg: SweepConfig) -> str:
     return cfg.tracking.experiment or f"hostsweep-{cfg.study}"
 
 
+def sweep_run_name(cfg: SweepConfig, run_dir: Path) -> str:
+    """e.g. 'keystone-cpu: cpu/small-llama/eager @ 18-10-29/1' (multirun jobs end in /N)."""
+    assert cfg.sku is not None
+    return f"{cfg.study}: {cfg.sku.name}/{cfg.model.name}/{cfg.mode.name} @ {run_dir.parent.name}/{run_dir.name}"
+
+
 def sweep_params(cfg: SweepConfig, cells: list[Cell]) -> dict[str, object]:
     assert cfg.sku is not None
     return {
@@ -99,7 +105,7 @@ def run(raw_cfg: DictConfig, run_dir: Path) -> int:
     try:
         cluster.check_feasible(group_by_engine(cells), cluster.live_nodes())
         tracker = SweepTracker(cfg.tracking.uri, experiment_name(cfg))
-        tracker.start_sweep(run_dir.name, OmegaConf.to_yaml(raw_cfg), sweep_params(cfg, cells),
+        tracker.start_sweep(sweep_run_name(cfg, run_dir), OmegaConf.to_yaml(raw_cfg), sweep_params(cfg, cells),
                             {**driver_tags(), "run_dir": str(run_dir)})
         table = CellTable(run_dir / cfg.output.cells_file)
         status = "KILLED"

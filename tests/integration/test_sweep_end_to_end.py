@@ -63,6 +63,28 @@ def test_children_have_finite_positive_steps_with_bracketing_cis(runs):
         assert run["metrics.wall_T_ms"] > run["metrics.wall_1_ms"] > 0
 
 
+def test_every_cell_is_split_into_device_and_host_time(runs):
+    children = runs[runs["tags.mlflow.parentRunId"].notna()]
+    for _, run in children.iterrows():
+        step, device = run["metrics.step_ms"], run["metrics.device_ms"]
+        assert 0 < device < step
+        assert 0 < run["metrics.host_frac"] < 1
+        assert run["metrics.host_ms"] == pytest.approx(step - device)
+        assert run["metrics.overlap_gap_ms"] >= 0
+        assert run["metrics.profiler_overhead"] > 0
+    assert set(children["tags.kernel_source"]) == {"cpu-ops"}
+    assert set(children["tags.regime"]) <= {"host-bound", "device-bound"}
+
+
+def test_top_ops_artifact_names_compute_ops(runs, tmp_path):
+    child = runs[runs["tags.mlflow.parentRunId"].notna()].iloc[0]
+    path = mlflow.artifacts.download_artifacts(run_id=child["run_id"], artifact_path="top_ops.csv",
+                                               dst_path=str(tmp_path))
+    ops = pd.read_csv(path)
+    assert len(ops) > 3 and (ops["ms_per_step"].iloc[0] >= ops["ms_per_step"]).all()
+    assert ops["op"].str.contains("mm").any()
+
+
 def test_children_carry_cell_params_and_provenance_tags(runs):
     children = runs[runs["tags.mlflow.parentRunId"].notna()]
     assert sorted(children["params.batch"]) == ["1", "2"]

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from hostsweep.cluster import InfeasiblePlan, NodeInventory, actor_options, check_feasible, describe_inventory
+from hostsweep.cluster import (
+    InfeasiblePlan, NodeInventory, actor_options, check_feasible, cpu_engine_cpus, describe_inventory,
+)
 from hostsweep.grid import build_cells, group_by_engine
 from tests.conftest import compose_typed
 
@@ -43,6 +45,8 @@ def test_gpu_workers_are_pinned_by_accelerator_type_and_hold_tp_gpus():
     assert actor_options(spec) == {"num_cpus": 1, "num_gpus": 4, "accelerator_type": "H100"}
 
 
-def test_cpu_workers_ask_for_no_gpu():
+def test_cpu_workers_reserve_a_whole_cpu_node_and_no_gpu():
     (spec,) = specs("+sku=cpu")
-    assert actor_options(spec)["num_gpus"] == 0
+    cpus = cpu_engine_cpus([CPU_NODE, H100_NODE])
+    assert cpus == 2
+    assert actor_options(spec, cpus) == {"num_cpus": 2, "num_gpus": 0}
