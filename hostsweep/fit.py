@@ -1,0 +1,113 @@
+"""The closed-form TP decode model and its calibration terms (pure, vectorized).
+
+    T_step = g · T_cmp(N, ctx) / k  +  T_ar(k)  +  H(N)          (seed 002)
+
+- T_cmp/k: a roofline over the projection GEMMs (QKV, O, gate/up, down, lm_head) and the
+  KV read, each max(FLOPs / peak, bytes / bandwidth), with widths and KV heads divided by
+  k, summed over layers (`sharded_compute_s`).
+- T_ar: 2L all-reduces per step of N·hidden·dtype bytes, each λ + bytes/β, for k > 1.
+- H(N) = s0 + s1·(N − 1): the single-device framework-overhead microbenchmark.
+- g: one global compute scale, fitted on training cells only.
+
+Every function takes numpy arrays (or pandas columns) so 100,000 cells fit in seconds.
+Cell frames carry the columns of CELL_COLUMNS (one row per cell).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+SHAPE_COLUMNS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "vocab_size")
+CELL_COLUMNS = SHAPE_COLUMNS + ("batch", "ctx", "tp", "peak_flops", "mem_bw", "dtype_bytes")
+
+
+@dataclass(frozen=True)
+class AllReduceFit:
+    latency_s: float  # λ
+    bandwidth_Bps: float  # β, bytes per second
+
+    def time_s(self, message_bytes: np.ndarray) -> np.ndarray:
+        return self.latency_s + np.asarray(message_bytes, float) / self.bandwidth_Bps
+
+
+@dataclass(frozen=True)
+class HostFit:
+    s0_s: float
+    s1_s: float
+
+    def time_s(self, batch: np.ndarray) -> np.ndarray:
+        return self.s0_s + self.s1_s * (np.asarray(batch, float) - 1.0)
+
+
+def _gemm_s(tokens, k_in, n_out, peak, bw, dtype_bytes):
+    """max(FLOP roof, byte roof) of a [tokens × k_in] @ [k_in × n_out] GEMM."""
+    flops = 2.0 * tokens * k_in * n_out
+    moved = (k_in * n_out + tokens * k_in + tokens * n_out) * dtype_bytes
+    return np.maximum(flops / peak, moved / bw)
+
+
+def sharded_compute_s(cells: pd.DataFrame) -> np.ndarray:
+    """T_cmp/k per cell in seconds: the per-rank roofline of one decode step."""
+    c = {name: cells[name].to_numpy(dtype=float) for name in CELL_COLUMNS}
+    k, n, b = c["tp"], c["batch"], c["dtype_bytes"]
+    peak, bw = c["peak_flops"], c["mem_bw"]
+    h, hd = c["hidden_size"], c["head_dim"]
+    q_width = c["num_attention_heads"] * hd / k
+    kv_heads = np.ceil(c["num_key_value_heads"] / k)  # vLLM replicates KV heads when k exceeds them
+    kv_width = kv_heads * hd
+    per_layer = (
+        _gemm_s(n, h, q_width + 2 * kv_width, peak, bw, b)          # QKV
+        + _gemm_s(n, q_width, h, peak, bw, b)                       # O
+        + _gemm_s(n, h, 2 * c["intermediate_size"] / k, peak, bw, b)  # gate/up
+        + _gemm_s(n, c["intermediate_size"] / k, h, peak, bw, b)      # down
+    )
+    kv_bytes = n * c["ctx"] * 2 * kv_width * b
+    attention_flops = 4.0 * n * c["ctx"] * q_width
+    per_layer += np.maximum(attention_flops / peak, kv_bytes / bw)
+    lm_head = _gemm_s(n, h, c["vocab_size"] / k, peak, bw, b)
+    return c["num_hidden_layers"] * per_layer + lm_head
+
+
+def allreduce_s(cells: pd.DataFrame, fit: AllReduceFit) -> np.ndarray:
+    """T_ar per cell: 2L all-reduces of batch·hidden·dtype bytes; none at k = 1."""
+    message = cells["batch"].to_numpy(float) * cells["hidden_size"].to_numpy(float) * cells["dtype_bytes"].to_numpy(float)
+    per_step = 2.0 * cells["num_hidden_layers"].to_numpy(float) * fit.time_s(message)
+    return np.where(cells["tp"].to_numpy() > 1, per_step, 0.0)
+
+
+def fit_allreduce(message_bytes: np.ndarray, seconds: np.ndarray) -> AllReduceFit:
+    """λ and β by least squares of t = λ + bytes/β over a message-size sweep."""
+    slope, intercept = np.polyfit(np.asarray(message_bytes, float), np.asarray(seconds, float), 1)
+    if slope <= 0:
+        raise ValueError("all-reduce time does not grow with message size; cannot fit a bandwidth")
+    return AllReduceFit(latency_s=float(intercept), bandwidth_Bps=float(1.0 / slope))
+
+
+def fit_host(batch: np.ndarray, seconds: np.ndarray) -> HostFit:
+    """H(N) = s0 + s1·(N − 1) by least squares over the microbenchmark's batches."""
+    slope, intercept = np.polyfit(np.asarray(batch, float) - 1.0, np.asarray(seconds, float), 1)
+    return HostFit(s0_s=float(intercept), s1_s=float(slope))
+
+
+def ape(predicted: np.ndarray, measured: np.ndarray) -> np.ndarray:
+    """Absolute percentage error per cell, in percent."""
+    measured = np.asarray(measured, float)
+    return np.abs(np.asarray(predicted, float) - measured) / measured * 100.0
+
+
+def mape_summary(predicted: np.ndarray, measured: np.ndarray) -> dict[str, float]:
+    errors = ape(predicted, measured)
+    if errors.size == 0:
+        return {"mape_mean": float("nan"), "mape_p95": float("nan"), "mape_max": float("nan"), "n": 0}
+    return {"mape_mean": float(errors.mean()), "mape_p95": float(np.percentile(errors, 95)),
+            "mape_max": float(errors.max()), "n": int(errors.size)}
+
+
+def relative_least_squares(design: np.ndarray, target: np.ndarray, measured: np.ndarray) -> np.ndarray:
+    """Parameters minimising Σ((design·p − target) / measured)², i.e. squared relative error."""
+    weights = 1.0 / np.asarray(measured, float)
+    params, *_ = np.linalg.lstsq(design * weights[:, None], target * weights, rcond=None)
+    return params
