@@ -6,6 +6,7 @@ against the live nodes before any actor is created.
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -40,6 +41,8 @@ def connect(address: str | None) -> bool:
     if address:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
         return False
+    # Ray runs workers at niceness 15 by default; the engines they start inherit it.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
     return True
 

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
-from hostsweep.fit import AllReduceFit, HostFit, SHAPE_COLUMNS, allreduce_s, ape, sharded_compute_s
+from hostsweep.fit import AllReduceFit, AllReduceTerms, HostFit, SHAPE_COLUMNS, allreduce_s, ape, sharded_compute_s
 from hostsweep.hostforms import FittedForm, predict_s
 from hostsweep.shapes import parameter_count
 
@@ -67,12 +67,12 @@ def in_regime(cells: pd.DataFrame, utilization: float = 0.9) -> np.ndarray:
     return memory_per_rank_bytes(cells) <= cells["device_memory_bytes"].to_numpy(float) * utilization
 
 
-def lower_bound_s(fitted: FittedForm, cells: pd.DataFrame, allreduce: AllReduceFit, host: HostFit) -> np.ndarray:
+def lower_bound_s(fitted: FittedForm, cells: pd.DataFrame, allreduce: AllReduceTerms, host: HostFit) -> np.ndarray:
     """The model's step with zero compute: H + T_ar (whatever form H takes)."""
     return predict_s(fitted, cells, allreduce, host) - fitted.g * sharded_compute_s(cells)
 
 
-def predictions_table(fitted: FittedForm, cells: pd.DataFrame, allreduce: AllReduceFit, host: HostFit,
+def predictions_table(fitted: FittedForm, cells: pd.DataFrame, allreduce: AllReduceTerms, host: HostFit,
                       selected: np.ndarray) -> pd.DataFrame:
     """Per cell: measured, predicted, error, bound, role, regime, falsified.
 

@@ -190,6 +190,18 @@ def load_sku(name: str) -> SkuConfig:
     return OmegaConf.to_object(merged)  # type: ignore[return-value]
 
 
+def load_model_shape(name: str) -> dict[str, Any]:
+    """The shape of a shipped model option (conf/model/<name>.yaml) as a plain dict."""
+    text = resources.files("hostsweep.conf").joinpath("model", f"{name}.yaml").read_text()
+    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.create(text))
+    model: ModelConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    if model.shape is None:
+        raise ConfigError(f"model {name} has no shipped shape (a checkpoint option)")
+    from dataclasses import asdict
+
+    return asdict(model.shape)
+
+
 def local_sku_name() -> str:
     """The kind of this machine: the first GPU's SKU when nvidia-smi sees one, else cpu."""
     if shutil.which("nvidia-smi") is None:

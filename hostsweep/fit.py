@@ -15,6 +15,7 @@ Cell frames carry the columns of CELL_COLUMNS (one row per cell).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping, Union
 
 import numpy as np
 import pandas as pd
@@ -71,10 +72,24 @@ def sharded_compute_s(cells: pd.DataFrame) -> np.ndarray:
     return c["num_hidden_layers"] * per_layer + lm_head
 
 
-def allreduce_s(cells: pd.DataFrame, fit: AllReduceFit) -> np.ndarray:
-    """T_ar per cell: 2L all-reduces of batch·hidden·dtype bytes; none at k = 1."""
+AllReduceTerms = Union[AllReduceFit, Mapping[str, AllReduceFit]]
+
+
+def allreduce_s(cells: pd.DataFrame, fit: AllReduceTerms) -> np.ndarray:
+    """T_ar per cell: 2L all-reduces of batch·hidden·dtype bytes; none at k = 1.
+
+    `fit` is one AllReduceFit for every cell, or one per SKU (keyed by the sku column).
+    """
     message = cells["batch"].to_numpy(float) * cells["hidden_size"].to_numpy(float) * cells["dtype_bytes"].to_numpy(float)
-    per_step = 2.0 * cells["num_hidden_layers"].to_numpy(float) * fit.time_s(message)
+    if isinstance(fit, AllReduceFit):
+        latency, bandwidth = fit.latency_s, fit.bandwidth_Bps
+    else:
+        missing = sorted(set(cells["sku"]) - set(fit))
+        if missing:
+            raise ValueError(f"no all-reduce calibration for sku {missing}; have {sorted(fit)}")
+        latency = cells["sku"].map({s: f.latency_s for s, f in fit.items()}).to_numpy(float)
+        bandwidth = cells["sku"].map({s: f.bandwidth_Bps for s, f in fit.items()}).to_numpy(float)
+    per_step = 2.0 * cells["num_hidden_layers"].to_numpy(float) * (latency + message / bandwidth)
     return np.where(cells["tp"].to_numpy() > 1, per_step, 0.0)
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from hostsweep.fit import AllReduceFit, HostFit, allreduce_s, mape_summary, relative_least_squares, sharded_compute_s
+from hostsweep.fit import AllReduceFit, AllReduceTerms, HostFit, allreduce_s, mape_summary, relative_least_squares, sharded_compute_s
 
 FORM_CLASSES = {
     "baseline": "none",
@@ -60,7 +60,7 @@ def host_basis(form: str, cells: pd.DataFrame) -> np.ndarray:
     return np.column_stack(columns) if columns else np.zeros((n, 0))
 
 
-def fixed_terms_s(form: str, cells: pd.DataFrame, allreduce: AllReduceFit, host: HostFit) -> np.ndarray:
+def fixed_terms_s(form: str, cells: pd.DataFrame, allreduce: AllReduceTerms, host: HostFit) -> np.ndarray:
     """The parts of the prediction with no fitted parameter: T_ar, plus S(N) when fixed."""
     fixed = allreduce_s(cells, allreduce)
     if form == "fixed_microbench":
@@ -68,7 +68,7 @@ def fixed_terms_s(form: str, cells: pd.DataFrame, allreduce: AllReduceFit, host:
     return fixed
 
 
-def fit_form(form: str, train: pd.DataFrame, allreduce: AllReduceFit, host: HostFit) -> FittedForm:
+def fit_form(form: str, train: pd.DataFrame, allreduce: AllReduceTerms, host: HostFit) -> FittedForm:
     """g and the host parameters of one form, from the training cells' step_ms."""
     if form not in FORM_CLASSES:
         raise ValueError(f"unknown host form {form!r}; known: {', '.join(FORM_CLASSES)}")
@@ -81,13 +81,13 @@ def fit_form(form: str, train: pd.DataFrame, allreduce: AllReduceFit, host: Host
     return FittedForm(form, float(params[0]), tuple(float(p) for p in params[1:]))
 
 
-def predict_s(fitted: FittedForm, cells: pd.DataFrame, allreduce: AllReduceFit, host: HostFit) -> np.ndarray:
+def predict_s(fitted: FittedForm, cells: pd.DataFrame, allreduce: AllReduceTerms, host: HostFit) -> np.ndarray:
     basis = host_basis(fitted.form, cells)
     host_term = basis @ np.asarray(fitted.host_params) if basis.shape[1] else 0.0
     return fitted.g * sharded_compute_s(cells) + host_term + fixed_terms_s(fitted.form, cells, allreduce, host)
 
 
-def compare_forms(train: pd.DataFrame, held_out: pd.DataFrame, allreduce: AllReduceFit,
+def compare_forms(train: pd.DataFrame, held_out: pd.DataFrame, allreduce: AllReduceTerms,
                   host: HostFit) -> pd.DataFrame:
     """One row per form: fitted g and host parameters, training and held-out MAPE."""
     rows = []

@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+import mlflow
+import mlflow.pyfunc
 import pandas as pd
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
@@ -166,3 +168,57 @@ class SweepTracker:
         """The UI link that opens the runs table (3.x opens a GenAI overview otherwise)."""
         return f"http://127.0.0.1:{port}/#/experiments/{self.experiment_id}/runs?workflowType=machine_learning"
 
+
+
+class TPLatencyPyfunc(mlflow.pyfunc.PythonModel):
+    """The fitted TP latency model as an MLflow pyfunc: rows of (model, sku, tp, batch,
+    ctx) in, step_ms out. The spec is plain data (see hostsweep.tpmodel)."""
+
+    def __init__(self, spec: dict) -> None:
+        self.spec = spec
+
+    def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
+        from hostsweep.tpmodel import predict_rows
+
+        return predict_rows(self.spec, model_input)[["step_ms"]]
+
+
+def log_model_fit(tracking_uri: str, experiment: str, run_name: str, params: dict[str, object],
+                  metrics: dict[str, float], tables: dict[str, pd.DataFrame], spec: dict) -> str:
+    """One run in the models experiment: params, metrics, tables, and the pyfunc model."""
+    from mlflow.models import infer_signature
+
+    from hostsweep.tpmodel import INPUT_COLUMNS, predict_rows
+
+    prepare_store(tracking_uri)
+    mlflow.set_tracking_uri(tracking_uri)
+    tracker_experiment = SweepTracker(tracking_uri, experiment).experiment_id
+    example = pd.DataFrame([{"model": next(iter(spec["shapes"])), "sku": next(iter(spec["skus"])),
+                             "tp": 2, "batch": 1, "ctx": 512}])[list(INPUT_COLUMNS)]
+    signature = infer_signature(example, predict_rows(spec, example)[["step_ms"]])
+    with mlflow.start_run(experiment_id=tracker_experiment, run_name=run_name) as run:
+        mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
+        mlflow.log_metrics({k: v for k, v in metrics.items() if math.isfinite(v)})
+        for name, table in tables.items():
+            mlflow.log_text(table.to_csv(index=False), f"{name}.csv")
+        mlflow.pyfunc.log_model(name="model", python_model=TPLatencyPyfunc(spec), signature=signature,
+                                input_example=example, pip_requirements=["hostsweep", "pandas", "numpy"])
+        return run.info.run_id
+
+
+def read_cells(tracking_uri: str, experiments: list[str]) -> pd.DataFrame:
+    """Finished cell runs of the given sweep experiments as a measured-cell table."""
+    mlflow.set_tracking_uri(tracking_uri)
+    runs = mlflow.search_runs(experiment_names=experiments)
+    if runs.empty or "params.batch" not in runs:
+        return pd.DataFrame()
+    cells = runs[runs["params.batch"].notna() & (runs["status"] == "FINISHED")]
+    frame = pd.DataFrame({
+        "sku": cells["params.sku"], "model": cells["params.model"], "tp": cells["params.tp"].astype(int),
+        "batch": cells["params.batch"].astype(int), "ctx": cells["params.ctx"].astype(int),
+        "T": cells["params.T"].astype(int), "dtype": cells["params.dtype"],
+        "step_ms": cells["metrics.step_ms"].astype(float),
+        "host_ms": cells.get("metrics.host_ms", pd.Series(float("nan"), index=cells.index)).astype(float),
+        "cell_key": cells["tags.cell_key"], "run_id": cells["run_id"],
+    })
+    return frame.reset_index(drop=True)

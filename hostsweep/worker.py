@@ -64,6 +64,18 @@ def release_ray_thread_limits(environ: dict[str, str]) -> dict[str, str]:
     return {key: environ.pop(key) for key in RAY_THREAD_ENV if key in environ}
 
 
+def restore_priority() -> str:
+    """Undo the niceness Ray gives its workers (15 by default), which the engine's
+    processes would inherit; returns what the worker runs at, for the record."""
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    if before > 0:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+        except PermissionError:  # unprivileged: start Ray with RAY_worker_niceness=0
+            log.warning("worker runs at niceness %d and may not lower it", before)
+    return f"{before}->{os.getpriority(os.PRIO_PROCESS, 0)}"
+
+
 def prompt_seed(cell: Cell) -> int:
     """Prompts differ across cells but are the same for every rep of one cell."""
     return cell.seed * 1_000_003 + cell.batch * 10_007 + cell.ctx
@@ -72,6 +84,7 @@ def prompt_seed(cell: Cell) -> int:
 class SweepWorker:
     def __init__(self, spec: EngineSpec, workdir: Optional[str] = None) -> None:
         dropped = release_ray_thread_limits(os.environ)  # type: ignore[arg-type]
+        niceness = restore_priority()
         self.spec = spec
         # On a remote node the driver's folders do not exist: default to a local temp dir.
         folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="hostsweep-"))
@@ -83,6 +96,7 @@ class SweepWorker:
             **self.engine.describe(),
             "cpu_affinity": str(len(os.sched_getaffinity(0))),
             "dropped_env": ",".join(f"{k}={v}" for k, v in dropped.items()) or "none",
+            "niceness": niceness,
         }
 
     def host_info(self) -> dict[str, str]:

@@ -1,0 +1,180 @@
+"""`hostsweep-model`: fit the TP latency model on measured cells, score it held-out, log it.
+
+    hostsweep-model fit --experiment hostsweep-tp70b --calibration calib.yaml --train-sku h100 --train-tp 2
+    hostsweep-model fit --cells outputs/.../cells.csv --calibration seed002-h100
+    hostsweep-model whatif runs:/<run_id>/model --model llama-3.1-70b --sku h100 --batch 1 --ctx 2048
+    hostsweep-model allreduce --ranks 2 --out calib.yaml      # gloo here, NCCL on GPUs
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import asdict
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from hostsweep.compare import cell_frame, falsified_skus, generalization, in_regime, predictions_table
+from hostsweep.config import ConfigError, load_model_shape, load_sku
+from hostsweep.fit import AllReduceFit, HostFit, mape_summary
+from hostsweep.hostforms import DEFAULT_FORM, FORM_CLASSES, compare_forms, fit_form, verdict
+from hostsweep.tpmodel import model_spec, tp_scaling
+
+
+def load_calibration(name_or_path: str) -> tuple[dict[str, AllReduceFit], HostFit]:
+    """A calibration YAML: a file path, or a shipped name under conf/calibration/."""
+    path = Path(name_or_path)
+    if path.is_file():
+        text = path.read_text()
+    else:
+        shipped = resources.files("hostsweep.conf").joinpath("calibration", f"{name_or_path}.yaml")
+        if not shipped.is_file():
+            raise ConfigError(f"calibration {name_or_path!r} is neither a file nor a shipped calibration")
+        text = shipped.read_text()
+    data = yaml.safe_load(text)
+    allreduce = {sku: AllReduceFit(v["latency_us"] * 1e-6, v["bandwidth_gbps"] * 1e9)
+                 for sku, v in (data.get("allreduce") or {}).items()}
+    host = data.get("host") or {}
+    return allreduce, HostFit(float(host.get("s0_ms", 0.0)) * 1e-3, float(host.get("s1_ms", 0.0)) * 1e-3)
+
+
+def measured_cells(args: argparse.Namespace) -> pd.DataFrame:
+    frames = [pd.read_csv(path) for path in args.cells]
+    if args.experiment:
+        from hostsweep.tracking import read_cells
+
+        frames.append(read_cells(args.tracking_uri, args.experiment))
+    measured = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    if measured.empty:
+        raise ConfigError("no measured cells: give --cells CSV files or --experiment names with finished runs")
+    if "status" in measured:
+        measured = measured[measured["status"] == "FINISHED"]
+    return measured.reset_index(drop=True)
+
+
+def fit_command(args: argparse.Namespace) -> int:
+    measured = measured_cells(args)
+    allreduce, host = load_calibration(args.calibration)
+    shapes = {m: load_model_shape(m) for m in measured["model"].unique()}
+    skus = {s: asdict(load_sku(s)) for s in measured["sku"].unique()}
+    cells = cell_frame(measured, shapes, skus, args.roofs)
+    cells["in_regime"] = in_regime(cells, args.utilization)
+    selected = ((cells["sku"] == args.train_sku) & cells["tp"].isin(args.train_tp)).to_numpy()
+    train, held_out = cells[selected & cells["in_regime"]], cells[~selected & cells["in_regime"]]
+    fitted = fit_form(args.form, train, allreduce, host)
+    table = predictions_table(fitted, cells, allreduce, host, selected)
+    comparison = compare_forms(train, held_out, allreduce, host)
+    summary = generalization(table)
+    print(summary.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    print(comparison.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    print(f"host term: {verdict(comparison)}")
+    broken = falsified_skus(table)
+    print(f"additive model falsified on: {', '.join(broken) if broken else 'no SKU'}")
+    metrics = _fit_metrics(table)
+    params = {"form": args.form, "train_selection": f"sku={args.train_sku} tp={args.train_tp} in-regime",
+              "g": fitted.g, "host_params_s": fitted.host_params, "s0_s": host.s0_s, "s1_s": host.s1_s,
+              "roofs": args.roofs, "utilization": args.utilization,
+              **{f"lambda_s.{k}": v.latency_s for k, v in allreduce.items()},
+              **{f"beta_Bps.{k}": v.bandwidth_Bps for k, v in allreduce.items()}}
+    from hostsweep.tracking import log_model_fit
+
+    spec = model_spec(fitted, allreduce, host, shapes, skus, args.roofs)
+    run_id = log_model_fit(args.tracking_uri, args.models_experiment, f"{args.form} g={fitted.g:.3f}",
+                           params, metrics, {"predictions": table, "host_forms": comparison,
+                                             "generalization": summary}, spec)
+    print(f"logged model: runs:/{run_id}/model (experiment {args.models_experiment!r} in {args.tracking_uri})")
+    return 0
+
+
+def _fit_metrics(table: pd.DataFrame) -> dict[str, float]:
+    train, held = table[table["role"] == "train"], table[table["role"] == "held-out"]
+    held_in = held[held["in_regime"]]
+    metrics = {f"train_{k}": v for k, v in mape_summary(train["predicted_ms"], train["step_ms"]).items()}
+    metrics |= {f"heldout_{k}": v for k, v in mape_summary(held_in["predicted_ms"], held_in["step_ms"]).items()}
+    metrics |= {f"heldout_with_outliers_{k}": v
+                for k, v in mape_summary(held["predicted_ms"], held["step_ms"]).items()}
+    metrics["falsifying_cells"] = float(table["falsifies"].sum())
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def whatif_command(args: argparse.Namespace) -> int:
+    import mlflow.pyfunc
+
+    mlflow.set_tracking_uri(args.tracking_uri)
+    spec = mlflow.pyfunc.load_model(args.model_uri).unwrap_python_model().spec
+    table, stop = tp_scaling(spec, args.model, args.sku, args.batch, args.ctx, args.tp, args.min_gain)
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    if stop is None:
+        print(f"every doubling up to tp={max(args.tp)} gains at least {args.min_gain:.0%}")
+    else:
+        print(f"more GPUs stop helping at tp={stop}: the next degree gains under {args.min_gain:.0%}")
+    return 0
+
+
+def allreduce_command(args: argparse.Namespace) -> int:
+    from hostsweep.allreduce_bench import run_allreduce_sweep
+
+    sizes = np.geomspace(args.min_bytes, args.max_bytes, args.points).astype(int)
+    frame = run_allreduce_sweep(args.ranks, sizes, args.reps, args.backend)
+    from hostsweep.fit import fit_allreduce
+
+    fit = fit_allreduce(frame["bytes"], frame["seconds"])
+    print(frame.to_string(index=False))
+    print(f"lambda = {fit.latency_s * 1e6:.1f} us, beta = {fit.bandwidth_Bps / 1e9:.2f} GB/s ({args.ranks} ranks, {args.backend})")
+    if args.out:
+        Path(args.out).write_text(yaml.safe_dump({"allreduce": {args.sku: {
+            "latency_us": fit.latency_s * 1e6, "bandwidth_gbps": fit.bandwidth_Bps / 1e9}}}))
+        print(f"wrote {args.out}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="hostsweep-model", description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    top.add_argument("--tracking-uri", default="sqlite:///outputs/mlflow.db")
+    sub = top.add_subparsers(dest="command", required=True)
+    fit = sub.add_parser("fit", help="fit on training cells, score held-out, log to MLflow")
+    fit.add_argument("--cells", action="append", default=[], help="cells.csv from a sweep (repeatable)")
+    fit.add_argument("--experiment", action="append", default=[], help="sweep experiment to read (repeatable)")
+    fit.add_argument("--calibration", required=True, help="calibration YAML, or a shipped name (seed002-h100)")
+    fit.add_argument("--train-sku", required=True)
+    fit.add_argument("--train-tp", type=int, nargs="+", default=[2])
+    fit.add_argument("--form", choices=list(FORM_CLASSES), default=DEFAULT_FORM)
+    fit.add_argument("--roofs", choices=["datasheet", "measured"], default="datasheet")
+    fit.add_argument("--utilization", type=float, default=0.9)
+    fit.add_argument("--models-experiment", default="models")
+    whatif = sub.add_parser("whatif", help="what going from TP k to 2k buys, from a logged model")
+    whatif.add_argument("model_uri")
+    whatif.add_argument("--model", required=True)
+    whatif.add_argument("--sku", required=True)
+    whatif.add_argument("--batch", type=int, default=1)
+    whatif.add_argument("--ctx", type=int, default=2048)
+    whatif.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
+    whatif.add_argument("--min-gain", type=float, default=0.10)
+    ar = sub.add_parser("allreduce", help="all-reduce microbenchmark: fit lambda and beta")
+    ar.add_argument("--ranks", type=int, default=2)
+    ar.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    ar.add_argument("--min-bytes", type=float, default=4e3)
+    ar.add_argument("--max-bytes", type=float, default=32e6)
+    ar.add_argument("--points", type=int, default=12)
+    ar.add_argument("--reps", type=int, default=10)
+    ar.add_argument("--sku", default="cpu")
+    ar.add_argument("--out", default=None, help="write the fit as a calibration YAML")
+    return top
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    commands = {"fit": fit_command, "whatif": whatif_command, "allreduce": allreduce_command}
+    try:
+        sys.exit(commands[args.command](args))
+    except (ConfigError, ValueError) as exc:
+        print(f"hostsweep-model: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""The model stage end to end on synthetic cells: fit, log to MLflow, pyfunc round trip,
+what-if answers; and the all-reduce microbenchmark on gloo."""
+from __future__ import annotations
+
+from itertools import product
+
+import mlflow
+import mlflow.pyfunc
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from hostsweep.compare import cell_frame
+from hostsweep.config import load_model_shape, load_sku
+from hostsweep.fit import AllReduceFit, HostFit, allreduce_s, sharded_compute_s
+from hostsweep.modelcli import main
+from hostsweep.tpmodel import predict_rows
+
+AR, HOST, G = AllReduceFit(21.2e-6, 307e9), HostFit(16.9e-3, 0.1e-3), 0.30
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("model")
+    rows = pd.DataFrame([{"sku": "h100", "model": "llama-3.1-70b", "tp": k, "batch": n, "ctx": c, "step_ms": 0.0}
+                         for k, n, c in product([2, 4], [1, 2, 4, 8], [512, 2048, 4096])])
+    from dataclasses import asdict
+
+    cells = cell_frame(rows, {"llama-3.1-70b": load_model_shape("llama-3.1-70b")}, {"h100": asdict(load_sku("h100"))})
+    noise = np.random.default_rng(0).normal(0, 0.01, len(cells))
+    rows["step_ms"] = (G * sharded_compute_s(cells) + allreduce_s(cells, AR) + HOST.time_s(cells["batch"])) * (1 + noise) * 1e3
+    rows["status"] = "FINISHED"
+    rows.to_csv(root / "cells.csv", index=False)
+    (root / "calib.yaml").write_text(yaml.safe_dump({
+        "allreduce": {"h100": {"latency_us": 21.2, "bandwidth_gbps": 307}}, "host": {"s0_ms": 16.9, "s1_ms": 0.1}}))
+    return root
+
+
+def run_main(argv):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    return stop.value.code
+
+
+def test_fit_logs_a_model_run_that_loads_back_as_pyfunc(workspace, capsys):
+    uri = f"sqlite:///{workspace}/mlflow.db"
+    code = run_main(["--tracking-uri", uri, "fit", "--cells", str(workspace / "cells.csv"),
+                     "--calibration", str(workspace / "calib.yaml"), "--train-sku", "h100", "--train-tp", "2"])
+    out = capsys.readouterr().out
+    assert code == 0 and "host term: k-invariant" in out and "falsified on: no SKU" in out
+    model_uri = out.strip().splitlines()[-1].split()[2]
+    mlflow.set_tracking_uri(uri)
+    (run,) = mlflow.search_runs(experiment_names=["models"]).itertuples()
+    run_data = mlflow.get_run(run.run_id).data
+    assert float(run_data.params["g"]) == pytest.approx(G, rel=0.05)
+    assert run_data.metrics["heldout_mape_mean"] < 3.0 and run_data.metrics["heldout_n"] == 12
+    model = mlflow.pyfunc.load_model(model_uri)
+    query = pd.DataFrame([{"model": "llama-3.1-70b", "sku": "h100", "tp": 4, "batch": 2, "ctx": 2048}])
+    predicted = model.predict(query)
+    spec = model.unwrap_python_model().spec
+    assert predicted["step_ms"].iloc[0] == pytest.approx(predict_rows(spec, query)["step_ms"].iloc[0])
+    assert model.metadata.get_input_schema().input_names() == ["model", "sku", "tp", "batch", "ctx"]
+
+    code = run_main(["--tracking-uri", uri, "whatif", model_uri, "--model", "llama-3.1-70b", "--sku", "h100",
+                     "--tp", "1", "2", "4", "8"])
+    out = capsys.readouterr().out
+    assert code == 0 and "more GPUs stop helping at tp=" in out
+
+
+def test_fit_with_an_unknown_calibration_fails_in_one_line(workspace, capsys):
+    code = run_main(["--tracking-uri", f"sqlite:///{workspace}/x.db", "fit", "--cells", str(workspace / "cells.csv"),
+                     "--calibration", "nope", "--train-sku", "h100"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "calibration 'nope'" in err[0]
+
+
+def test_allreduce_microbenchmark_on_gloo_fits_positive_terms(tmp_path, capsys):
+    out_file = tmp_path / "calib.yaml"
+    code = run_main(["allreduce", "--ranks", "2", "--reps", "3", "--points", "5", "--max-bytes", "4e6",
+                     "--out", str(out_file)])
+    assert code == 0
+    fitted = yaml.safe_load(out_file.read_text())["allreduce"]["cpu"]
+    assert fitted["bandwidth_gbps"] > 0
