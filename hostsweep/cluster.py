@@ -9,11 +9,11 @@ import logging
 import os
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Iterable
 
 from hostsweep.config import ConfigError
-from hostsweep.grid import Cell, EngineSpec, group_by_engine
-from hostsweep.worker import CellResult, MeasureOptions, SweepWorker
+from hostsweep.grid import EngineSpec
+from hostsweep.worker import SweepWorker
 
 log = logging.getLogger(__name__)
 
@@ -96,54 +96,52 @@ def cpu_engine_cpus(nodes: list[NodeInventory]) -> int:
 
 
 def actor_options(spec: EngineSpec, cpu_cpus: int = 1) -> dict[str, object]:
-    """Ray scheduling options pinning the worker to its SKU."""
+    """Ray scheduling options pinning a single-device worker to its SKU."""
     if spec.accelerator_type is None:
         return {"num_cpus": cpu_cpus, "num_gpus": 0}
-    # The worker holds all tp GPUs of one node; vLLM's mp executor runs the TP ranks.
     return {"num_cpus": 1, "num_gpus": spec.tp, "accelerator_type": spec.accelerator_type}
 
 
-def start_workers(specs: Iterable[EngineSpec]) -> dict[EngineSpec, object]:
+def placement_bundles(spec: EngineSpec) -> list[dict[str, float]]:
+    """TP-k on GPUs: one CPU bundle for the worker, then k one-GPU bundles of the SKU.
+
+    Packed STRICTly on one node; vLLM's Ray executor, started inside the worker,
+    places its k TP ranks on the GPU bundles of the worker's placement group.
+    """
+    gpu_bundle = {"GPU": 1.0, f"{ACCELERATOR_PREFIX}{spec.accelerator_type}": 0.001}
+    return [{"CPU": 1.0}] + [dict(gpu_bundle) for _ in range(spec.tp)]
+
+
+# Placement groups outlive their actors; a replaced worker must give its GPUs back.
+_placement_groups: dict[str, object] = {}
+
+
+def release_worker(actor: object) -> None:
+    """Kill a worker and free its placement group, if it has one."""
     import ray
+    from ray.util.placement_group import remove_placement_group
+
+    ray.kill(actor)
+    group = _placement_groups.pop(actor._actor_id.hex(), None)
+    if group is not None:
+        remove_placement_group(group)
+
+
+def new_worker(spec: EngineSpec) -> object:
+    """Start one worker actor for `spec`, pinned to a node of its SKU."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     remote_worker = ray.remote(SweepWorker)
-    cpu_cpus = cpu_engine_cpus(live_nodes())
-    return {spec: remote_worker.options(**actor_options(spec, cpu_cpus)).remote(spec) for spec in specs}
-
-
-def failed_result(cell: Cell, reason: str) -> CellResult:
-    return CellResult(cell.key, cell.params(), "FAILED", None, reason)
-
-
-def run_cells(
-    cells: list[Cell], options: MeasureOptions,
-    on_result: Callable[[CellResult], None],
-) -> None:
-    """Measure every cell on its spec's worker; call on_result as each one finishes.
-
-    Cells of one spec queue on one actor and run in order on its one engine; different
-    specs run concurrently on whatever nodes fit them.
-    """
-    import ray
-
-    groups = group_by_engine(cells)
-    workers = start_workers(groups)
-    pending = {
-        workers[spec].measure.remote(cell, options): cell
-        for spec, spec_cells in groups.items() for cell in spec_cells
-    }
-    try:
-        while pending:
-            done, _ = ray.wait(list(pending), num_returns=1)
-            for ref in done:
-                cell = pending.pop(ref)
-                try:
-                    result = ray.get(ref)
-                except ray.exceptions.RayError as exc:  # the actor died or failed to start
-                    result = failed_result(cell, f"{type(exc).__name__}: {exc}")
-                on_result(result)
-    finally:
-        stop_workers(list(workers.values()))
+    if spec.accelerator_type is not None and spec.tp > 1:
+        group = placement_group(placement_bundles(spec), strategy="STRICT_PACK")
+        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0,
+                                                    placement_group_capture_child_tasks=True)
+        actor = remote_worker.options(num_cpus=1, num_gpus=0, scheduling_strategy=strategy).remote(spec)
+        _placement_groups[actor._actor_id.hex()] = group
+        return actor
+    return remote_worker.options(**actor_options(spec, cpu_engine_cpus(live_nodes()))).remote(spec)
 
 
 def stop_workers(actors: list[object]) -> None:
@@ -157,7 +155,7 @@ def stop_workers(actors: list[object]) -> None:
     except ray.exceptions.RayError as exc:
         log.warning("a worker did not close cleanly: %s", exc)
     for actor in actors:
-        ray.kill(actor)
+        release_worker(actor)
 
 
 def disconnect(started_here: bool) -> None:

@@ -116,6 +116,12 @@ class RayConfig:
 
 
 @dataclass
+class FaultsConfig:
+    cell_timeout_s: Optional[float] = None  # a cell running longer is FAILED and its worker replaced
+    max_retries: int = 1  # retries of a cell whose worker died mid-measurement
+
+
+@dataclass
 class TrackingConfig:
     uri: str = "sqlite:///outputs/mlflow.db"
     experiment: Optional[str] = None
@@ -142,6 +148,10 @@ class SweepConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    # Skip cells whose key already has a FINISHED run in the study's experiment, so a
+    # rerun after Ctrl-C or a crash measures only what is missing. resume=false remeasures.
+    resume: bool = True
     output: OutputConfig = field(default_factory=OutputConfig)
 
 

@@ -13,7 +13,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from hostsweep import cluster
 from hostsweep.config import SweepConfig, to_sweep_config
+from hostsweep.dispatch import Dispatcher, FaultPolicy
 from hostsweep.grid import Cell, build_cells, group_by_engine
+from hostsweep.progress import ProgressReporter
 from hostsweep.provenance import driver_tags
 from hostsweep.report import cell_row, format_table
 from hostsweep.tracking import SweepTracker
@@ -61,6 +63,7 @@ class CellTable:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
         self.rows: list[dict[str, object]] = []
 
     def append(self, row: dict[str, object]) -> None:
@@ -82,7 +85,8 @@ def measure_and_record(cfg: SweepConfig, cells: list[Cell], tracker: SweepTracke
             step += f", device {result.split.device_ms:.3f} ms, host {result.split.host_frac:.0%}"
         log.info("[%d/%d] %s: %s", len(table.rows), total, result.key, step)
 
-    cluster.run_cells(cells, measure_options(cfg), on_result)
+    policy = FaultPolicy(cfg.faults.cell_timeout_s, cfg.faults.max_retries)
+    Dispatcher(cells, measure_options(cfg), on_result, policy, ProgressReporter(total)).run()
 
 
 def where_results_are(tracker: SweepTracker, table: CellTable) -> str:
@@ -96,6 +100,16 @@ def where_results_are(tracker: SweepTracker, table: CellTable) -> str:
     )
 
 
+def skip_finished(cells: list[Cell], tracker: SweepTracker) -> list[Cell]:
+    finished = tracker.finished_cell_keys()
+    remaining = [c for c in cells if c.key not in finished]
+    if len(remaining) < len(cells):
+        log.info("resuming: %d of %d cells already FINISHED in experiment %s are skipped "
+                 "(resume=false measures them again)", len(cells) - len(remaining), len(cells),
+                 tracker.experiment_id)
+    return remaining
+
+
 def run(raw_cfg: DictConfig, run_dir: Path) -> int:
     """Run the sweep the config describes; return the process exit code."""
     cfg = to_sweep_config(raw_cfg)
@@ -105,6 +119,7 @@ def run(raw_cfg: DictConfig, run_dir: Path) -> int:
     try:
         cluster.check_feasible(group_by_engine(cells), cluster.live_nodes())
         tracker = SweepTracker(cfg.tracking.uri, experiment_name(cfg))
+        cells = skip_finished(cells, tracker) if cfg.resume else cells
         tracker.start_sweep(sweep_run_name(cfg, run_dir), OmegaConf.to_yaml(raw_cfg), sweep_params(cfg, cells),
                             {**driver_tags(), "run_dir": str(run_dir)})
         table = CellTable(run_dir / cfg.output.cells_file)

@@ -114,6 +114,18 @@ class SweepTracker:
         location = (root / name).as_uri() if root is not None else None
         return self.client.create_experiment(name, artifact_location=location)
 
+    def finished_cell_keys(self) -> set[str]:
+        """Cell keys with a FINISHED run in this experiment (what a resumed sweep skips)."""
+        keys: set[str] = set()
+        page_token = None
+        while True:
+            page = self.client.search_runs([self.experiment_id], "attributes.status = 'FINISHED'",
+                                           max_results=5000, page_token=page_token)
+            keys |= {run.data.tags["cell_key"] for run in page if "cell_key" in run.data.tags}
+            page_token = page.token
+            if not page_token:
+                return keys
+
     def start_sweep(self, run_name: str, config_yaml: str, params: dict[str, object],
                     tags: dict[str, str]) -> str:
         run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)

@@ -127,6 +127,10 @@ def validate(cfg: SweepConfig) -> tuple[list[int], list[int], list[int]]:
     ctxs = positive_ints("ctx", cfg.ctx)
     check_measure(cfg)
     check_split(cfg)
+    if cfg.faults.max_retries < 0:
+        raise ConfigError(f"faults.max_retries must be >= 0, got {cfg.faults.max_retries}")
+    if cfg.faults.cell_timeout_s is not None and cfg.faults.cell_timeout_s <= 0:
+        raise ConfigError(f"faults.cell_timeout_s must be positive or null, got {cfg.faults.cell_timeout_s}")
     check_tp(cfg, tps)
     check_context(cfg, ctxs)
     check_capabilities(cfg)

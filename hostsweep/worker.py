@@ -76,6 +76,16 @@ def restore_priority() -> str:
     return f"{before}->{os.getpriority(os.PRIO_PROCESS, 0)}"
 
 
+def ray_node_id() -> str:
+    """The Ray node this worker runs on ('none' outside Ray)."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "none"
+    except ImportError:
+        return "none"
+
+
 def prompt_seed(cell: Cell) -> int:
     """Prompts differ across cells but are the same for every rep of one cell."""
     return cell.seed * 1_000_003 + cell.batch * 10_007 + cell.ctx
@@ -97,6 +107,7 @@ class SweepWorker:
             "cpu_affinity": str(len(os.sched_getaffinity(0))),
             "dropped_env": ",".join(f"{k}={v}" for k, v in dropped.items()) or "none",
             "niceness": niceness,
+            "ray_node_id": ray_node_id(),
         }
 
     def host_info(self) -> dict[str, str]:

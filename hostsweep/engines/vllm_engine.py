@@ -93,7 +93,9 @@ def engine_kwargs(spec: EngineSpec, model: str) -> dict[str, object]:
     if spec.accelerator_type is not None:
         kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
     if spec.tp > 1:
-        kwargs["distributed_executor_backend"] = "mp"
+        # GPUs: the Ray executor places TP ranks on the worker's placement-group bundles.
+        # CPUs: multiprocessing ranks bound to disjoint cores.
+        kwargs["distributed_executor_backend"] = "ray" if spec.accelerator_type else "mp"
     return kwargs
 
 

@@ -1,0 +1,137 @@
+"""Dispatch on a multi-node local Ray cluster with fake accelerators and the fake engine:
+SKU pinning, TP placement, actor death, timeouts, resume, infeasible plans."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from hostsweep import sweep
+from hostsweep.cluster import InfeasiblePlan, check_feasible, live_nodes, new_worker, release_worker
+from hostsweep.dispatch import Dispatcher, FaultPolicy
+from hostsweep.grid import build_cells, group_by_engine
+from hostsweep.worker import MeasureOptions
+from tests.conftest import compose_raw, compose_typed
+
+pytestmark = pytest.mark.integration
+FAST = ["engine.name=fake", "measure.T=5", "measure.reps=3", "measure.warmups=1", "ctx=[16]"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A CPU head, one node with 4 fake H100s and one with 4 fake H200s."""
+    fake = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
+    nodes = {
+        "h100": fake.add_node(num_cpus=2, num_gpus=4, resources={"accelerator_type:H100": 1}),
+        "h200": fake.add_node(num_cpus=2, num_gpus=4, resources={"accelerator_type:H200": 1}),
+    }
+    fake.wait_for_nodes()
+    ray.init(address=fake.address)
+    yield {sku: node.node_id for sku, node in nodes.items()}
+    ray.shutdown()
+    fake.shutdown()
+
+
+def cells_for(*overrides: str):
+    return build_cells(compose_typed([*FAST, *overrides]))
+
+
+def run(cells, policy=FaultPolicy(), on_result=None):
+    results = []
+
+    def collect(result):
+        results.append(result)
+        if on_result:
+            on_result(result)
+
+    dispatcher = Dispatcher(cells, MeasureOptions(resamples=200, split=False), collect, policy)
+    dispatcher.run()
+    return results, dispatcher
+
+
+def test_cells_land_on_nodes_of_their_sku(cluster):
+    cells = cells_for("+sku=h100", "model=llama-3.1-8b", "batch=[1,2]") + \
+        cells_for("+sku=h200", "model=llama-3.1-8b", "batch=[1,2]")
+    results, _ = run(cells)
+    assert sorted(r.key for r in results) == sorted(c.key for c in cells)
+    for result in results:
+        assert result.status == "FINISHED", result.error
+        assert result.host["ray_node_id"] == cluster[result.params["sku"]]
+
+
+def test_tp_k_worker_reserves_k_gpu_bundles_on_one_node(cluster):
+    (spec,) = group_by_engine(cells_for("+sku=h200", "model=llama-3.1-8b", "tp=4"))
+    actor = new_worker(spec)
+    ray.get(actor.host_info.remote())
+    (table,) = [t for t in ray.util.placement_group_table().values() if t["state"] == "CREATED"]
+    gpu_bundles = [b for b in table["bundles"].values() if b.get("GPU")]
+    assert len(gpu_bundles) == 4 and all(b["accelerator_type:H200"] > 0 for b in gpu_bundles)
+    assert set(table["bundles_to_node_id"].values()) == {cluster["h200"]}
+    release_worker(actor)
+
+
+def test_killing_a_worker_mid_sweep_still_measures_every_cell_once(cluster):
+    cells = cells_for("+sku=h100", "model=llama-3.1-8b", "batch=[1,2,3,4]")
+    results = []
+
+    def record_and_kill_once(result):
+        results.append(result)
+        if len(results) == 1:
+            (actor,) = dispatcher.actors.values()
+            ray.kill(actor)  # the next cell goes to a dead worker and must be retried elsewhere
+
+    dispatcher = Dispatcher(cells, MeasureOptions(resamples=200, split=False), record_and_kill_once,
+                            FaultPolicy(max_retries=2))
+    dispatcher.run()
+    assert Counter(r.key for r in results) == Counter(c.key for c in cells)
+    assert all(r.status == "FINISHED" for r in results), [r.error for r in results]
+    assert sum(dispatcher.attempts.values()) == 1
+
+
+def test_a_cell_past_its_timeout_fails_and_the_sweep_goes_on(cluster):
+    slow = cells_for("+sku=h200", "model=llama-3.1-8b", "batch=[1,2]", "measure.T=400")
+    results, _ = run(slow, FaultPolicy(cell_timeout_s=0.5, poll_s=0.2))
+    assert len(results) == 2
+    assert all(r.status == "FAILED" and "timed out" in r.error for r in results)
+
+
+def test_rerun_after_an_interrupted_sweep_measures_only_missing_cells(cluster, tmp_path, monkeypatch):
+    args = ["+sku=h100", "model=llama-3.1-8b", *FAST, "batch=[1,2,3]", "split.enabled=false",
+            f"tracking.uri=sqlite:///{tmp_path}/m.db", "study=resume"]
+    calls = []
+    original = sweep.SweepTracker.log_cell
+
+    def crash_on_third(self, result, tags):
+        calls.append(result.key)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the driver dies while the third cell is being recorded
+        return original(self, result, tags)
+
+    monkeypatch.setattr(sweep.SweepTracker, "log_cell", crash_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        sweep.run(compose_raw(args), tmp_path / "first")
+    monkeypatch.setattr(sweep.SweepTracker, "log_cell", original)
+
+    assert sweep.run(compose_raw(args), tmp_path / "second") == 0
+    import pandas as pd
+
+    second = pd.read_csv(tmp_path / "second" / "cells.csv")
+    assert list(second["batch"]) == [3]
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/m.db")
+    runs = mlflow.search_runs(experiment_names=["hostsweep-resume"], filter_string="attributes.status = 'FINISHED'")
+    keys = runs["tags.cell_key"].dropna()
+    assert sorted(Counter(keys).values()) == [1, 1, 1]
+    assert sweep.run(compose_raw([*args, "resume=false"]), tmp_path / "fresh") == 0
+    assert len(pd.read_csv(tmp_path / "fresh" / "cells.csv")) == 3
+
+
+def test_infeasible_plan_names_the_accelerators_the_cluster_has(cluster):
+    specs = group_by_engine(cells_for("+sku=h200", "model=llama-3.1-8b", "tp=8"))
+    with pytest.raises(InfeasiblePlan) as err:
+        check_feasible(specs, live_nodes())
+    assert "CPU-only (1 node)" in str(err.value) and "H100 x4 (1 node)" in str(err.value)
+    assert "H200 x4 (1 node)" in str(err.value)
