@@ -136,6 +136,9 @@ class OutputConfig:
 class SweepConfig:
     study: str = "default"
     sku: Optional[SkuConfig] = None
+    # Several SKUs in one sweep (dispatched concurrently), e.g. skus=[h100,h200]; when
+    # set it replaces `sku`.
+    skus: Optional[list[str]] = None
     model: ModelConfig = MISSING
     mode: ModeConfig = MISSING
     # int or list of ints: Hydra users write `tp=4` as well as `tp=[2,4]`.
@@ -246,13 +249,27 @@ def default_dtype(gpu: bool, flags: set[str]) -> str:
     return "float32"
 
 
+def sweep_skus(cfg: SweepConfig) -> list[SkuConfig]:
+    """The SKUs a sweep spans: the `skus` list when given, else the single `sku`."""
+    if cfg.skus:
+        allowed = group_options("sku")
+        for name in cfg.skus:
+            if name not in allowed:
+                raise ConfigError(f"unknown sku '{name}' in skus; allowed sku values: {', '.join(allowed)}")
+        return [load_sku(name) for name in dict.fromkeys(cfg.skus)]
+    if cfg.sku is None:
+        raise ConfigError("no SKU: give +sku=NAME or skus=[...]")
+    return [cfg.sku]
+
+
 def to_sweep_config(cfg: DictConfig) -> SweepConfig:
     """Typed config from Hydra's DictConfig; fills the SKU with the local kind if absent."""
     typed: SweepConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     if typed.sku is None:
         typed.sku = load_sku(local_sku_name())
     if typed.engine.dtype == "auto":
-        typed.engine.dtype = default_dtype(typed.sku.accelerator_type is not None, cpu_flags())
+        any_gpu = any(s.accelerator_type is not None for s in sweep_skus(typed))
+        typed.engine.dtype = default_dtype(any_gpu, cpu_flags())
     if typed.model.source == "checkpoint" and typed.model.shape is None:
         typed.model.shape = _shape_from_checkpoint(typed.model.path)
     return typed

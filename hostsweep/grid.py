@@ -10,7 +10,7 @@ import json
 from dataclasses import asdict, dataclass
 from itertools import product
 
-from hostsweep.config import SweepConfig
+from hostsweep.config import SkuConfig, SweepConfig, sweep_skus
 from hostsweep.validation import max_tokens, validate
 
 
@@ -74,13 +74,12 @@ class Cell:
         }
 
 
-def engine_spec(cfg: SweepConfig, tp: int, batches: list[int], ctxs: list[int]) -> EngineSpec:
+def engine_spec(cfg: SweepConfig, sku: SkuConfig, tp: int, batches: list[int], ctxs: list[int]) -> EngineSpec:
     """Size the engine to the largest cell it serves: longest context plus T, widest batch."""
-    assert cfg.sku is not None, "to_sweep_config fills the SKU"
     shape = cfg.model.shape
     return EngineSpec(
-        sku=cfg.sku.name,
-        accelerator_type=cfg.sku.accelerator_type,
+        sku=sku.name,
+        accelerator_type=sku.accelerator_type,
         model=cfg.model.name,
         model_source=cfg.model.source,
         model_path=cfg.model.path,
@@ -105,8 +104,8 @@ def build_cells(cfg: SweepConfig) -> list[Cell]:
     tps, batches, ctxs = validate(cfg)
     m = cfg.measure
     cells = []
-    for tp in tps:
-        spec = engine_spec(cfg, tp, batches, ctxs)
+    for sku, tp in product(sweep_skus(cfg), tps):
+        spec = engine_spec(cfg, sku, tp, batches, ctxs)
         for batch, ctx in product(batches, ctxs):
             cells.append(Cell(spec, batch, ctx, m.T, m.warmups, m.reps, m.seed))
     return cells

@@ -12,7 +12,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from hostsweep import cluster
-from hostsweep.config import SweepConfig, to_sweep_config
+from hostsweep.config import SweepConfig, sweep_skus, to_sweep_config
 from hostsweep.dispatch import Dispatcher, FaultPolicy
 from hostsweep.grid import Cell, build_cells, group_by_engine
 from hostsweep.progress import ProgressReporter
@@ -30,14 +30,13 @@ def experiment_name(cfg: SweepConfig) -> str:
 
 def sweep_run_name(cfg: SweepConfig, run_dir: Path) -> str:
     """e.g. 'keystone-cpu: cpu/small-llama/eager @ 18-10-29/1' (multirun jobs end in /N)."""
-    assert cfg.sku is not None
-    return f"{cfg.study}: {cfg.sku.name}/{cfg.model.name}/{cfg.mode.name} @ {run_dir.parent.name}/{run_dir.name}"
+    skus = "+".join(s.name for s in sweep_skus(cfg))
+    return f"{cfg.study}: {skus}/{cfg.model.name}/{cfg.mode.name} @ {run_dir.parent.name}/{run_dir.name}"
 
 
 def sweep_params(cfg: SweepConfig, cells: list[Cell]) -> dict[str, object]:
-    assert cfg.sku is not None
     return {
-        "study": cfg.study, "sku": cfg.sku.name, "model": cfg.model.name, "mode": cfg.mode.name,
+        "study": cfg.study, "sku": ",".join(s.name for s in sweep_skus(cfg)), "model": cfg.model.name, "mode": cfg.mode.name,
         "tp": sorted({c.engine.tp for c in cells}), "batch": sorted({c.batch for c in cells}),
         "ctx": sorted({c.ctx for c in cells}), "T": cfg.measure.T, "reps": cfg.measure.reps,
         "warmups": cfg.measure.warmups, "engine": cfg.engine.name, "n_cells": len(cells),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hostsweep.config import ConfigError, SweepConfig
+from hostsweep.config import ConfigError, SkuConfig, SweepConfig, sweep_skus
 
 ENGINES = ("vllm", "fake")
 DTYPES = ("bfloat16", "float16", "float32", "auto")
@@ -67,9 +67,8 @@ def check_split(cfg: SweepConfig) -> None:
             raise ConfigError(f"linearity.reps must be >= 1, got {lin.reps}")
 
 
-def check_tp(cfg: SweepConfig, tps: list[int]) -> None:
-    shape, sku = cfg.model.shape, cfg.sku
-    assert sku is not None, "to_sweep_config fills the SKU"
+def check_tp(cfg: SweepConfig, sku: SkuConfig, tps: list[int]) -> None:
+    shape = cfg.model.shape
     if shape is not None:
         heads = shape.num_attention_heads
         for tp in tps:
@@ -105,10 +104,9 @@ def check_context(cfg: SweepConfig, ctxs: list[int]) -> None:
         )
 
 
-def check_capabilities(cfg: SweepConfig) -> None:
+def check_capabilities(cfg: SweepConfig, sku: SkuConfig) -> None:
     """Refuse modes the SKU cannot run, instead of letting the engine fail obscurely."""
-    sku, mode = cfg.sku, cfg.mode
-    assert sku is not None
+    mode = cfg.mode
     if mode.quantization and sku.accelerator_type is None:
         raise ConfigError(
             f"mode={mode.name} (quantization={mode.quantization}) needs a GPU SKU; "
@@ -131,7 +129,8 @@ def validate(cfg: SweepConfig) -> tuple[list[int], list[int], list[int]]:
         raise ConfigError(f"faults.max_retries must be >= 0, got {cfg.faults.max_retries}")
     if cfg.faults.cell_timeout_s is not None and cfg.faults.cell_timeout_s <= 0:
         raise ConfigError(f"faults.cell_timeout_s must be positive or null, got {cfg.faults.cell_timeout_s}")
-    check_tp(cfg, tps)
+    for sku in sweep_skus(cfg):
+        check_tp(cfg, sku, tps)
+        check_capabilities(cfg, sku)
     check_context(cfg, ctxs)
-    check_capabilities(cfg)
     return tps, batches, ctxs

@@ -39,3 +39,20 @@ def test_cell_key_is_stable_and_distinguishes_measurements():
 def test_duplicate_grid_values_collapse():
     cells = build_cells(compose_typed(["+sku=cpu", "batch=[2,2,1]", "ctx=128"]))
     assert [c.batch for c in cells] == [1, 2]
+
+
+def test_a_study_spanning_skus_and_tp_degrees_has_one_engine_per_pair():
+    cells = build_cells(compose_typed(["+experiment=tp70b"]))
+    groups = group_by_engine(cells)
+    assert sorted((s.sku, s.tp) for s in groups) == [("h100", 2), ("h100", 4), ("h200", 2), ("h200", 4)]
+    assert len(cells) == 48 and all(len(g) == 12 for g in groups.values())
+    assert {s.accelerator_type for s in groups} == {"H100", "H200"}
+
+
+def test_unknown_sku_in_a_list_names_the_allowed_ones():
+    import pytest
+
+    from hostsweep.config import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown sku 'h300' in skus; allowed sku values: cpu, h100, h200"):
+        build_cells(compose_typed(["skus=[h100,h300]"]))
