@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
-from hostsweep.fit import AllReduceFit, AllReduceTerms, HostFit, SHAPE_COLUMNS, allreduce_s, ape, sharded_compute_s
+from hostsweep.fit import AllReduceTerms, HostFit, SHAPE_COLUMNS, allreduce_s, ape, sharded_compute_s
 from hostsweep.hostforms import FittedForm, predict_s
 from hostsweep.shapes import parameter_count
 

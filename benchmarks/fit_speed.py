@@ -1,0 +1,54 @@
+"""How long fitting and scoring the TP model takes on 100,000 cells (vectorized numpy):
+prints cells per second for the default form and for the five-form comparison.
+
+    .venv/bin/python benchmarks/fit_speed.py [n_cells]
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict
+from itertools import product
+
+import numpy as np
+import pandas as pd
+
+from hostsweep.compare import cell_frame, in_regime
+from hostsweep.config import load_model_shape, load_sku
+from hostsweep.fit import AllReduceFit, HostFit, allreduce_s, sharded_compute_s
+from hostsweep.hostforms import compare_forms, fit_form, predict_s
+
+
+def synthetic_cells(n: int) -> pd.DataFrame:
+    models = ["llama-3.1-8b", "llama-3.1-70b", "qwen2.5-32b"]
+    base = pd.DataFrame([{"sku": s, "model": m, "tp": k, "batch": b, "ctx": c, "step_ms": 0.0}
+                         for s, m, k, b, c in product(["h100", "h200"], models, [1, 2, 4, 8],
+                                                      [1, 2, 4, 8, 16], [512, 2048, 4096])])
+    rows = base.sample(n, replace=True, random_state=0).reset_index(drop=True)
+    cells = cell_frame(rows, {m: load_model_shape(m) for m in models},
+                       {s: asdict(load_sku(s)) for s in ("h100", "h200")})
+    ar, host = AllReduceFit(21.2e-6, 307e9), HostFit(16.9e-3, 0.2e-3)
+    noise = np.random.default_rng(0).normal(0, 0.02, n)
+    cells["step_ms"] = (0.3 * sharded_compute_s(cells) + allreduce_s(cells, ar) + host.time_s(cells["batch"])) * (1 + noise) * 1e3
+    return cells
+
+
+def main() -> None:
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 100_000
+    ar, host = AllReduceFit(21.2e-6, 307e9), HostFit(16.9e-3, 0.2e-3)
+    cells = synthetic_cells(n)
+    start = time.perf_counter()
+    regime = in_regime(cells)
+    train = cells[regime & (cells["tp"] == 2).to_numpy()]
+    fitted = fit_form("fixed_microbench", train, ar, host)
+    predict_s(fitted, cells, ar, host)
+    one = time.perf_counter() - start
+    start = time.perf_counter()
+    compare_forms(train, cells[regime & (cells["tp"] != 2).to_numpy()], ar, host)
+    five = time.perf_counter() - start
+    print(f"{n} cells: regime + fit + predict {one:.3f} s ({n / one:,.0f} cells/s); "
+          f"five-form comparison {five:.3f} s ({n / five:,.0f} cells/s); g = {fitted.g:.3f}")
+
+
+if __name__ == "__main__":
+    main()
