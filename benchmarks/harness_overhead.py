@@ -29,13 +29,14 @@ def main() -> None:
     register_configs()
     with initialize_config_module("hostsweep.conf", version_base="1.3"):
         cfg = to_sweep_config(compose("config", overrides=["+sku=cpu", "batch=[1]", "ctx=[128]",
-                                                           "split.enabled=false", *sys.argv[1:]]))
+                                                           "split.enabled=false",
+                                                           *[a for a in sys.argv[1:] if not a.startswith("--")]]))
     cell = build_cells(cfg)[0]
     options = MeasureOptions(split=False)
     rounds = 3
     plain = SweepWorker(cell.engine)
     alone = [plain.measure(cell, options).measurement.step_ms for _ in range(rounds)]
-    started = connect(None)
+    started = connect(None, confine_daemons="--confine-daemons" in sys.argv)
     beside_ray = [plain.measure(cell, options).measurement.step_ms for _ in range(rounds)]
     plain.close()
     actor = new_worker(cell.engine)

@@ -32,8 +32,16 @@ class NodeInventory:
     accelerator_types: tuple[str, ...]
 
 
-def connect(address: str | None) -> bool:
-    """Join the cluster at `address`, or start a local one; True if we started it."""
+WORKER_AFFINITY_ENV = "HOSTSWEEP_WORKER_AFFINITY"
+
+
+def connect(address: str | None, confine_daemons: bool = False) -> bool:
+    """Join the cluster at `address`, or start a local one; True if we started it.
+
+    confine_daemons (local cluster only): Ray's daemons start pinned to the last core,
+    away from the cores vLLM binds its compute threads to; workers get every core back
+    (WORKER_AFFINITY_ENV) before their engine starts.
+    """
     import ray
 
     if ray.is_initialized():
@@ -43,7 +51,14 @@ def connect(address: str | None) -> bool:
         return False
     # Ray runs workers at niceness 15 by default; the engines they start inherit it.
     os.environ.setdefault("RAY_worker_niceness", "0")
-    ray.init(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+    cores = sorted(os.sched_getaffinity(0))
+    if confine_daemons and len(cores) > 1:
+        os.environ[WORKER_AFFINITY_ENV] = ",".join(map(str, cores))
+        os.sched_setaffinity(0, cores[-1:])  # the daemons ray.init starts inherit this
+    try:
+        ray.init(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+    finally:
+        os.sched_setaffinity(0, cores)
     return True
 
 

@@ -88,6 +88,8 @@ class SplitConfig:
     host_bound_threshold: float = 0.5  # host_frac at or above this is "host-bound"
     top_ops: int = 15
     keep_traces: bool = False  # traces are large; off unless asked for
+    pyspy: bool = False  # py-spy thread states of the engine tree (skipped if py-spy is absent)
+    pyspy_seconds: float = 3.0
 
 
 @dataclass
@@ -112,6 +114,9 @@ class EngineConfig:
 @dataclass
 class RayConfig:
     address: Optional[str] = None
+    # Local cluster only: start Ray's daemons pinned to the last core, away from the
+    # cores vLLM binds compute to; workers take every core back before their engine starts.
+    confine_daemons: bool = True
     feasibility_timeout_s: float = 10.0
 
 

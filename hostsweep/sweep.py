@@ -54,6 +54,7 @@ def measure_options(cfg: SweepConfig) -> MeasureOptions:
         keep_traces=cfg.split.keep_traces,
         linearity_T=tuple(sorted(set(cfg.linearity.T))) if cfg.linearity.enabled else (),
         linearity_reps=cfg.linearity.reps,
+        pyspy_seconds=cfg.split.pyspy_seconds if cfg.split.pyspy else 0.0,
     )
 
 
@@ -114,7 +115,7 @@ def run(raw_cfg: DictConfig, run_dir: Path) -> int:
     cfg = to_sweep_config(raw_cfg)
     cells = build_cells(cfg)  # raises ConfigError on bad input, before Ray starts
     log.info("%d cells on %d engine(s)", len(cells), len(group_by_engine(cells)))
-    started_here = cluster.connect(cfg.ray.address)
+    started_here = cluster.connect(cfg.ray.address, cfg.ray.confine_daemons)
     try:
         cluster.check_feasible(group_by_engine(cells), cluster.live_nodes())
         tracker = SweepTracker(cfg.tracking.uri, experiment_name(cfg))

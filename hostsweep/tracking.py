@@ -18,6 +18,7 @@ import pandas as pd
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
+from hostsweep.threadstates import idle_fraction
 from hostsweep.worker import CellResult
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ def cell_metrics(result: CellResult) -> dict[str, float]:
                        profiler_overhead=sp.profiler_overhead)
         if sp.kernel_source == "cuda":
             metrics.update(copy_ms=sp.copy_ms, copy_bytes_per_step=sp.copy_bytes)
+    if result.thread_states is not None and not result.thread_states.empty:
+        metrics["pyspy_idle_frac"] = idle_fraction(result.thread_states)
     if result.linearity is not None:
         lin = result.linearity
         metrics.update(r2_wall=lin.r2_wall, r2_kernel=lin.r2_kernel,
@@ -164,6 +167,8 @@ class SweepTracker:
             self.client.log_text(run_id, top_ops_table(result), "top_ops.csv")
         if result.linearity is not None:
             self.client.log_text(run_id, linearity_table(result), "linearity.csv")
+        if result.thread_states is not None:
+            self.client.log_text(run_id, result.thread_states.to_csv(index=False), "thread_states.csv")
         if result.traces:
             with tempfile.TemporaryDirectory() as folder:
                 for name, data in result.traces.items():

@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
+import pandas as pd
 
 from hostsweep.engines.base import Engine, start_engine
 from hostsweep.grid import Cell, EngineSpec
 from hostsweep.measure import CellMeasurement, random_prompts, run_protocol, summarize
 from hostsweep.provenance import hostname
+from hostsweep.pyspy import record_thread_states
 from hostsweep.split import LinearityResult, SplitResult, device_split, linearity
 from hostsweep.traces import TraceTotals, load_trace, totals
 
@@ -43,6 +45,7 @@ class MeasureOptions:
     keep_traces: bool = False
     linearity_T: tuple[int, ...] = ()  # empty: no linearity sweep
     linearity_reps: int = 3
+    pyspy_seconds: float = 0.0  # > 0: py-spy thread states while T-token generates run
 
 
 @dataclass(frozen=True)
@@ -57,11 +60,20 @@ class CellResult:
     split: Optional[SplitResult] = None
     linearity: Optional[LinearityResult] = None
     traces: dict[str, bytes] = field(default_factory=dict)  # file name -> gzipped trace
+    thread_states: Optional[pd.DataFrame] = None  # py-spy view of the engine process tree
 
 
 def release_ray_thread_limits(environ: dict[str, str]) -> dict[str, str]:
     """Drop the thread caps Ray sets for actors; return what was dropped, for the record."""
     return {key: environ.pop(key) for key in RAY_THREAD_ENV if key in environ}
+
+
+def restore_affinity() -> None:
+    """Take back every core of the node when the driver confined Ray's daemons (and so
+    this worker, their child) to one; vLLM binds its threads from this set."""
+    cores = os.environ.get("HOSTSWEEP_WORKER_AFFINITY")
+    if cores:
+        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
 
 
 def restore_priority() -> str:
@@ -95,6 +107,7 @@ class SweepWorker:
     def __init__(self, spec: EngineSpec, workdir: Optional[str] = None) -> None:
         dropped = release_ray_thread_limits(os.environ)  # type: ignore[arg-type]
         niceness = restore_priority()
+        restore_affinity()
         self.spec = spec
         # On a remote node the driver's folders do not exist: default to a local temp dir.
         folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="hostsweep-"))
@@ -176,13 +189,16 @@ class SweepWorker:
             split = self._split(cell, prompts, measurement.step_ms, keep) \
                 if options.split and self.spec.profile else None
             lin = self._linearity(cell, prompts, keep) if options.linearity_T else None
+            states = record_thread_states(os.getpid(), options.pyspy_seconds,
+                                          lambda: self._timed_generate(prompts)(cell.T)) \
+                if options.pyspy_seconds > 0 else None
         except Exception as exc:  # the sweep goes on; the reason is recorded with the cell
             log.error("cell %s failed: %s", cell.key, exc)
             reason = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"
             return CellResult(cell.key, cell.params(), "FAILED", None, reason, self.host_info(),
                               time.perf_counter() - start)
         return CellResult(cell.key, cell.params(), "FINISHED", measurement, None, self.host_info(),
-                          time.perf_counter() - start, split, lin, keep)
+                          time.perf_counter() - start, split, lin, keep, states)
 
     def close(self) -> None:
         self.engine.close()

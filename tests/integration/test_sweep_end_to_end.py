@@ -33,6 +33,7 @@ def sweep(tmp_path_factory):
     uri = f"sqlite:///{root}/mlflow.db"
     proc = run_hostsweep(
         ["+sku=cpu", "batch=[1,2]", "ctx=[64]", "measure.reps=4", "measure.warmups=1",
+         "split.pyspy=true", "split.pyspy_seconds=2",
          f"tracking.uri={uri}", "study=it", f"hydra.run.dir={root}/run"],
         cwd=root, timeout=900,
     )
@@ -83,6 +84,19 @@ def test_top_ops_artifact_names_compute_ops(runs, tmp_path):
     ops = pd.read_csv(path)
     assert len(ops) > 3 and (ops["ms_per_step"].iloc[0] >= ops["ms_per_step"]).all()
     assert ops["op"].str.contains("mm").any()
+
+
+def test_pyspy_thread_states_of_the_engine_tree_are_logged(runs, tmp_path):
+    from hostsweep.pyspy import pyspy_binary
+
+    if pyspy_binary() is None:
+        pytest.skip("py-spy is not installed")
+    child = runs[runs["tags.mlflow.parentRunId"].notna()].iloc[0]
+    path = mlflow.artifacts.download_artifacts(run_id=child["run_id"], artifact_path="thread_states.csv",
+                                               dst_path=str(tmp_path))
+    states = pd.read_csv(path)
+    assert states["process"].str.contains("EngineCore").any()
+    assert 0 <= child["metrics.pyspy_idle_frac"] <= 1
 
 
 def test_children_carry_cell_params_and_provenance_tags(runs):

@@ -69,8 +69,40 @@ def test_kept_traces_come_back_with_the_result(tmp_path):
 def test_linearity_sweep_reports_r2_for_wall_and_kernels(tmp_path):
     cell = fake_cells("batch=[1]", "ctx=[16]")[0]
     worker = SweepWorker(cell.engine, str(tmp_path))
-    result = worker.measure(cell, MeasureOptions(resamples=200, linearity_T=(4, 8, 16, 32), linearity_reps=1))
+    result = worker.measure(cell, MeasureOptions(resamples=200, linearity_T=(8, 32, 128), linearity_reps=3))
     lin = result.linearity
-    assert lin.tokens == (4, 8, 16, 32) and len(lin.kernel_ms) == 4
+    assert lin.tokens == (8, 32, 128) and len(lin.kernel_ms) == 3
     assert lin.r2_kernel == pytest.approx(1.0)  # synthetic kernels are exactly linear in T
     assert lin.r2_wall > 0.8
+
+
+def test_pyspy_view_samples_the_worker_or_is_skipped_cleanly(tmp_path, monkeypatch):
+    from hostsweep import pyspy
+
+    cell = fake_cells("batch=[1]", "ctx=[16]", "measure.T=20")[0]
+    worker = SweepWorker(cell.engine, str(tmp_path))
+    result = worker.measure(cell, MeasureOptions(resamples=200, split=False, pyspy_seconds=1.0))
+    assert result.status == "FINISHED", result.error
+    if pyspy.pyspy_binary() is None:
+        assert result.thread_states is None
+    else:
+        assert result.thread_states["samples"].sum() > 0
+        assert ((result.thread_states["active_frac"] >= 0) & (result.thread_states["active_frac"] <= 1)).all()
+    monkeypatch.setattr(pyspy, "pyspy_binary", lambda: None)
+    skipped = worker.measure(cell, MeasureOptions(resamples=200, split=False, pyspy_seconds=1.0))
+    assert skipped.status == "FINISHED" and skipped.thread_states is None
+
+
+def test_worker_takes_back_every_core_when_ray_daemons_were_confined():
+    import os
+    import subprocess
+    import sys
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    script = ("import os; os.sched_setaffinity(0, {%d}); from hostsweep.worker import restore_affinity; "
+              "restore_affinity(); print(sorted(os.sched_getaffinity(0)))" % cores[-1])
+    env = {**os.environ, "HOSTSWEEP_WORKER_AFFINITY": ",".join(map(str, cores))}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(cores)
