@@ -118,13 +118,14 @@ def actor_options(spec: EngineSpec, cpu_cpus: int = 1) -> dict[str, object]:
 
 
 def placement_bundles(spec: EngineSpec) -> list[dict[str, float]]:
-    """TP-k on GPUs: one CPU bundle for the worker, then k one-GPU bundles of the SKU.
+    """TP-k on GPUs: one bundle holding the worker's CPU and k GPUs of the SKU (STRICT_PACK).
 
-    Packed STRICTly on one node; vLLM's Ray executor, started inside the worker,
-    places its k TP ranks on the GPU bundles of the worker's placement group.
+    One bundle, not k: vLLM V1 runs its executor in an EngineCore subprocess, which loses
+    the actor's placement-group context, so its Ray executor cannot place ranks on sibling
+    bundles (vllm-project/vllm#30016). The worker holds all k GPUs (Ray sets
+    CUDA_VISIBLE_DEVICES to them) and vLLM's multiprocessing executor runs the ranks.
     """
-    gpu_bundle = {"GPU": 1.0, f"{ACCELERATOR_PREFIX}{spec.accelerator_type}": 0.001}
-    return [{"CPU": 1.0}] + [dict(gpu_bundle) for _ in range(spec.tp)]
+    return [{"CPU": 1.0, "GPU": float(spec.tp), f"{ACCELERATOR_PREFIX}{spec.accelerator_type}": 0.001}]
 
 
 # Placement groups outlive their actors; a replaced worker must give its GPUs back.
@@ -153,7 +154,7 @@ def new_worker(spec: EngineSpec) -> object:
         group = placement_group(placement_bundles(spec), strategy="STRICT_PACK")
         strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0,
                                                     placement_group_capture_child_tasks=True)
-        actor = remote_worker.options(num_cpus=1, num_gpus=0, scheduling_strategy=strategy).remote(spec)
+        actor = remote_worker.options(num_cpus=1, num_gpus=spec.tp, scheduling_strategy=strategy).remote(spec)
         _placement_groups[actor._actor_id.hex()] = group
         return actor
     return remote_worker.options(**actor_options(spec, cpu_engine_cpus(live_nodes()))).remote(spec)

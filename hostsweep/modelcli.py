@@ -4,6 +4,9 @@
     hostsweep-model fit --cells outputs/.../cells.csv --calibration seed002-h100
     hostsweep-model whatif runs:/<run_id>/model --model llama-3.1-70b --sku h100 --batch 1 --ctx 2048
     hostsweep-model allreduce --ranks 2 --out calib.yaml      # gloo here, NCCL on GPUs
+    hostsweep-model roofs --sku h100 --ray-address auto --out calib.yaml
+    hostsweep-model host --experiment hostsweep-default --model tiny-llama --sku cpu --out calib.yaml
+Calibrations are logged as runs of the MLflow experiment "calibration".
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from hostsweep.hostforms import DEFAULT_FORM, FORM_CLASSES, compare_forms, fit_f
 from hostsweep.tpmodel import model_spec, tp_scaling
 
 
-def load_calibration(name_or_path: str) -> tuple[dict[str, AllReduceFit], HostFit]:
+def load_calibration(name_or_path: str) -> tuple[dict[str, AllReduceFit], HostFit, dict[str, dict]]:
     """A calibration YAML: a file path, or a shipped name under conf/calibration/."""
     path = Path(name_or_path)
     if path.is_file():
@@ -38,7 +41,8 @@ def load_calibration(name_or_path: str) -> tuple[dict[str, AllReduceFit], HostFi
     allreduce = {sku: AllReduceFit(v["latency_us"] * 1e-6, v["bandwidth_gbps"] * 1e9)
                  for sku, v in (data.get("allreduce") or {}).items()}
     host = data.get("host") or {}
-    return allreduce, HostFit(float(host.get("s0_ms", 0.0)) * 1e-3, float(host.get("s1_ms", 0.0)) * 1e-3)
+    roofs = data.get("roofs") or {}
+    return allreduce, HostFit(float(host.get("s0_ms", 0.0)) * 1e-3, float(host.get("s1_ms", 0.0)) * 1e-3), roofs
 
 
 def measured_cells(args: argparse.Namespace) -> pd.DataFrame:
@@ -57,9 +61,12 @@ def measured_cells(args: argparse.Namespace) -> pd.DataFrame:
 
 def fit_command(args: argparse.Namespace) -> int:
     measured = measured_cells(args)
-    allreduce, host = load_calibration(args.calibration)
+    allreduce, host, measured_roofs = load_calibration(args.calibration)
     shapes = {m: load_model_shape(m) for m in measured["model"].unique()}
-    skus = {s: asdict(load_sku(s)) for s in measured["sku"].unique()}
+    skus = {s: {**asdict(load_sku(s)), **measured_roofs.get(s, {})} for s in measured["sku"].unique()}
+    if args.roofs == "measured" and (missing := sorted(set(skus) - set(measured_roofs))):
+        raise ConfigError(f"--roofs measured needs a roofs section for sku {missing} in the calibration "
+                          "(hostsweep-model roofs --sku NAME --out FILE)")
     cells = cell_frame(measured, shapes, skus, args.roofs)
     cells["in_regime"] = in_regime(cells, args.utilization)
     selected = ((cells["sku"] == args.train_sku) & cells["tp"].isin(args.train_tp)).to_numpy()
@@ -114,20 +121,73 @@ def whatif_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_calibration(path: str | None, section: str, values: dict) -> None:
+    """Merge one section into a calibration YAML (created if absent)."""
+    if not path:
+        return
+    target = Path(path)
+    data = yaml.safe_load(target.read_text()) if target.is_file() else {}
+    data = data or {}
+    data.setdefault(section, {})
+    data[section].update(values)
+    target.write_text(yaml.safe_dump(data, sort_keys=True))
+    print(f"wrote {section} to {path}")
+
+
 def allreduce_command(args: argparse.Namespace) -> int:
     from hostsweep.allreduce_bench import run_allreduce_sweep
-
-    sizes = np.geomspace(args.min_bytes, args.max_bytes, args.points).astype(int)
-    frame = run_allreduce_sweep(args.ranks, sizes, args.reps, args.backend)
+    from hostsweep.calibrate import run_on_sku
     from hostsweep.fit import fit_allreduce
+    from hostsweep.tracking import log_calibration
 
+    sku = load_sku(args.sku)
+    sizes = np.geomspace(args.min_bytes, args.max_bytes, args.points).astype(int)
+    gpus = args.ranks if args.backend == "nccl" else 0
+    frame = run_on_sku(run_allreduce_sweep, sku.accelerator_type, gpus, args.ray_address,
+                       args.ranks, sizes, args.reps, args.backend)
     fit = fit_allreduce(frame["bytes"], frame["seconds"])
     print(frame.to_string(index=False))
-    print(f"lambda = {fit.latency_s * 1e6:.1f} us, beta = {fit.bandwidth_Bps / 1e9:.2f} GB/s ({args.ranks} ranks, {args.backend})")
-    if args.out:
-        Path(args.out).write_text(yaml.safe_dump({"allreduce": {args.sku: {
-            "latency_us": fit.latency_s * 1e6, "bandwidth_gbps": fit.bandwidth_Bps / 1e9}}}))
-        print(f"wrote {args.out}")
+    print(f"lambda = {fit.latency_s * 1e6:.1f} us, beta = {fit.bandwidth_Bps / 1e9:.2f} GB/s "
+          f"({args.ranks} ranks, {args.backend}, sku {args.sku})")
+    log_calibration(args.tracking_uri, "allreduce", args.sku,
+                    {"ranks": args.ranks, "backend": args.backend, "reps": args.reps},
+                    {"lambda_us": fit.latency_s * 1e6, "beta_gbps": fit.bandwidth_Bps / 1e9}, frame)
+    _write_calibration(args.out, "allreduce", {args.sku: {"latency_us": fit.latency_s * 1e6,
+                                                          "bandwidth_gbps": fit.bandwidth_Bps / 1e9}})
+    return 0
+
+
+def roofs_command(args: argparse.Namespace) -> int:
+    from hostsweep.calibrate import measure_roofs, run_on_sku
+    from hostsweep.tracking import log_calibration
+
+    sku = load_sku(args.sku)
+    gpu = sku.accelerator_type is not None
+    roofs = run_on_sku(measure_roofs, sku.accelerator_type, 1 if gpu else 0, args.ray_address,
+                       gpu, args.gemm_size, args.copy_mib)
+    datasheet = {"peak_bf16_tflops": sku.peak_bf16_tflops, "mem_bandwidth_gbps": sku.mem_bandwidth_gbps}
+    print(f"sku {args.sku}: {roofs['measured_tflops']:.2f} TFLOP/s ({roofs['gemm_dtype']} GEMM), "
+          f"{roofs['measured_bandwidth_gbps']:.1f} GB/s copy; datasheet {datasheet}")
+    log_calibration(args.tracking_uri, "roofs", args.sku, {**roofs, **datasheet},
+                    {k: roofs[k] for k in ("measured_tflops", "measured_bandwidth_gbps")},
+                    pd.DataFrame([{**roofs, **datasheet}]))
+    _write_calibration(args.out, "roofs", {args.sku: {k: roofs[k] for k in ("measured_tflops",
+                                                                           "measured_bandwidth_gbps")}})
+    return 0
+
+
+def host_command(args: argparse.Namespace) -> int:
+    from hostsweep.calibrate import host_calibration
+    from hostsweep.tracking import log_calibration
+
+    cells = measured_cells(args)
+    cells = cells[(cells["model"] == args.model) & (cells["sku"] == args.sku)]
+    fit, table = host_calibration(cells)
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    print(f"H(N) = {fit.s0_s * 1e3:.3f} ms + {fit.s1_s * 1e3:.4f} ms x (N - 1)  ({args.model} on {args.sku}, tp=1)")
+    log_calibration(args.tracking_uri, "host", args.sku, {"model": args.model, "cells": len(table)},
+                    {"s0_ms": fit.s0_s * 1e3, "s1_ms": fit.s1_s * 1e3}, table)
+    _write_calibration(args.out, "host", {"s0_ms": fit.s0_s * 1e3, "s1_ms": fit.s1_s * 1e3})
     return 0
 
 
@@ -162,13 +222,27 @@ def parser() -> argparse.ArgumentParser:
     ar.add_argument("--points", type=int, default=12)
     ar.add_argument("--reps", type=int, default=10)
     ar.add_argument("--sku", default="cpu")
-    ar.add_argument("--out", default=None, help="write the fit as a calibration YAML")
+    ar.add_argument("--out", default=None, help="merge the fit into this calibration YAML")
+    ar.add_argument("--ray-address", default=None, help="run as a Ray task on a node of --sku")
+    roofs = sub.add_parser("roofs", help="achieved GEMM FLOP/s and memory bandwidth of a SKU")
+    roofs.add_argument("--sku", default="cpu")
+    roofs.add_argument("--gemm-size", type=int, default=4096)
+    roofs.add_argument("--copy-mib", type=int, default=512)
+    roofs.add_argument("--out", default=None, help="merge the roofs into this calibration YAML")
+    roofs.add_argument("--ray-address", default=None, help="run as a Ray task on a node of --sku")
+    host = sub.add_parser("host", help="H(N) from host_ms of tp=1 split cells")
+    host.add_argument("--cells", action="append", default=[])
+    host.add_argument("--experiment", action="append", default=[])
+    host.add_argument("--model", required=True)
+    host.add_argument("--sku", required=True)
+    host.add_argument("--out", default=None, help="merge H(N) into this calibration YAML")
     return top
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    commands = {"fit": fit_command, "whatif": whatif_command, "allreduce": allreduce_command}
+    commands = {"fit": fit_command, "whatif": whatif_command, "allreduce": allreduce_command,
+                "roofs": roofs_command, "host": host_command}
     try:
         sys.exit(commands[args.command](args))
     except (ConfigError, ValueError) as exc:

@@ -239,3 +239,19 @@ def read_cells(tracking_uri: str, experiments: list[str]) -> pd.DataFrame:
         "cell_key": cells["tags.cell_key"], "run_id": cells["run_id"],
     })
     return frame.reset_index(drop=True)
+
+
+def log_calibration(tracking_uri: str, kind: str, sku: str, params: dict[str, object],
+                    metrics: dict[str, float], table: pd.DataFrame, experiment: str = "calibration") -> str:
+    """One calibration microbenchmark (allreduce, roofs, host) as a run: params, the
+    fitted values as metrics, and the raw measurements as a table artifact."""
+    tracker = SweepTracker(tracking_uri, experiment)
+    run = tracker.client.create_run(tracker.experiment_id, run_name=f"{kind}/{sku}",
+                                    tags={"calibration_kind": kind, "sku": sku})
+    run_id = run.info.run_id
+    tracker.client.log_batch(
+        run_id, params=[Param(k, str(v)[:500]) for k, v in params.items()],
+        metrics=[Metric(k, float(v), 0, 0) for k, v in metrics.items() if math.isfinite(float(v))])
+    tracker.client.log_text(run_id, table.to_csv(index=False), f"{kind}.csv")
+    tracker.client.set_terminated(run_id, "FINISHED")
+    return run_id

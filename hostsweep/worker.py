@@ -88,14 +88,17 @@ def restore_priority() -> str:
     return f"{before}->{os.getpriority(os.PRIO_PROCESS, 0)}"
 
 
-def ray_node_id() -> str:
-    """The Ray node this worker runs on ('none' outside Ray)."""
+def ray_placement() -> dict[str, str]:
+    """The Ray node and GPU ids this worker was given ('none' outside Ray)."""
     try:
         import ray
-
-        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "none"
     except ImportError:
-        return "none"
+        return {"ray_node_id": "none", "ray_gpu_ids": "none"}
+    if not ray.is_initialized():
+        return {"ray_node_id": "none", "ray_gpu_ids": "none"}
+    context = ray.get_runtime_context()
+    gpus = context.get_accelerator_ids().get("GPU", [])
+    return {"ray_node_id": context.get_node_id(), "ray_gpu_ids": ",".join(map(str, gpus)) or "none"}
 
 
 def prompt_seed(cell: Cell) -> int:
@@ -111,7 +114,9 @@ class SweepWorker:
         self.spec = spec
         # On a remote node the driver's folders do not exist: default to a local temp dir.
         folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="hostsweep-"))
+        started = time.perf_counter()
         self.engine: Engine = start_engine(spec, folder)
+        engine_start_s = time.perf_counter() - started
         self._options = MeasureOptions()
         self._profile_count = 0
         self.host = {
@@ -120,7 +125,8 @@ class SweepWorker:
             "cpu_affinity": str(len(os.sched_getaffinity(0))),
             "dropped_env": ",".join(f"{k}={v}" for k, v in dropped.items()) or "none",
             "niceness": niceness,
-            "ray_node_id": ray_node_id(),
+            **ray_placement(),
+            "engine_start_s": f"{engine_start_s:.1f}",
         }
 
     def host_info(self) -> dict[str, str]:

@@ -77,8 +77,39 @@ def test_fit_with_an_unknown_calibration_fails_in_one_line(workspace, capsys):
 
 def test_allreduce_microbenchmark_on_gloo_fits_positive_terms(tmp_path, capsys):
     out_file = tmp_path / "calib.yaml"
-    code = run_main(["allreduce", "--ranks", "2", "--reps", "3", "--points", "5", "--max-bytes", "4e6",
-                     "--out", str(out_file)])
+    uri = f"sqlite:///{tmp_path}/c.db"
+    code = run_main(["--tracking-uri", uri, "allreduce", "--ranks", "2", "--reps", "3", "--points", "5",
+                     "--max-bytes", "4e6", "--out", str(out_file)])
     assert code == 0
     fitted = yaml.safe_load(out_file.read_text())["allreduce"]["cpu"]
     assert fitted["bandwidth_gbps"] > 0
+    mlflow.set_tracking_uri(uri)
+    runs = mlflow.search_runs(experiment_names=["calibration"])
+    assert list(runs["tags.calibration_kind"]) == ["allreduce"] and runs["metrics.beta_gbps"].iloc[0] > 0
+
+
+def test_roofs_microbenchmark_logs_measured_next_to_datasheet_and_feeds_the_fit(tmp_path, capsys, workspace):
+    uri = f"sqlite:///{tmp_path}/c.db"
+    calib = tmp_path / "calib.yaml"
+    calib.write_text((workspace / "calib.yaml").read_text())
+    assert run_main(["--tracking-uri", uri, "roofs", "--sku", "cpu", "--gemm-size", "256", "--copy-mib", "16",
+                     "--out", str(calib)]) == 0
+    roofs = yaml.safe_load(calib.read_text())["roofs"]["cpu"]
+    assert roofs["measured_tflops"] > 0 and roofs["measured_bandwidth_gbps"] > 0
+    assert "allreduce" in yaml.safe_load(calib.read_text())  # merged, not overwritten
+    code = run_main(["--tracking-uri", uri, "fit", "--cells", str(workspace / "cells.csv"), "--calibration",
+                     str(calib), "--train-sku", "h100", "--roofs", "measured"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "needs a roofs section for sku ['h100']" in err[-1]
+
+
+def test_host_calibration_recovers_s0_and_s1_from_tp1_host_residuals(tmp_path, capsys):
+    rows = pd.DataFrame([{"sku": "cpu", "model": "tiny-llama", "tp": 1, "batch": n, "ctx": c,
+                          "step_ms": 20.0, "host_ms": 5.0 + 0.25 * (n - 1), "status": "FINISHED"}
+                         for n in (1, 2, 4, 8) for c in (128, 512)])
+    rows.to_csv(tmp_path / "cells.csv", index=False)
+    out = tmp_path / "calib.yaml"
+    assert run_main(["--tracking-uri", f"sqlite:///{tmp_path}/c.db", "host", "--cells", str(tmp_path / "cells.csv"),
+                     "--model", "tiny-llama", "--sku", "cpu", "--out", str(out)]) == 0
+    host = yaml.safe_load(out.read_text())["host"]
+    assert host["s0_ms"] == pytest.approx(5.0) and host["s1_ms"] == pytest.approx(0.25)

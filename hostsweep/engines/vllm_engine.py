@@ -93,9 +93,10 @@ def engine_kwargs(spec: EngineSpec, model: str) -> dict[str, object]:
     if spec.accelerator_type is not None:
         kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
     if spec.tp > 1:
-        # GPUs: the Ray executor places TP ranks on the worker's placement-group bundles.
-        # CPUs: multiprocessing ranks bound to disjoint cores.
-        kwargs["distributed_executor_backend"] = "ray" if spec.accelerator_type else "mp"
+        # Multiprocessing ranks: on GPUs over the k GPUs the worker holds, on CPUs bound to
+        # disjoint cores. (Not vLLM's Ray executor: its EngineCore subprocess loses the
+        # worker's placement group, vllm-project/vllm#30016.)
+        kwargs["distributed_executor_backend"] = "mp"
     return kwargs
 
 

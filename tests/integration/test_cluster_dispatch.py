@@ -61,15 +61,18 @@ def test_cells_land_on_nodes_of_their_sku(cluster):
         assert result.host["ray_node_id"] == cluster[result.params["sku"]]
 
 
-def test_tp_k_worker_reserves_k_gpu_bundles_on_one_node(cluster):
+def test_tp_k_worker_holds_k_gpus_of_one_node_through_a_placement_group(cluster):
     (spec,) = group_by_engine(cells_for("+sku=h200", "model=llama-3.1-8b", "tp=4"))
     actor = new_worker(spec)
-    ray.get(actor.host_info.remote())
+    host = ray.get(actor.host_info.remote())
     (table,) = [t for t in ray.util.placement_group_table().values() if t["state"] == "CREATED"]
-    gpu_bundles = [b for b in table["bundles"].values() if b.get("GPU")]
-    assert len(gpu_bundles) == 4 and all(b["accelerator_type:H200"] > 0 for b in gpu_bundles)
+    assert table["strategy"] == "STRICT_PACK"
+    assert sum(b.get("GPU", 0) for b in table["bundles"].values()) == 4
+    assert all(b["accelerator_type:H200"] > 0 for b in table["bundles"].values())
     assert set(table["bundles_to_node_id"].values()) == {cluster["h200"]}
+    assert len(host["ray_gpu_ids"].split(",")) == 4  # the worker (so vLLM's TP ranks) sees all four GPUs
     release_worker(actor)
+    assert not [t for t in ray.util.placement_group_table().values() if t["state"] == "CREATED"]
 
 
 def test_killing_a_worker_mid_sweep_still_measures_every_cell_once(cluster):
