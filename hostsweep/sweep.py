@@ -6,6 +6,7 @@ cluster is checked before any actor is created, so bad input costs seconds.
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -90,7 +91,8 @@ def measure_and_record(cfg: SweepConfig, cells: list[Cell], tracker: SweepTracke
 
 
 def where_results_are(tracker: SweepTracker, table: CellTable) -> str:
-    ui = f"mlflow ui --backend-store-uri {tracker.tracking_uri} --port 5000"
+    # The interpreter that ran the sweep has mlflow, whether or not its venv is activated.
+    ui = f"{sys.executable} -m mlflow ui --backend-store-uri {tracker.tracking_uri} --port 5000"
     return (
         f"cell table: {table.path}\n"
         f"MLflow: experiment {tracker.experiment_id}, parent run {tracker.parent_run_id} "

@@ -126,7 +126,7 @@ def test_cell_table_lands_in_the_run_directory_and_stdout(sweep):
     table = pd.read_csv(sweep["root"] / "run" / "cells.csv")
     assert list(table["batch"]) == [1, 2] and (table["status"] == "FINISHED").all()
     out = sweep["proc"].stdout
-    assert "step_ms" in out and "mlflow ui --backend-store-uri" in out
+    assert "step_ms" in out and "-m mlflow ui --backend-store-uri" in out
     assert "workflowType=machine_learning" in out
 
 
