@@ -52,6 +52,9 @@ def main() -> None:
         print(f"{label:24s} {median:.3f} ms/step (rounds {', '.join(f'{s:.3f}' for s in steps)})")
     print(f"C/A = {c / a:.3f} (whole harness; target within 3%: {'yes' if abs(c / a - 1) <= 0.03 else 'no'})")
     print(f"B/A = {b / a:.3f} (Ray daemons on the same cores)   C/B = {c / b:.3f} (the actor itself)")
+    spread = max((max(x) - min(x)) / statistics.median(x) for x in (alone, beside_ray, through_actor))
+    print(f"noise: rounds of one configuration spread up to {spread:.1%}; ratios closer to 1 than that "
+          "are not resolved by this run")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,10 @@ def connect(address: str | None, confine_daemons: bool = False) -> bool:
         return False
     # Ray runs workers at niceness 15 by default; the engines they start inherit it.
     os.environ.setdefault("RAY_worker_niceness", "0")
+    # No idle pre-started workers polling beside the engine: a sweep starts one actor
+    # per engine spec and nothing else.
+    os.environ.setdefault("RAY_enable_worker_prestart", "0")
+    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     cores = sorted(os.sched_getaffinity(0))
     if confine_daemons and len(cores) > 1:
         os.environ[WORKER_AFFINITY_ENV] = ",".join(map(str, cores))
