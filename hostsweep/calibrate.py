@@ -64,12 +64,11 @@ def run_on_sku(function: Callable[..., Any], accelerator_type: Optional[str], gp
         return function(*args)
     import ray
 
-    from hostsweep.cluster import InfeasiblePlan, describe_inventory, live_nodes
+    from hostsweep.cluster import InfeasiblePlan, describe_inventory, live_nodes, node_offers
 
     ray.init(address=address, ignore_reinit_error=True)
     nodes = live_nodes()
-    if not any((accelerator_type is None or accelerator_type in n.accelerator_types) and n.gpus >= gpus
-               for n in nodes):
+    if not any(node_offers(n, accelerator_type, gpus) for n in nodes):
         raise InfeasiblePlan(f"no node has accelerator_type {accelerator_type} with >= {gpus} GPUs; "
                              f"the cluster has: {describe_inventory(nodes)}")
     options: dict[str, Any] = {"num_gpus": gpus}

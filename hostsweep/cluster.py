@@ -13,7 +13,7 @@ from typing import Iterable
 
 from hostsweep.config import ConfigError
 from hostsweep.grid import EngineSpec
-from hostsweep.worker import SweepWorker
+from hostsweep.worker import WORKER_AFFINITY_ENV, SweepWorker
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +30,6 @@ class NodeInventory:
     cpus: float
     gpus: float
     accelerator_types: tuple[str, ...]
-
-
-WORKER_AFFINITY_ENV = "HOSTSWEEP_WORKER_AFFINITY"
 
 
 def connect(address: str | None, confine_daemons: bool = False) -> bool:
@@ -90,10 +87,15 @@ def describe_inventory(nodes: Iterable[NodeInventory]) -> str:
     return ", ".join(f"{label} ({n} node{'s' if n > 1 else ''})" for label, n in sorted(kinds.items()))
 
 
+def node_offers(node: NodeInventory, accelerator_type: str | None, gpus: int) -> bool:
+    """Whether one node has a CPU, `gpus` GPUs and (if given) the accelerator type."""
+    if accelerator_type is not None and accelerator_type not in node.accelerator_types:
+        return False
+    return node.cpus >= 1 and node.gpus >= gpus
+
+
 def node_fits(spec: EngineSpec, node: NodeInventory) -> bool:
-    if spec.accelerator_type is None:
-        return node.cpus >= 1
-    return spec.accelerator_type in node.accelerator_types and node.gpus >= spec.tp
+    return node_offers(node, spec.accelerator_type, spec.tp if spec.accelerator_type else 0)
 
 
 def check_feasible(specs: Iterable[EngineSpec], nodes: list[NodeInventory]) -> None:

@@ -12,8 +12,8 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
-from hostsweep.fit import AllReduceTerms, HostFit, SHAPE_COLUMNS, allreduce_s, ape, sharded_compute_s
-from hostsweep.hostforms import FittedForm, predict_s
+from hostsweep.fit import AllReduceTerms, HostFit, SHAPE_COLUMNS, allreduce_s, ape
+from hostsweep.hostforms import FittedForm, host_and_allreduce_s, predict_s
 from hostsweep.shapes import parameter_count
 
 GIB = 1024 ** 3
@@ -67,11 +67,6 @@ def in_regime(cells: pd.DataFrame, utilization: float = 0.9) -> np.ndarray:
     return memory_per_rank_bytes(cells) <= cells["device_memory_bytes"].to_numpy(float) * utilization
 
 
-def lower_bound_s(fitted: FittedForm, cells: pd.DataFrame, allreduce: AllReduceTerms, host: HostFit) -> np.ndarray:
-    """The model's step with zero compute: H + T_ar (whatever form H takes)."""
-    return predict_s(fitted, cells, allreduce, host) - fitted.g * sharded_compute_s(cells)
-
-
 def predictions_table(fitted: FittedForm, cells: pd.DataFrame, allreduce: AllReduceTerms, host: HostFit,
                       selected: np.ndarray) -> pd.DataFrame:
     """Per cell: measured, predicted, error, bound, role, regime, falsified.
@@ -80,7 +75,7 @@ def predictions_table(fitted: FittedForm, cells: pd.DataFrame, allreduce: AllRed
     out-of-regime cells "excluded" (never fitted on), everything else "held-out".
     """
     predicted_ms = predict_s(fitted, cells, allreduce, host) * 1e3
-    bound_ms = lower_bound_s(fitted, cells, allreduce, host) * 1e3
+    bound_ms = host_and_allreduce_s(fitted, cells, allreduce, host) * 1e3
     regime = cells["in_regime"].to_numpy(bool) if "in_regime" in cells else np.ones(len(cells), bool)
     train_mask = np.asarray(selected, bool) & regime
     table = cells[["sku", "model", "tp", "batch", "ctx", "step_ms"]].copy()

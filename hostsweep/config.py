@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, Optional
@@ -180,6 +180,13 @@ def group_options(group: str) -> list[str]:
     return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
+def check_option(group: str, option: str, where: str = "") -> None:
+    """ConfigError naming the group and its allowed values if `option` is not shipped."""
+    allowed = group_options(group)
+    if option not in allowed:
+        raise ConfigError(f"unknown {group} '{option}'{where}; allowed {group} values: {', '.join(allowed)}")
+
+
 def check_group_overrides(argv: list[str]) -> None:
     """Reject `sku=…`, `model=…`, `mode=…`, `experiment=…` options that do not exist.
 
@@ -193,30 +200,26 @@ def check_group_overrides(argv: list[str]) -> None:
         group = key.lstrip("+~")
         if group not in CONFIG_GROUPS or not value or value == "null":
             continue
-        allowed = group_options(group)
         for option in value.split(","):  # multirun sweeps list options with commas
-            if option not in allowed:
-                raise ConfigError(
-                    f"unknown {group} '{option}'; allowed {group} values: {', '.join(allowed)}"
-                )
+            check_option(group, option)
+
+
+def _load_option(group: str, name: str, schema: type) -> Any:
+    """conf/<group>/<name>.yaml outside Hydra composition, typed by its schema."""
+    text = resources.files("hostsweep.conf").joinpath(group, f"{name}.yaml").read_text()
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.create(text)))
 
 
 def load_sku(name: str) -> SkuConfig:
     """Load conf/sku/<name>.yaml onto the schema."""
-    text = resources.files("hostsweep.conf").joinpath("sku", f"{name}.yaml").read_text()
-    merged = OmegaConf.merge(OmegaConf.structured(SkuConfig), OmegaConf.create(text))
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    return _load_option("sku", name, SkuConfig)
 
 
 def load_model_shape(name: str) -> dict[str, Any]:
     """The shape of a shipped model option (conf/model/<name>.yaml) as a plain dict."""
-    text = resources.files("hostsweep.conf").joinpath("model", f"{name}.yaml").read_text()
-    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.create(text))
-    model: ModelConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    model: ModelConfig = _load_option("model", name, ModelConfig)
     if model.shape is None:
         raise ConfigError(f"model {name} has no shipped shape (a checkpoint option)")
-    from dataclasses import asdict
-
     return asdict(model.shape)
 
 
@@ -257,10 +260,8 @@ def default_dtype(gpu: bool, flags: set[str]) -> str:
 def sweep_skus(cfg: SweepConfig) -> list[SkuConfig]:
     """The SKUs a sweep spans: the `skus` list when given, else the single `sku`."""
     if cfg.skus:
-        allowed = group_options("sku")
         for name in cfg.skus:
-            if name not in allowed:
-                raise ConfigError(f"unknown sku '{name}' in skus; allowed sku values: {', '.join(allowed)}")
+            check_option("sku", name, " in skus")
         return [load_sku(name) for name in dict.fromkeys(cfg.skus)]
     if cfg.sku is None:
         raise ConfigError("no SKU: give +sku=NAME or skus=[...]")

@@ -81,10 +81,16 @@ def fit_form(form: str, train: pd.DataFrame, allreduce: AllReduceTerms, host: Ho
     return FittedForm(form, float(params[0]), tuple(float(p) for p in params[1:]))
 
 
-def predict_s(fitted: FittedForm, cells: pd.DataFrame, allreduce: AllReduceTerms, host: HostFit) -> np.ndarray:
+def host_and_allreduce_s(fitted: FittedForm, cells: pd.DataFrame, allreduce: AllReduceTerms,
+                         host: HostFit) -> np.ndarray:
+    """H + T_ar, whatever form H takes: the model's step with zero compute (its lower bound)."""
     basis = host_basis(fitted.form, cells)
     host_term = basis @ np.asarray(fitted.host_params) if basis.shape[1] else 0.0
-    return fitted.g * sharded_compute_s(cells) + host_term + fixed_terms_s(fitted.form, cells, allreduce, host)
+    return host_term + fixed_terms_s(fitted.form, cells, allreduce, host)
+
+
+def predict_s(fitted: FittedForm, cells: pd.DataFrame, allreduce: AllReduceTerms, host: HostFit) -> np.ndarray:
+    return fitted.g * sharded_compute_s(cells) + host_and_allreduce_s(fitted, cells, allreduce, host)
 
 
 def compare_forms(train: pd.DataFrame, held_out: pd.DataFrame, allreduce: AllReduceTerms,

@@ -1,35 +1,54 @@
-"""The cell table: rows for the CSV in the run directory, and the printed summary."""
+"""What is recorded per cell: its metrics and split tags (for MLflow and the CSV), the
+rows of the cell table in the run directory, and the printed summary."""
 from __future__ import annotations
 
 from typing import Iterable
 
+from hostsweep.threadstates import idle_fraction
 from hostsweep.worker import CellResult
 
 COLUMNS = ("sku", "model", "mode", "tp", "batch", "ctx", "step_ms", "ci95_ms", "device_ms", "host_frac",
            "regime", "host", "status")
 
 
-def cell_row(result: CellResult, run_id: str) -> dict[str, object]:
-    """One flat row per cell: params, metrics, provenance, and its MLflow run id."""
+def cell_metrics(result: CellResult) -> dict[str, float]:
     m = result.measurement
+    if m is None:
+        return {}
+    metrics = {
+        "step_ms": m.step_ms, "step_ci_low_ms": m.step_ci_low_ms, "step_ci_high_ms": m.step_ci_high_ms,
+        "wall_1_ms": m.wall_1_ms, "wall_T_ms": m.wall_T_ms, "cell_duration_s": result.duration_s,
+    }
+    if result.split is not None:
+        sp = result.split
+        metrics.update(device_ms=sp.device_ms, host_ms=sp.host_ms, host_frac=sp.host_frac,
+                       overlap_gap_ms=sp.overlap_gap_ms, profiled_step_ms=sp.profiled_step_ms,
+                       profiler_overhead=sp.profiler_overhead)
+        if sp.kernel_source == "cuda":
+            metrics.update(copy_ms=sp.copy_ms, copy_bytes_per_step=sp.copy_bytes)
+    if result.thread_states is not None and not result.thread_states.empty:
+        metrics["pyspy_idle_frac"] = idle_fraction(result.thread_states)
+    if result.linearity is not None:
+        lin = result.linearity
+        metrics.update(r2_wall=lin.r2_wall, r2_kernel=lin.r2_kernel,
+                       slope_disagreement=lin.slope_disagreement, linearity_slope_fit_ms=lin.slope_fit_ms)
+    return metrics
+
+
+def split_tags(result: CellResult) -> dict[str, str]:
+    if result.split is None:
+        return {}
+    return {"kernel_source": result.split.kernel_source, "regime": result.split.regime}
+
+
+def cell_row(result: CellResult, run_id: str) -> dict[str, object]:
+    """One flat row per cell: params, the metrics and tags its MLflow run gets, provenance,
+    and its run id. Metrics a cell does not have are absent (empty in the CSV)."""
     return {
         **result.params,
         "status": result.status,
-        "step_ms": m.step_ms if m else None,
-        "step_ci_low_ms": m.step_ci_low_ms if m else None,
-        "step_ci_high_ms": m.step_ci_high_ms if m else None,
-        "wall_1_ms": m.wall_1_ms if m else None,
-        "wall_T_ms": m.wall_T_ms if m else None,
-        "device_ms": result.split.device_ms if result.split else None,
-        "host_ms": result.split.host_ms if result.split else None,
-        "host_frac": result.split.host_frac if result.split else None,
-        "overlap_gap_ms": result.split.overlap_gap_ms if result.split else None,
-        "profiler_overhead": result.split.profiler_overhead if result.split else None,
-        "kernel_source": result.split.kernel_source if result.split else None,
-        "regime": result.split.regime if result.split else None,
-        "r2_wall": result.linearity.r2_wall if result.linearity else None,
-        "r2_kernel": result.linearity.r2_kernel if result.linearity else None,
-        "slope_disagreement": result.linearity.slope_disagreement if result.linearity else None,
+        **cell_metrics(result),
+        **split_tags(result),
         "host": result.host.get("hostname", "?"),
         "device": result.host.get("device_name", "?"),
         "cell_key": result.key,

@@ -5,7 +5,6 @@ results can be logged from the driver's result loop in any order.
 """
 from __future__ import annotations
 
-import io
 import logging
 import math
 import tempfile
@@ -18,7 +17,7 @@ import pandas as pd
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
-from hostsweep.threadstates import idle_fraction
+from hostsweep.report import cell_metrics, split_tags
 from hostsweep.worker import CellResult
 
 log = logging.getLogger(__name__)
@@ -47,39 +46,7 @@ def timings_table(result: CellResult) -> str:
          "wall_T_ms": r.wall_T_s * 1e3, "step_ms": r.step_s * 1e3}
         for r in result.measurement.reps
     ]
-    buffer = io.StringIO()
-    pd.DataFrame(rows).to_csv(buffer, index=False)
-    return buffer.getvalue()
-
-
-def cell_metrics(result: CellResult) -> dict[str, float]:
-    m = result.measurement
-    if m is None:
-        return {}
-    metrics = {
-        "step_ms": m.step_ms, "step_ci_low_ms": m.step_ci_low_ms, "step_ci_high_ms": m.step_ci_high_ms,
-        "wall_1_ms": m.wall_1_ms, "wall_T_ms": m.wall_T_ms, "cell_duration_s": result.duration_s,
-    }
-    if result.split is not None:
-        sp = result.split
-        metrics.update(device_ms=sp.device_ms, host_ms=sp.host_ms, host_frac=sp.host_frac,
-                       overlap_gap_ms=sp.overlap_gap_ms, profiled_step_ms=sp.profiled_step_ms,
-                       profiler_overhead=sp.profiler_overhead)
-        if sp.kernel_source == "cuda":
-            metrics.update(copy_ms=sp.copy_ms, copy_bytes_per_step=sp.copy_bytes)
-    if result.thread_states is not None and not result.thread_states.empty:
-        metrics["pyspy_idle_frac"] = idle_fraction(result.thread_states)
-    if result.linearity is not None:
-        lin = result.linearity
-        metrics.update(r2_wall=lin.r2_wall, r2_kernel=lin.r2_kernel,
-                       slope_disagreement=lin.slope_disagreement, linearity_slope_fit_ms=lin.slope_fit_ms)
-    return metrics
-
-
-def split_tags(result: CellResult) -> dict[str, str]:
-    if result.split is None:
-        return {}
-    return {"kernel_source": result.split.kernel_source, "regime": result.split.regime}
+    return pd.DataFrame(rows).to_csv(index=False)
 
 
 def top_ops_table(result: CellResult) -> str:
@@ -186,7 +153,6 @@ class SweepTracker:
         return f"http://127.0.0.1:{port}/#/experiments/{self.experiment_id}/runs?workflowType=machine_learning"
 
 
-
 class TPLatencyPyfunc(mlflow.pyfunc.PythonModel):
     """The fitted TP latency model as an MLflow pyfunc: rows of (model, sku, tp, batch,
     ctx) in, step_ms out. The spec is plain data (see hostsweep.tpmodel)."""
@@ -207,9 +173,8 @@ def log_model_fit(tracking_uri: str, experiment: str, run_name: str, params: dic
 
     from hostsweep.tpmodel import INPUT_COLUMNS, predict_rows
 
-    prepare_store(tracking_uri)
-    mlflow.set_tracking_uri(tracking_uri)
     tracker_experiment = SweepTracker(tracking_uri, experiment).experiment_id
+    mlflow.set_tracking_uri(tracking_uri)
     example = pd.DataFrame([{"model": next(iter(spec["shapes"])), "sku": next(iter(spec["skus"])),
                              "tp": 2, "batch": 1, "ctx": 512}])[list(INPUT_COLUMNS)]
     signature = infer_signature(example, predict_rows(spec, example)[["step_ms"]])

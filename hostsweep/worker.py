@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 # threads must be sized as in a plain process, or the harness changes what it measures
 # (seen here: 2.9 -> 4.5 ms per step with num_cpus=1).
 RAY_THREAD_ENV = ("OMP_NUM_THREADS",)
+# Set by cluster.connect when it confines Ray's daemons to one core: every core of the node.
+WORKER_AFFINITY_ENV = "HOSTSWEEP_WORKER_AFFINITY"
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ def release_ray_thread_limits(environ: dict[str, str]) -> dict[str, str]:
 def restore_affinity() -> None:
     """Take back every core of the node when the driver confined Ray's daemons (and so
     this worker, their child) to one; vLLM binds its threads from this set."""
-    cores = os.environ.get("HOSTSWEEP_WORKER_AFFINITY")
+    cores = os.environ.get(WORKER_AFFINITY_ENV)
     if cores:
         os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
 
@@ -117,7 +119,6 @@ class SweepWorker:
         started = time.perf_counter()
         self.engine: Engine = start_engine(spec, folder)
         engine_start_s = time.perf_counter() - started
-        self._options = MeasureOptions()
         self._profile_count = 0
         self.host = {
             "hostname": hostname(),
@@ -145,22 +146,23 @@ class SweepWorker:
         return timed
 
     def _profiled(self, prompts: list[list[int]], tokens: int, prefix: str,
-                  keep: dict[str, bytes]) -> tuple[list[TraceTotals], float]:
-        """One profiled generate: per-rank kernel totals and its (inflated) wall time."""
+                  keep: Optional[dict[str, bytes]]) -> tuple[list[TraceTotals], float]:
+        """One profiled generate: per-rank kernel totals and its (inflated) wall time.
+        Trace files go into `keep` when given, and are deleted either way."""
         self.engine.start_profile(prefix)
         wall = self._timed_generate(prompts)(tokens)
         files = self.engine.stop_profile(prefix)
         rank_totals = [totals(load_trace(path)) for path in files]
         for path in files:  # traces are large: keep only when asked, never accumulate
-            if self._options.keep_traces:
+            if keep is not None:
                 keep[path.name] = path.read_bytes()
             path.unlink(missing_ok=True)
         return rank_totals, wall
 
-    def _split(self, cell: Cell, prompts: list[list[int]], step_ms: float,
-               keep: dict[str, bytes]) -> SplitResult:
+    def _split(self, cell: Cell, prompts: list[list[int]], step_ms: float, opts: MeasureOptions,
+               keep: Optional[dict[str, bytes]]) -> SplitResult:
         """Profiled pairs, separate from the timed reps; the median-device pair wins."""
-        opts, splits = self._options, []
+        splits = []
         for rep in range(opts.split_reps):
             self._profile_count += 1
             prefix = f"p{self._profile_count}_b{cell.batch}_ctx{cell.ctx}_r{rep}"
@@ -171,13 +173,14 @@ class SweepWorker:
                                        opts.host_bound_threshold, opts.top_ops))
         return sorted(splits, key=lambda s: s.device_ms)[(len(splits) - 1) // 2]
 
-    def _linearity(self, cell: Cell, prompts: list[list[int]], keep: dict[str, bytes]) -> LinearityResult:
+    def _linearity(self, prompts: list[list[int]], opts: MeasureOptions,
+                   keep: Optional[dict[str, bytes]]) -> LinearityResult:
         """Median wall (and one profiled kernel total) at each T of a decade-wide sweep."""
         timed = self._timed_generate(prompts)
-        tokens, walls, kernels = list(self._options.linearity_T), [], []
+        tokens, walls, kernels = list(opts.linearity_T), [], []
         for t in tokens:
-            walls.append(float(np.median([timed(t) for _ in range(self._options.linearity_reps)])) * 1e3)
-            if self.spec.profile and self._options.split:
+            walls.append(float(np.median([timed(t) for _ in range(opts.linearity_reps)])) * 1e3)
+            if self.spec.profile and opts.split:
                 self._profile_count += 1
                 rank_totals, _ = self._profiled(prompts, t, f"lin{self._profile_count}_T{t}", keep)
                 kernels.append(max(r.kernel_sum_us for r in rank_totals) / 1e3)
@@ -186,15 +189,14 @@ class SweepWorker:
     def measure(self, cell: Cell, options: MeasureOptions) -> CellResult:
         """Run the differencing protocol on one cell; failures become FAILED results."""
         start = time.perf_counter()
-        self._options = options
-        keep: dict[str, bytes] = {}
+        keep: Optional[dict[str, bytes]] = {} if options.keep_traces else None
         try:
             prompts = random_prompts(cell.batch, cell.ctx, self.engine.vocab_size(), prompt_seed(cell))
             timings = run_protocol(self._timed_generate(prompts), cell.T, cell.warmups, cell.reps)
             measurement = summarize(timings, options.resamples, options.ci_level, cell.seed)
-            split = self._split(cell, prompts, measurement.step_ms, keep) \
+            split = self._split(cell, prompts, measurement.step_ms, options, keep) \
                 if options.split and self.spec.profile else None
-            lin = self._linearity(cell, prompts, keep) if options.linearity_T else None
+            lin = self._linearity(prompts, options, keep) if options.linearity_T else None
             states = record_thread_states(os.getpid(), options.pyspy_seconds,
                                           lambda: self._timed_generate(prompts)(cell.T)) \
                 if options.pyspy_seconds > 0 else None
@@ -204,7 +206,7 @@ class SweepWorker:
             return CellResult(cell.key, cell.params(), "FAILED", None, reason, self.host_info(),
                               time.perf_counter() - start)
         return CellResult(cell.key, cell.params(), "FINISHED", measurement, None, self.host_info(),
-                          time.perf_counter() - start, split, lin, keep, states)
+                          time.perf_counter() - start, split, lin, keep or {}, states)
 
     def close(self) -> None:
         self.engine.close()
