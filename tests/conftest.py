@@ -1,5 +1,11 @@
-"""Shared fixtures: Hydra composition of the shipped config tree."""
+"""Shared fixtures: Hydra composition of the shipped config tree, and the CLI as a subprocess."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
 
 import pytest
 from hydra import compose, initialize_config_module
@@ -17,6 +23,16 @@ def compose_raw(overrides: list[str]) -> DictConfig:
 
 def compose_typed(overrides: list[str]) -> SweepConfig:
     return to_sweep_config(compose_raw(overrides))
+
+
+def run_hostsweep(args: list[str], cwd: Path, timeout: float = 120,
+                  pythonpath: Optional[Path] = None) -> subprocess.CompletedProcess:
+    """`python -m hostsweep ARGS` in `cwd`; `pythonpath` is put first on PYTHONPATH."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = f"{pythonpath}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    return subprocess.run([sys.executable, "-m", "hostsweep", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture

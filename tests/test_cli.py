@@ -1,12 +1,11 @@
 """The command line: bad input exits non-zero with one line, before Ray or vLLM start."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import run_hostsweep
 
 GUARD = "raise ImportError('{name} must not be imported for bad input')\n"
 
@@ -21,14 +20,6 @@ def poisoned_path(tmp_path_factory) -> Path:
     return root
 
 
-def run_cli(args: list[str], cwd: Path, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    if pythonpath is not None:
-        env["PYTHONPATH"] = f"{pythonpath}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    return subprocess.run([sys.executable, "-m", "hostsweep", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
-
-
 @pytest.mark.parametrize("args,needle", [
     (["+sku=h300"], "unknown sku 'h300'"),
     (["model=llama-9b"], "unknown model 'llama-9b'"),
@@ -40,7 +31,7 @@ def run_cli(args: list[str], cwd: Path, pythonpath: Path | None = None) -> subpr
     (["+sku=cpu", "measure.T=1"], "measure.T must be >= 2"),
 ])
 def test_bad_input_is_one_line_nonzero_exit_and_starts_nothing(args, needle, tmp_path, poisoned_path):
-    proc = run_cli(args, tmp_path, poisoned_path)
+    proc = run_hostsweep(args, tmp_path, pythonpath=poisoned_path)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
@@ -49,6 +40,6 @@ def test_bad_input_is_one_line_nonzero_exit_and_starts_nothing(args, needle, tmp
 
 
 def test_cfg_job_prints_the_composed_config(tmp_path):
-    proc = run_cli(["+sku=h200", "tp=4", "--cfg", "job"], tmp_path)
+    proc = run_hostsweep(["+sku=h200", "tp=4", "--cfg", "job"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "accelerator_type: H200" in proc.stdout and "tp: 4" in proc.stdout

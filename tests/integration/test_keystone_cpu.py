@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlflow
 import pytest
 
-from tests.integration.test_sweep_end_to_end import run_hostsweep
+from tests.conftest import run_hostsweep
 
 pytestmark = pytest.mark.integration
 

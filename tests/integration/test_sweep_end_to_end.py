@@ -6,25 +6,18 @@ One sweep (one engine start) serves every test in this module.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import mlflow
 import pandas as pd
 import pytest
 
+from tests.conftest import run_hostsweep
+
 pytestmark = pytest.mark.integration
 
 PROVENANCE_TAGS = ("cell_key", "hostsweep_version", "vllm_version", "torch_version",
                    "ray_version", "git_sha", "hostname", "device_name")
-
-
-def run_hostsweep(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "hostsweep", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
