@@ -13,11 +13,10 @@ from typing import Iterable
 
 from hostsweep.config import ConfigError
 from hostsweep.grid import EngineSpec
+from hostsweep.placement import ACCELERATOR_PREFIX, placement_bundles
 from hostsweep.worker import WORKER_AFFINITY_ENV, SweepWorker
 
 log = logging.getLogger(__name__)
-
-ACCELERATOR_PREFIX = "accelerator_type:"
 
 
 class InfeasiblePlan(ConfigError):
@@ -32,12 +31,16 @@ class NodeInventory:
     accelerator_types: tuple[str, ...]
 
 
-def connect(address: str | None, confine_daemons: bool = False) -> bool:
+def connect(address: str | None, confine_daemons: bool = False, idle_daemons: bool = False) -> bool:
     """Join the cluster at `address`, or start a local one; True if we started it.
 
-    confine_daemons (local cluster only): Ray's daemons start pinned to the last core,
-    away from the cores vLLM binds its compute threads to; workers get every core back
-    (WORKER_AFFINITY_ENV) before their engine starts.
+    Local cluster only, so Ray's own processes take as little as possible from the
+    engines measured beside them:
+    confine_daemons: Ray's daemons start pinned to the last core, away from the cores vLLM
+    binds its compute threads to; workers get every core back (WORKER_AFFINITY_ENV)
+    before their engine starts.
+    idle_daemons: the daemons run under SCHED_IDLE, only when a core has nothing else
+    to do; the workers they start are reset to the normal policy (SCHED_RESET_ON_FORK).
     """
     import ray
 
@@ -56,11 +59,39 @@ def connect(address: str | None, confine_daemons: bool = False) -> bool:
     if confine_daemons and len(cores) > 1:
         os.environ[WORKER_AFFINITY_ENV] = ",".join(map(str, cores))
         os.sched_setaffinity(0, cores[-1:])  # the daemons ray.init starts inherit this
+    before = set(descendant_pids(os.getpid()))  # not Ray's: e.g. an engine started here
     try:
         ray.init(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
     finally:
         os.sched_setaffinity(0, cores)
+    if idle_daemons:
+        for pid in set(descendant_pids(os.getpid())) - before:
+            try:
+                os.sched_setscheduler(pid, os.SCHED_IDLE | os.SCHED_RESET_ON_FORK, os.sched_param(0))
+            except (ProcessLookupError, PermissionError) as exc:
+                log.warning("could not idle Ray process %d: %s", pid, exc)
     return True
+
+
+def descendant_pids(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc): here, the daemons ray.init started."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                # "pid (comm) state ppid ...": comm may hold spaces, so split after ")".
+                ppid = int(handle.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, frontier = [], [pid]
+    while frontier:
+        below = children.get(frontier.pop(), [])
+        found += below
+        frontier += below
+    return found
 
 
 def live_nodes() -> list[NodeInventory]:
@@ -117,25 +148,22 @@ def cpu_engine_cpus(nodes: list[NodeInventory]) -> int:
 
 
 def actor_options(spec: EngineSpec, cpu_cpus: int = 1) -> dict[str, object]:
-    """Ray scheduling options pinning a single-device worker to its SKU."""
+    """Ray scheduling options for a worker without a placement group: a CPU engine, or a
+    single-GPU engine pinned to its SKU. (TP-k on GPUs: new_worker's placement group.)"""
     if spec.accelerator_type is None:
         return {"num_cpus": cpu_cpus, "num_gpus": 0}
-    return {"num_cpus": 1, "num_gpus": spec.tp, "accelerator_type": spec.accelerator_type}
-
-
-def placement_bundles(spec: EngineSpec) -> list[dict[str, float]]:
-    """TP-k on GPUs: one bundle holding the worker's CPU and k GPUs of the SKU (STRICT_PACK).
-
-    One bundle, not k: vLLM V1 runs its executor in an EngineCore subprocess, which loses
-    the actor's placement-group context, so its Ray executor cannot place ranks on sibling
-    bundles (vllm-project/vllm#30016). The worker holds all k GPUs (Ray sets
-    CUDA_VISIBLE_DEVICES to them) and vLLM's multiprocessing executor runs the ranks.
-    """
-    return [{"CPU": 1.0, "GPU": float(spec.tp), f"{ACCELERATOR_PREFIX}{spec.accelerator_type}": 0.001}]
+    if spec.tp > 1:
+        raise ValueError(f"{spec.label}: a TP-{spec.tp} GPU worker is placed through a placement group")
+    return {"num_cpus": 1, "num_gpus": 1, "accelerator_type": spec.accelerator_type}
 
 
 # Placement groups outlive their actors; a replaced worker must give its GPUs back.
 _placement_groups: dict[str, object] = {}
+
+
+def placement_group_of(actor: object) -> object | None:
+    """The placement group new_worker reserved for this worker (TP-k on GPUs), else None."""
+    return _placement_groups.get(actor._actor_id.hex())
 
 
 def release_worker(actor: object) -> None:
@@ -157,10 +185,12 @@ def new_worker(spec: EngineSpec) -> object:
 
     remote_worker = ray.remote(SweepWorker)
     if spec.accelerator_type is not None and spec.tp > 1:
-        group = placement_group(placement_bundles(spec), strategy="STRICT_PACK")
+        # k one-GPU bundles on one node; the worker sits in bundle 0 holding none of them
+        # and hands them to vLLM's ranks (placement.py).
+        group = placement_group(placement_bundles(spec.tp, spec.accelerator_type), strategy="STRICT_PACK")
         strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0,
                                                     placement_group_capture_child_tasks=True)
-        actor = remote_worker.options(num_cpus=1, num_gpus=spec.tp, scheduling_strategy=strategy).remote(spec)
+        actor = remote_worker.options(num_cpus=1, num_gpus=0, scheduling_strategy=strategy).remote(spec)
         _placement_groups[actor._actor_id.hex()] = group
         return actor
     return remote_worker.options(**actor_options(spec, cpu_engine_cpus(live_nodes()))).remote(spec)

@@ -109,6 +109,9 @@ class EngineConfig:
     dtype: str = "auto"
     cpu_kvcache_gib: int = 1  # whole GiB: vLLM parses VLLM_CPU_KVCACHE_SPACE as an int
     gpu_memory_utilization: float = 0.9
+    # How a TP-k engine on GPUs runs its ranks: "mp" (vLLM's single-node default) or
+    # "ray" (vLLM's Ray executor, ranks in the worker's placement group). See placement.py.
+    tp_executor: str = "mp"
 
 
 @dataclass
@@ -117,6 +120,8 @@ class RayConfig:
     # Local cluster only: start Ray's daemons pinned to the last core, away from the
     # cores vLLM binds compute to; workers take every core back before their engine starts.
     confine_daemons: bool = True
+    # Local cluster only: Ray's daemons run under SCHED_IDLE, only on otherwise idle cores.
+    idle_daemons: bool = True
     feasibility_timeout_s: float = 10.0
 
 

@@ -36,6 +36,7 @@ class EngineSpec:
     profile: bool  # started with the torch profiler configured (for the split)
     cpu_kvcache_gib: int
     gpu_memory_utilization: float
+    tp_executor: str  # "mp" or "ray": how TP>1 ranks run on GPUs (placement.py)
 
     @property
     def label(self) -> str:
@@ -56,11 +57,11 @@ class Cell:
     def key(self) -> str:
         """Stable identity: equal for the same measurement, whatever run asks for it."""
         e = self.engine
-        identity = json.dumps(
-            [e.sku, e.model, e.shape_json, e.model_path, e.mode, e.quantization, e.tp,
-             e.dtype, e.engine, self.batch, self.ctx, self.T, self.warmups, self.reps],
-            sort_keys=True,
-        )
+        fields = [e.sku, e.model, e.shape_json, e.model_path, e.mode, e.quantization, e.tp,
+                  e.dtype, e.engine, self.batch, self.ctx, self.T, self.warmups, self.reps]
+        if e.tp_executor != "mp":  # appended only off the default, so earlier keys still match
+            fields.append(e.tp_executor)
+        identity = json.dumps(fields, sort_keys=True)
         digest = hashlib.sha1(identity.encode()).hexdigest()[:10]
         return f"{e.label}/b{self.batch}/ctx{self.ctx}/T{self.T}/{digest}"
 
@@ -71,6 +72,7 @@ class Cell:
             "sku": e.sku, "model": e.model, "mode": e.mode, "tp": e.tp,
             "batch": self.batch, "ctx": self.ctx, "T": self.T,
             "reps": self.reps, "warmups": self.warmups, "dtype": e.dtype, "engine": e.engine,
+            "tp_executor": e.tp_executor,
         }
 
 
@@ -96,6 +98,7 @@ def engine_spec(cfg: SweepConfig, sku: SkuConfig, tp: int, batches: list[int], c
         profile=cfg.split.enabled,
         cpu_kvcache_gib=cfg.engine.cpu_kvcache_gib,
         gpu_memory_utilization=cfg.engine.gpu_memory_utilization,
+        tp_executor=cfg.engine.tp_executor,
     )
 
 

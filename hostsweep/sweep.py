@@ -117,7 +117,7 @@ def run(raw_cfg: DictConfig, run_dir: Path) -> int:
     cfg = to_sweep_config(raw_cfg)
     cells = build_cells(cfg)  # raises ConfigError on bad input, before Ray starts
     log.info("%d cells on %d engine(s)", len(cells), len(group_by_engine(cells)))
-    started_here = cluster.connect(cfg.ray.address, cfg.ray.confine_daemons)
+    started_here = cluster.connect(cfg.ray.address, cfg.ray.confine_daemons, cfg.ray.idle_daemons)
     try:
         cluster.check_feasible(group_by_engine(cells), cluster.live_nodes())
         tracker = SweepTracker(cfg.tracking.uri, experiment_name(cfg))

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from hostsweep.config import ConfigError, SkuConfig, SweepConfig, sweep_skus
+from hostsweep.placement import TP_EXECUTORS
 
 ENGINES = ("vllm", "fake")
 DTYPES = ("bfloat16", "float16", "float32", "auto")
@@ -112,12 +113,18 @@ def check_capabilities(cfg: SweepConfig, sku: SkuConfig) -> None:
             f"mode={mode.name} (quantization={mode.quantization}) needs a GPU SKU; "
             f"the vLLM CPU build cannot run it on sku={sku.name}"
         )
+    if cfg.engine.tp_executor == "ray" and sku.accelerator_type is None:
+        raise ConfigError(
+            f"engine.tp_executor=ray places TP ranks on GPUs; sku={sku.name} has none "
+            "(CPU TP runs its ranks with mp, on disjoint cores)"
+        )
 
 
 def validate(cfg: SweepConfig) -> tuple[list[int], list[int], list[int]]:
     """Check the whole config; return the normalized (tp, batch, ctx) lists."""
     _check_choice("engine.name", cfg.engine.name, ENGINES)
     _check_choice("engine.dtype", cfg.engine.dtype, DTYPES)
+    _check_choice("engine.tp_executor", cfg.engine.tp_executor, TP_EXECUTORS)
     _check_choice("model.source", cfg.model.source, MODEL_SOURCES)
     _check_choice("model.load_format", cfg.model.load_format, LOAD_FORMATS)
     tps = positive_ints("tp", cfg.tp)

@@ -19,6 +19,7 @@ import pandas as pd
 from hostsweep.engines.base import Engine, start_engine
 from hostsweep.grid import Cell, EngineSpec
 from hostsweep.measure import CellMeasurement, random_prompts, run_protocol, summarize
+from hostsweep.placement import hand_gpus_to_ranks
 from hostsweep.provenance import hostname
 from hostsweep.pyspy import record_thread_states
 from hostsweep.split import LinearityResult, SplitResult, device_split, linearity
@@ -90,8 +91,21 @@ def restore_priority() -> str:
     return f"{before}->{os.getpriority(os.PRIO_PROCESS, 0)}"
 
 
-def ray_placement() -> dict[str, str]:
-    """The Ray node and GPU ids this worker was given ('none' outside Ray)."""
+def restore_scheduler() -> str:
+    """Run under the normal policy even if started by an idled Ray daemon (connect's
+    idle_daemons resets its children, this is the check); returns the policy, for the record."""
+    if os.sched_getscheduler(0) != os.SCHED_OTHER:
+        try:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        except PermissionError:
+            log.warning("worker runs under scheduling policy %d and may not leave it", os.sched_getscheduler(0))
+    return {os.SCHED_OTHER: "other", os.SCHED_IDLE: "idle", os.SCHED_BATCH: "batch"}.get(
+        os.sched_getscheduler(0), str(os.sched_getscheduler(0)))
+
+
+def ray_placement(tp_gpus: Optional[list[str]] = None) -> dict[str, str]:
+    """The Ray node and the GPU ids the engine was given ('none' outside Ray): the worker's
+    own, or for TP-k the GPUs of its placement group's bundles."""
     try:
         import ray
     except ImportError:
@@ -99,7 +113,7 @@ def ray_placement() -> dict[str, str]:
     if not ray.is_initialized():
         return {"ray_node_id": "none", "ray_gpu_ids": "none"}
     context = ray.get_runtime_context()
-    gpus = context.get_accelerator_ids().get("GPU", [])
+    gpus = tp_gpus if tp_gpus is not None else context.get_accelerator_ids().get("GPU", [])
     return {"ray_node_id": context.get_node_id(), "ray_gpu_ids": ",".join(map(str, gpus)) or "none"}
 
 
@@ -112,10 +126,14 @@ class SweepWorker:
     def __init__(self, spec: EngineSpec, workdir: Optional[str] = None) -> None:
         dropped = release_ray_thread_limits(os.environ)  # type: ignore[arg-type]
         niceness = restore_priority()
+        scheduler = restore_scheduler()
         restore_affinity()
         self.spec = spec
         # On a remote node the driver's folders do not exist: default to a local temp dir.
         folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="hostsweep-"))
+        tp_gpus = None
+        if spec.accelerator_type is not None and spec.tp > 1:
+            tp_gpus = hand_gpus_to_ranks(spec.tp_executor, os.environ)  # type: ignore[arg-type]
         started = time.perf_counter()
         self.engine: Engine = start_engine(spec, folder)
         engine_start_s = time.perf_counter() - started
@@ -126,7 +144,8 @@ class SweepWorker:
             "cpu_affinity": str(len(os.sched_getaffinity(0))),
             "dropped_env": ",".join(f"{k}={v}" for k, v in dropped.items()) or "none",
             "niceness": niceness,
-            **ray_placement(),
+            "sched_policy": scheduler,
+            **ray_placement(tp_gpus),
             "engine_start_s": f"{engine_start_s:.1f}",
         }
 

@@ -93,10 +93,9 @@ def engine_kwargs(spec: EngineSpec, model: str) -> dict[str, object]:
     if spec.accelerator_type is not None:
         kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
     if spec.tp > 1:
-        # Multiprocessing ranks: on GPUs over the k GPUs the worker holds, on CPUs bound to
-        # disjoint cores. (Not vLLM's Ray executor: its EngineCore subprocess loses the
-        # worker's placement group, vllm-project/vllm#30016.)
-        kwargs["distributed_executor_backend"] = "mp"
+        # GPUs: the ranks run on the k GPUs of the worker's placement group, by mp or by
+        # vLLM's Ray executor (placement.py). CPUs: mp, bound to disjoint cores.
+        kwargs["distributed_executor_backend"] = spec.tp_executor if spec.accelerator_type else "mp"
     return kwargs
 
 

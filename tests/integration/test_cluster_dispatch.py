@@ -2,14 +2,18 @@
 SKU pinning, TP placement, actor death, timeouts, resume, infeasible plans."""
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hostsweep import sweep
-from hostsweep.cluster import InfeasiblePlan, check_feasible, live_nodes, new_worker, release_worker
+from hostsweep.cluster import (
+    InfeasiblePlan, check_feasible, live_nodes, new_worker, placement_group_of, release_worker,
+)
 from hostsweep.dispatch import Dispatcher, FaultPolicy
 from hostsweep.grid import build_cells, group_by_engine
 from hostsweep.worker import MeasureOptions
@@ -61,16 +65,31 @@ def test_cells_land_on_nodes_of_their_sku(cluster):
         assert result.host["ray_node_id"] == cluster[result.params["sku"]]
 
 
-def test_tp_k_worker_holds_k_gpus_of_one_node_through_a_placement_group(cluster):
-    (spec,) = group_by_engine(cells_for("+sku=h200", "model=llama-3.1-8b", "tp=4"))
+def worker_env(actor, name):
+    return ray.get(actor.__ray_call__.remote(lambda worker, key: os.environ.get(key), name))
+
+
+@pytest.mark.parametrize("executor", ["mp", "ray"])
+def test_tp_k_worker_gets_k_one_gpu_bundles_on_one_node_and_hands_their_gpus_to_its_ranks(cluster, executor):
+    (spec,) = group_by_engine(cells_for("+sku=h200", "model=llama-3.1-8b", "tp=4", f"engine.tp_executor={executor}"))
     actor = new_worker(spec)
     host = ray.get(actor.host_info.remote())
     (table,) = [t for t in ray.util.placement_group_table().values() if t["state"] == "CREATED"]
     assert table["strategy"] == "STRICT_PACK"
-    assert sum(b.get("GPU", 0) for b in table["bundles"].values()) == 4
+    assert [b["GPU"] for b in table["bundles"].values()] == [1.0] * 4
     assert all(b["accelerator_type:H200"] > 0 for b in table["bundles"].values())
     assert set(table["bundles_to_node_id"].values()) == {cluster["h200"]}
-    assert len(host["ray_gpu_ids"].split(",")) == 4  # the worker (so vLLM's TP ranks) sees all four GPUs
+    gpus = host["ray_gpu_ids"].split(",")
+    assert len(set(gpus)) == 4  # one distinct GPU from each bundle
+    if executor == "mp":  # vLLM's multiprocessing ranks see exactly the bundles' GPUs
+        assert worker_env(actor, "CUDA_VISIBLE_DEVICES") == host["ray_gpu_ids"]
+    else:  # vLLM's Ray executor places rank i in bundle i: each bundle's GPU is still free
+        assert worker_env(actor, "CUDA_VISIBLE_DEVICES") is None
+        pg = placement_group_of(actor)
+        rank = ray.remote(num_cpus=0, num_gpus=1)(lambda: ray.get_gpu_ids())
+        ranks = [rank.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
+                 .remote() for i in range(4)]
+        assert sorted(str(g) for ids in ray.get(ranks, timeout=30) for g in ids) == sorted(gpus)
     release_worker(actor)
     assert not [t for t in ray.util.placement_group_table().values() if t["state"] == "CREATED"]
 

@@ -132,3 +132,11 @@ def test_infeasible_sku_fails_fast_naming_what_the_cluster_has(tmp_path):
     assert last.startswith("hostsweep: error: sku=h200 tp=4 needs accelerator_type H200")
     assert "the cluster has: CPU-only (1 node)" in last
     assert not (tmp_path / "m.db").exists()
+
+
+def test_engines_run_at_normal_priority_beside_idled_ray_daemons(runs):
+    """Ray's daemons run under SCHED_IDLE (ray.idle_daemons); the worker they start, and so
+    its engine, must not: it runs under the normal policy at niceness 0."""
+    children = runs[runs["tags.mlflow.parentRunId"].notna()]
+    assert set(children["tags.sched_policy"]) == {"other"}
+    assert all(n.endswith("->0") for n in children["tags.niceness"])

@@ -1,12 +1,19 @@
-"""Plan feasibility against node inventories, and SKU pinning options (no Ray needed)."""
+"""Plan feasibility against node inventories, SKU pinning options and TP placement (no Ray needed)."""
 from __future__ import annotations
+
+import os
+import time
 
 import pytest
 
 from hostsweep.cluster import (
-    InfeasiblePlan, NodeInventory, actor_options, check_feasible, cpu_engine_cpus, describe_inventory,
+    InfeasiblePlan, NodeInventory, actor_options, check_feasible, cpu_engine_cpus, descendant_pids,
+    describe_inventory,
 )
+from hostsweep import placement
 from hostsweep.grid import build_cells, group_by_engine
+from hostsweep.engines.vllm_engine import engine_kwargs
+from hostsweep.placement import placement_bundles
 from tests.conftest import compose_typed
 
 CPU_NODE = NodeInventory("n0", cpus=2, gpus=0, accelerator_types=())
@@ -40,9 +47,19 @@ def test_inventory_description_counts_nodes_per_kind():
     assert describe_inventory([]) == "no live nodes"
 
 
-def test_gpu_workers_are_pinned_by_accelerator_type_and_hold_tp_gpus():
-    (spec,) = specs("+sku=h100", "tp=4", "model=llama-3.1-8b")
-    assert actor_options(spec) == {"num_cpus": 1, "num_gpus": 4, "accelerator_type": "H100"}
+def test_single_gpu_workers_are_pinned_by_accelerator_type_and_hold_one_gpu():
+    (spec,) = specs("+sku=h100", "tp=1", "model=llama-3.1-8b")
+    assert actor_options(spec) == {"num_cpus": 1, "num_gpus": 1, "accelerator_type": "H100"}
+    (tp4,) = specs("+sku=h100", "tp=4", "model=llama-3.1-8b")
+    with pytest.raises(ValueError, match="placement group"):
+        actor_options(tp4)
+
+
+def test_tp_k_placement_is_k_one_gpu_bundles_of_the_sku_with_the_worker_cpu_in_bundle_0():
+    bundles = placement_bundles(4, "H200")
+    assert [b["GPU"] for b in bundles] == [1.0] * 4
+    assert [b.get("CPU", 0) for b in bundles] == [1.0, 0, 0, 0]
+    assert all(b["accelerator_type:H200"] > 0 for b in bundles)
 
 
 def test_cpu_workers_reserve_a_whole_cpu_node_and_no_gpu():
@@ -50,3 +67,44 @@ def test_cpu_workers_reserve_a_whole_cpu_node_and_no_gpu():
     cpus = cpu_engine_cpus([CPU_NODE, H100_NODE])
     assert cpus == 2
     assert actor_options(spec, cpus) == {"num_cpus": 2, "num_gpus": 0}
+
+
+@pytest.mark.parametrize("executor, expected", [("mp", "3,5"), ("ray", None)])
+def test_placement_group_gpus_go_to_mp_ranks_or_are_left_to_the_ray_executor(monkeypatch, executor, expected):
+    monkeypatch.setattr(placement, "bundle_gpu_ids", lambda: ["3", "5"])
+    environ = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    assert placement.hand_gpus_to_ranks(executor, environ) == ["3", "5"]
+    assert environ.get("CUDA_VISIBLE_DEVICES") == expected
+
+
+def test_outside_a_placement_group_the_visible_gpus_are_left_alone(monkeypatch):
+    monkeypatch.setattr(placement, "bundle_gpu_ids", lambda: None)
+    environ = {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert placement.hand_gpus_to_ranks("mp", environ) is None
+    assert environ == {"CUDA_VISIBLE_DEVICES": "0,1"}
+
+
+@pytest.mark.parametrize("sku, executor, backend", [("h100", "mp", "mp"), ("h100", "ray", "ray"), ("cpu", "mp", "mp")])
+def test_vllm_gets_the_configured_executor_for_tp_ranks(sku, executor, backend):
+    (spec,) = specs(f"+sku={sku}", "model=llama-3.1-8b" if sku != "cpu" else "model=tiny-llama", "tp=2",
+                    f"engine.tp_executor={executor}")
+    assert engine_kwargs(spec, "model-dir")["distributed_executor_backend"] == backend
+
+
+def test_descendant_pids_finds_grandchildren():
+    import subprocess
+    import sys
+
+    script = "import subprocess, sys; subprocess.run(['sleep', '5'])"
+    child = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        for _ in range(50):  # until the child has started its sleep
+            grandchildren = descendant_pids(child.pid)
+            if grandchildren:
+                break
+            time.sleep(0.1)
+        found = descendant_pids(os.getpid())
+        assert grandchildren and child.pid in found and set(grandchildren) <= set(found)
+    finally:
+        child.kill()
+        child.wait()

@@ -82,6 +82,8 @@ def test_known_group_options_and_plain_keys_pass_the_override_check():
     (["+sku=cpu", "measure.T=1"], "measure.T"),
     (["+sku=cpu", "measure.reps=1"], "measure.reps"),
     (["+sku=cpu", "engine.name=tgi"], "engine.name"),
+    (["+sku=h100", "model=llama-3.1-8b", "tp=2", "engine.tp_executor=nccl"], "engine.tp_executor"),
+    (["+sku=cpu", "tp=2", "engine.tp_executor=ray"], "engine.tp_executor=ray"),  # no GPUs to place ranks on
 ])
 def test_bad_input_raises_one_line_naming_the_field(overrides, field):
     cfg = compose_typed(overrides)

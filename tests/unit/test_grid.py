@@ -1,6 +1,8 @@
 """The grid: cells, engine grouping, engine sizing and stable cell keys."""
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import replace
 
 from hostsweep.grid import build_cells, group_by_engine
@@ -34,6 +36,19 @@ def test_cell_key_is_stable_and_distinguishes_measurements():
     assert len({c.key for c in a}) == len(a)
     assert replace(a[0], reps=3).key != a[0].key
     assert a[0].key.startswith("cpu/tiny-llama/eager/tp1/b1/ctx128/T33/")
+
+
+def test_tp_executor_is_part_of_the_key_only_off_the_mp_default():
+    """Runs logged before engine.tp_executor existed were mp runs: their keys must still match."""
+    (mp,) = build_cells(compose_typed(["+sku=h100", "model=llama-3.1-8b", "tp=2", "batch=1", "ctx=128"]))
+    (ray_cell,) = build_cells(compose_typed(["+sku=h100", "model=llama-3.1-8b", "tp=2", "batch=1", "ctx=128",
+                                             "engine.tp_executor=ray"]))
+    e = mp.engine
+    legacy = json.dumps([e.sku, e.model, e.shape_json, e.model_path, e.mode, e.quantization, e.tp, e.dtype,
+                         e.engine, mp.batch, mp.ctx, mp.T, mp.warmups, mp.reps], sort_keys=True)
+    assert mp.key.endswith(hashlib.sha1(legacy.encode()).hexdigest()[:10])
+    assert ray_cell.key != mp.key
+    assert (mp.params()["tp_executor"], ray_cell.params()["tp_executor"]) == ("mp", "ray")
 
 
 def test_duplicate_grid_values_collapse():
