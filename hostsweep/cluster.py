@@ -40,7 +40,7 @@ def connect(address: str | None, confine_daemons: bool = False, idle_daemons: bo
     binds its compute threads to; workers get every core back (WORKER_AFFINITY_ENV)
     before their engine starts.
     idle_daemons: the daemons run under SCHED_IDLE, only when a core has nothing else
-    to do; the workers they start are reset to the normal policy (SCHED_RESET_ON_FORK).
+    to do (see daemons_to_idle for the one exception).
     """
     import ray
 
@@ -65,12 +65,40 @@ def connect(address: str | None, confine_daemons: bool = False, idle_daemons: bo
     finally:
         os.sched_setaffinity(0, cores)
     if idle_daemons:
-        for pid in set(descendant_pids(os.getpid())) - before:
-            try:
-                os.sched_setscheduler(pid, os.SCHED_IDLE | os.SCHED_RESET_ON_FORK, os.sched_param(0))
-            except (ProcessLookupError, PermissionError) as exc:
-                log.warning("could not idle Ray process %d: %s", pid, exc)
+        for pid in daemons_to_idle(set(descendant_pids(os.getpid())) - before):
+            idle_process(pid)
     return True
+
+
+def process_name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as handle:
+            return handle.read().strip()
+    except OSError:
+        return ""
+
+
+def daemons_to_idle(pids: Iterable[int]) -> list[int]:
+    """Every process ray.init started except the raylet: it starts the workers, and a
+    child keeps its parent's SCHED_IDLE (one an unprivileged worker could not leave)."""
+    return sorted(pid for pid in pids if process_name(pid) != "raylet")
+
+
+def idle_process(pid: int) -> None:
+    """SCHED_IDLE for every thread of `pid`: the policy is per thread, and the daemons'
+    gRPC and event-loop threads already exist."""
+    try:
+        threads = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:
+        return
+    for tid in threads:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        except ProcessLookupError:
+            pass
+        except PermissionError as exc:
+            log.warning("could not idle Ray process %d: %s", pid, exc)
+            return
 
 
 def descendant_pids(pid: int) -> list[int]:

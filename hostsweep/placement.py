@@ -5,8 +5,8 @@ The group is k bundles of one GPU each, STRICT_PACK (all on one node). The worke
 runs in bundle 0 and holds no GPU itself, so every GPU stays with its bundle. Then,
 by engine.tp_executor:
 
-- "mp" (the default; vLLM's own single-node default, which the seeds' numbers were
-  measured with): the worker asks each bundle which GPU it holds (one zero-CPU probe task
+- "mp" (the default, and vLLM's own single-node default; the seeds do not name their
+  executor, so presumably theirs too): the worker asks each bundle which GPU it holds (one zero-CPU probe task
   per bundle) and exposes exactly those to vLLM's multiprocessing ranks through
   CUDA_VISIBLE_DEVICES, rank i on bundle i's GPU.
 - "ray" (vLLM's documented pattern for an engine inside a Ray actor): the worker drops

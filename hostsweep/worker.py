@@ -92,15 +92,18 @@ def restore_priority() -> str:
 
 
 def restore_scheduler() -> str:
-    """Run under the normal policy even if started by an idled Ray daemon (connect's
-    idle_daemons resets its children, this is the check); returns the policy, for the record."""
+    """Run under the normal scheduling policy, whatever process started this one (connect
+    idles Ray's daemons but not the raylet, the workers' parent); an engine under another
+    policy would not measure what a plain process does, so that is an error."""
     if os.sched_getscheduler(0) != os.SCHED_OTHER:
         try:
             os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
         except PermissionError:
-            log.warning("worker runs under scheduling policy %d and may not leave it", os.sched_getscheduler(0))
-    return {os.SCHED_OTHER: "other", os.SCHED_IDLE: "idle", os.SCHED_BATCH: "batch"}.get(
-        os.sched_getscheduler(0), str(os.sched_getscheduler(0)))
+            raise RuntimeError(
+                f"worker runs under scheduling policy {os.sched_getscheduler(0)}, not SCHED_OTHER, "
+                "and may not leave it: its timings would not be a plain process's"
+            ) from None
+    return "other"
 
 
 def ray_placement(tp_gpus: Optional[list[str]] = None) -> dict[str, str]:

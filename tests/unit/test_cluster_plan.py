@@ -8,7 +8,7 @@ import pytest
 
 from hostsweep.cluster import (
     InfeasiblePlan, NodeInventory, actor_options, check_feasible, cpu_engine_cpus, descendant_pids,
-    describe_inventory,
+    daemons_to_idle, describe_inventory, idle_process,
 )
 from hostsweep import placement
 from hostsweep.grid import build_cells, group_by_engine
@@ -108,3 +108,39 @@ def test_descendant_pids_finds_grandchildren():
     finally:
         child.kill()
         child.wait()
+
+
+def test_idle_process_puts_every_thread_of_a_daemon_under_sched_idle():
+    import subprocess
+    import sys
+
+    script = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); print('ready', flush=True)"
+    daemon = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert daemon.stdout.readline().strip() == "ready"
+        idle_process(daemon.pid)
+        threads = [int(t) for t in os.listdir(f"/proc/{daemon.pid}/task")]
+        assert len(threads) >= 2
+        assert all(os.sched_getscheduler(t) == os.SCHED_IDLE for t in threads)
+    finally:
+        daemon.kill()
+        daemon.wait()
+
+
+def test_the_raylet_is_never_idled_because_workers_inherit_its_policy():
+    """A child keeps SCHED_IDLE (SCHED_RESET_ON_FORK only resets real-time policies), so
+    idling the raylet would idle every worker and engine it starts."""
+    import subprocess
+    import sys
+
+    rename = "import ctypes; ctypes.CDLL(None).prctl(15, b'%s', 0, 0, 0); print('ready', flush=True); input()"
+    named = {name: subprocess.Popen([sys.executable, "-c", rename % name], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True) for name in ("raylet", "gcs_server")}
+    try:
+        for proc in named.values():
+            assert proc.stdout.readline().strip() == "ready"
+        assert daemons_to_idle(p.pid for p in named.values()) == [named["gcs_server"].pid]
+    finally:
+        for proc in named.values():
+            proc.kill()
+            proc.wait()

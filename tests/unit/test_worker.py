@@ -106,3 +106,16 @@ def test_worker_takes_back_every_core_when_ray_daemons_were_confined():
     env = {**os.environ, "HOSTSWEEP_WORKER_AFFINITY": ",".join(map(str, cores))}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str(cores)
+
+
+def test_a_worker_started_under_sched_idle_measures_under_the_normal_policy_or_refuses():
+    import os
+    import subprocess
+    import sys
+
+    script = ("import os; os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)); "
+              "from hostsweep.worker import restore_scheduler; print(restore_scheduler(), os.sched_getscheduler(0))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    restored = out.returncode == 0 and out.stdout.split() == ["other", str(os.SCHED_OTHER)]
+    refused = out.returncode != 0 and "SCHED_OTHER" in out.stderr  # unprivileged, RLIMIT_NICE 0
+    assert restored if os.geteuid() == 0 else (restored or refused), out.stderr[-2000:]
