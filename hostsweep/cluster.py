@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable
@@ -40,7 +42,7 @@ def connect(address: str | None, confine_daemons: bool = False, idle_daemons: bo
     binds its compute threads to; workers get every core back (WORKER_AFFINITY_ENV)
     before their engine starts.
     idle_daemons: the daemons run under SCHED_IDLE, only when a core has nothing else
-    to do (see daemons_to_idle for the one exception).
+    to do (the raylet only where its workers may leave that policy: daemons_to_idle).
     """
     import ray
 
@@ -65,9 +67,17 @@ def connect(address: str | None, confine_daemons: bool = False, idle_daemons: bo
     finally:
         os.sched_setaffinity(0, cores)
     if idle_daemons:
-        for pid in daemons_to_idle(set(descendant_pids(os.getpid())) - before):
+        for pid in daemons_to_idle(set(descendant_pids(os.getpid())) - before, can_leave_sched_idle()):
             idle_process(pid)
     return True
+
+
+def can_leave_sched_idle() -> bool:
+    """Whether a process here may go back from SCHED_IDLE to the normal policy (root, or an
+    RLIMIT_NICE that allows nice 0). Tried in a child: nothing here changes policy."""
+    script = ("import os; os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)); "
+              "os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))")
+    return subprocess.run([sys.executable, "-c", script], capture_output=True).returncode == 0
 
 
 def process_name(pid: int) -> str:
@@ -78,10 +88,11 @@ def process_name(pid: int) -> str:
         return ""
 
 
-def daemons_to_idle(pids: Iterable[int]) -> list[int]:
-    """Every process ray.init started except the raylet: it starts the workers, and a
-    child keeps its parent's SCHED_IDLE (one an unprivileged worker could not leave)."""
-    return sorted(pid for pid in pids if process_name(pid) != "raylet")
+def daemons_to_idle(pids: Iterable[int], workers_can_leave_idle: bool) -> list[int]:
+    """The processes ray.init started, less the raylet unless its workers can leave
+    SCHED_IDLE: the raylet starts them, a child keeps its parent's SCHED_IDLE, and a
+    worker that cannot go back to the normal policy refuses to measure."""
+    return sorted(pid for pid in pids if workers_can_leave_idle or process_name(pid) != "raylet")
 
 
 def idle_process(pid: int) -> None:

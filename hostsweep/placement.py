@@ -17,7 +17,7 @@ by engine.tp_executor:
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import MutableMapping, Optional
 
 TP_EXECUTORS = ("mp", "ray")
 ACCELERATOR_PREFIX = "accelerator_type:"
@@ -65,7 +65,7 @@ def bundle_gpu_ids() -> Optional[list[str]]:
     return [gpu for ids in per_bundle for gpu in ids]
 
 
-def hand_gpus_to_ranks(tp_executor: str, environ: dict[str, str]) -> Optional[list[str]]:
+def hand_gpus_to_ranks(tp_executor: str, environ: MutableMapping[str, str]) -> Optional[list[str]]:
     """Make the placement group's GPUs the engine's (see the module docstring); returns
     them, for the record, or None outside a placement group, where nothing changes."""
     gpus = bundle_gpu_ids()

@@ -60,16 +60,30 @@ def measure_options(cfg: SweepConfig) -> MeasureOptions:
 
 
 class CellTable:
-    """The cell table in the run directory, rewritten after every cell so none is lost."""
+    """The cell table in the run directory, rewritten after every cell so none is lost.
 
-    def __init__(self, path: Path) -> None:
+    A resumed sweep's table holds the whole study: the cells FINISHED by earlier runs
+    (`resumed` true, their own MLflow run ids) and the ones measured now (`rows`)."""
+
+    def __init__(self, path: Path, resumed: list[dict[str, object]] | None = None) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.resumed = [{**row, "resumed": True} for row in resumed or []]
         self.rows: list[dict[str, object]] = []
+        self._write()
 
     def append(self, row: dict[str, object]) -> None:
-        self.rows.append(row)
-        pd.DataFrame(self.rows).to_csv(self.path, index=False)
+        self.rows.append({**row, "resumed": False})
+        self._write()
+
+    def study_rows(self, cells: list[Cell]) -> list[dict[str, object]]:
+        """Every row, earlier and new, in grid order."""
+        order = {cell.key: i for i, cell in enumerate(cells)}
+        return sorted(self.resumed + self.rows, key=lambda row: order.get(str(row["cell_key"]), len(order)))
+
+    def _write(self) -> None:
+        if self.resumed or self.rows:
+            pd.DataFrame(self.resumed + self.rows).to_csv(self.path, index=False)
 
 
 def measure_and_record(cfg: SweepConfig, cells: list[Cell], tracker: SweepTracker,
@@ -102,29 +116,30 @@ def where_results_are(tracker: SweepTracker, table: CellTable) -> str:
     )
 
 
-def skip_finished(cells: list[Cell], tracker: SweepTracker) -> list[Cell]:
-    finished = tracker.finished_cell_keys()
+def skip_finished(cells: list[Cell], tracker: SweepTracker) -> tuple[list[Cell], list[dict[str, object]]]:
+    """The cells still to measure, and the table rows of those an earlier run FINISHED."""
+    finished = tracker.finished_cells()
     remaining = [c for c in cells if c.key not in finished]
     if len(remaining) < len(cells):
         log.info("resuming: %d of %d cells already FINISHED in experiment %s are skipped "
                  "(resume=false measures them again)", len(cells) - len(remaining), len(cells),
                  tracker.experiment_id)
-    return remaining
+    return remaining, [finished[c.key] for c in cells if c.key in finished]
 
 
 def run(raw_cfg: DictConfig, run_dir: Path) -> int:
     """Run the sweep the config describes; return the process exit code."""
     cfg = to_sweep_config(raw_cfg)
-    cells = build_cells(cfg)  # raises ConfigError on bad input, before Ray starts
-    log.info("%d cells on %d engine(s)", len(cells), len(group_by_engine(cells)))
+    study = build_cells(cfg)  # raises ConfigError on bad input, before Ray starts
+    log.info("%d cells on %d engine(s)", len(study), len(group_by_engine(study)))
     started_here = cluster.connect(cfg.ray.address, cfg.ray.confine_daemons, cfg.ray.idle_daemons)
     try:
-        cluster.check_feasible(group_by_engine(cells), cluster.live_nodes())
+        cluster.check_feasible(group_by_engine(study), cluster.live_nodes())
         tracker = SweepTracker(cfg.tracking.uri, experiment_name(cfg))
-        cells = skip_finished(cells, tracker) if cfg.resume else cells
+        cells, resumed = skip_finished(study, tracker) if cfg.resume else (study, [])
         tracker.start_sweep(sweep_run_name(cfg, run_dir), OmegaConf.to_yaml(raw_cfg), sweep_params(cfg, cells),
                             {**driver_tags(), "run_dir": str(run_dir)})
-        table = CellTable(run_dir / cfg.output.cells_file)
+        table = CellTable(run_dir / cfg.output.cells_file, resumed)
         status = "KILLED"
         try:
             measure_and_record(cfg, cells, tracker, table)
@@ -134,6 +149,8 @@ def run(raw_cfg: DictConfig, run_dir: Path) -> int:
             tracker.finish_sweep(status, {"cells_done": float(len(table.rows))})
     finally:
         cluster.disconnect(started_here)
-    print(format_table(table.rows))
+    print(format_table(table.study_rows(study)))
+    if table.resumed:
+        print(f"({len(table.resumed)} of these cells were FINISHED by earlier runs: `resumed` in {table.path.name})")
     print(where_results_are(tracker, table))
     return 0 if status == "FINISHED" else 1

@@ -84,17 +84,26 @@ class SweepTracker:
         location = (root / name).as_uri() if root is not None else None
         return self.client.create_experiment(name, artifact_location=location)
 
-    def finished_cell_keys(self) -> set[str]:
-        """Cell keys with a FINISHED run in this experiment (what a resumed sweep skips)."""
-        keys: set[str] = set()
+    def finished_cells(self) -> dict[str, dict[str, object]]:
+        """FINISHED cell runs of this experiment by cell key (what a resumed sweep skips),
+        each as the cell-table row it had when measured (report.cell_row's columns)."""
+        rows: dict[str, dict[str, object]] = {}
         page_token = None
         while True:
             page = self.client.search_runs([self.experiment_id], "attributes.status = 'FINISHED'",
                                            max_results=5000, page_token=page_token)
-            keys |= {run.data.tags["cell_key"] for run in page if "cell_key" in run.data.tags}
+            for run in page:
+                tags = run.data.tags
+                if "cell_key" in tags:
+                    rows[tags["cell_key"]] = {
+                        **run.data.params, "status": "FINISHED", **run.data.metrics,
+                        **{k: tags[k] for k in ("kernel_source", "regime") if k in tags},
+                        "host": tags.get("hostname", "?"), "device": tags.get("device_name", "?"),
+                        "cell_key": tags["cell_key"], "mlflow_run_id": run.info.run_id, "error": "",
+                    }
             page_token = page.token
             if not page_token:
-                return keys
+                return rows
 
     def start_sweep(self, run_name: str, config_yaml: str, params: dict[str, object],
                     tags: dict[str, str]) -> str:

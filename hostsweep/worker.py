@@ -136,7 +136,7 @@ class SweepWorker:
         folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="hostsweep-"))
         tp_gpus = None
         if spec.accelerator_type is not None and spec.tp > 1:
-            tp_gpus = hand_gpus_to_ranks(spec.tp_executor, os.environ)  # type: ignore[arg-type]
+            tp_gpus = hand_gpus_to_ranks(spec.tp_executor, os.environ)
         started = time.perf_counter()
         self.engine: Engine = start_engine(spec, folder)
         engine_start_s = time.perf_counter() - started

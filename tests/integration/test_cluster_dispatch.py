@@ -139,14 +139,17 @@ def test_rerun_after_an_interrupted_sweep_measures_only_missing_cells(cluster, t
     assert sweep.run(compose_raw(args), tmp_path / "second") == 0
     import pandas as pd
 
-    second = pd.read_csv(tmp_path / "second" / "cells.csv")
-    assert list(second["batch"]) == [3]
+    second = pd.read_csv(tmp_path / "second" / "cells.csv")  # the whole study, in grid order
+    assert list(second["batch"]) == [1, 2, 3] and list(second["resumed"]) == [True, True, False]
+    assert second["step_ms"].notna().all()
     import mlflow
 
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/m.db")
     runs = mlflow.search_runs(experiment_names=["hostsweep-resume"], filter_string="attributes.status = 'FINISHED'")
     keys = runs["tags.cell_key"].dropna()
     assert sorted(Counter(keys).values()) == [1, 1, 1]
+    run_of = dict(zip(runs["tags.cell_key"], runs["run_id"]))
+    assert [run_of[k] for k in second["cell_key"]] == list(second["mlflow_run_id"])  # earlier rows: their own runs
     assert sweep.run(compose_raw([*args, "resume=false"]), tmp_path / "fresh") == 0
     assert len(pd.read_csv(tmp_path / "fresh" / "cells.csv")) == 3
 

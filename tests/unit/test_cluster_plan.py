@@ -8,7 +8,7 @@ import pytest
 
 from hostsweep.cluster import (
     InfeasiblePlan, NodeInventory, actor_options, check_feasible, cpu_engine_cpus, descendant_pids,
-    daemons_to_idle, describe_inventory, idle_process,
+    can_leave_sched_idle, daemons_to_idle, describe_inventory, idle_process,
 )
 from hostsweep import placement
 from hostsweep.grid import build_cells, group_by_engine
@@ -127,9 +127,9 @@ def test_idle_process_puts_every_thread_of_a_daemon_under_sched_idle():
         daemon.wait()
 
 
-def test_the_raylet_is_never_idled_because_workers_inherit_its_policy():
+def test_the_raylet_is_idled_only_where_the_workers_it_starts_can_leave_sched_idle():
     """A child keeps SCHED_IDLE (SCHED_RESET_ON_FORK only resets real-time policies), so
-    idling the raylet would idle every worker and engine it starts."""
+    an idled raylet starts idled workers; one that cannot leave it refuses to measure."""
     import subprocess
     import sys
 
@@ -139,8 +139,19 @@ def test_the_raylet_is_never_idled_because_workers_inherit_its_policy():
     try:
         for proc in named.values():
             assert proc.stdout.readline().strip() == "ready"
-        assert daemons_to_idle(p.pid for p in named.values()) == [named["gcs_server"].pid]
+        pids = [p.pid for p in named.values()]
+        assert daemons_to_idle(pids, workers_can_leave_idle=False) == [named["gcs_server"].pid]
+        assert daemons_to_idle(pids, workers_can_leave_idle=True) == sorted(pids)
     finally:
         for proc in named.values():
             proc.kill()
             proc.wait()
+
+
+def test_the_sched_idle_probe_agrees_with_privilege_and_rlimit_nice():
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
+    # Leaving SCHED_IDLE for nice 0 needs CAP_SYS_NICE (root here) or a nice ceiling 20 - soft <= 0.
+    expected = os.geteuid() == 0 or soft == resource.RLIM_INFINITY or soft >= 20
+    assert can_leave_sched_idle() == expected
