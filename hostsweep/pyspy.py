@@ -52,4 +52,10 @@ def record_thread_states(pid: int, seconds: float, workload: Callable[[], None])
             if recorder.returncode != 0:
                 log.warning("py-spy failed (%s): %s", recorder.returncode, err.strip()[-500:])
                 return None
-        return thread_states(every.read_text(), active.read_text())
+        states = thread_states(every.read_text(), active.read_text())
+        if states["pid"].nunique() < 2:
+            # py-spy attaches to each child in turn; on a loaded machine that can take the
+            # whole window, and the view then holds the worker but not its engine.
+            log.warning("py-spy sampled only process %s in %.0f s, not its engine's: raise split.pyspy_seconds",
+                        pid, seconds)
+        return states
