@@ -27,7 +27,6 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import numpy as np
-import psutil
 from hydra import compose, initialize_config_module
 
 from hostsweep.config import register_configs, to_sweep_config
@@ -37,10 +36,6 @@ from hostsweep.worker import MeasureOptions, SweepWorker
 
 TARGET = 0.03
 RESAMPLES = 4000
-
-
-def descendants() -> set[int]:
-    return {child.pid for child in psutil.Process(os.getpid()).children(recursive=True)}
 
 
 @contextmanager
@@ -80,7 +75,10 @@ def report(label: str, ratios: list[float], rng: np.random.Generator) -> None:
 def main() -> None:
     import ray
 
-    from hostsweep.cluster import connect, disconnect, new_worker, release_worker
+    from hostsweep.cluster import connect, descendant_pids, disconnect, new_worker, release_worker
+
+    def descendants() -> set[int]:
+        return set(descendant_pids(os.getpid()))
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30, help="rounds of A, B and C")

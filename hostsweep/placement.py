@@ -6,9 +6,9 @@ runs in bundle 0 and holds no GPU itself, so every GPU stays with its bundle. Th
 by engine.tp_executor:
 
 - "mp" (the default, and vLLM's own single-node default; the seeds do not name their
-  executor, so presumably theirs too): the worker asks each bundle which GPU it holds (one zero-CPU probe task
-  per bundle) and exposes exactly those to vLLM's multiprocessing ranks through
-  CUDA_VISIBLE_DEVICES, rank i on bundle i's GPU.
+  executor, so presumably theirs too): the worker asks each bundle which GPU it holds
+  (one zero-CPU probe task per bundle) and exposes exactly those to vLLM's
+  multiprocessing ranks through CUDA_VISIBLE_DEVICES, rank i on bundle i's GPU.
 - "ray" (vLLM's documented pattern for an engine inside a Ray actor): the worker drops
   CUDA_VISIBLE_DEVICES and vLLM's Ray executor starts rank i in bundle i. It finds the
   group because the worker's child tasks are captured by it and, since

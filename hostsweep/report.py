@@ -35,10 +35,13 @@ def cell_metrics(result: CellResult) -> dict[str, float]:
     return metrics
 
 
+SPLIT_TAGS = ("kernel_source", "regime")
+
+
 def split_tags(result: CellResult) -> dict[str, str]:
     if result.split is None:
         return {}
-    return {"kernel_source": result.split.kernel_source, "regime": result.split.regime}
+    return dict(zip(SPLIT_TAGS, (result.split.kernel_source, result.split.regime)))
 
 
 def cell_row(result: CellResult, run_id: str) -> dict[str, object]:
@@ -54,6 +57,23 @@ def cell_row(result: CellResult, run_id: str) -> dict[str, object]:
         "cell_key": result.key,
         "mlflow_run_id": run_id,
         "error": (result.error or "").splitlines()[0] if result.error else "",
+    }
+
+
+def logged_row(params: dict[str, str], metrics: dict[str, float], tags: dict[str, str],
+               run_id: str) -> dict[str, object]:
+    """cell_row's columns for a FINISHED cell read back from its MLflow run (a resumed
+    sweep's earlier cells); the host/device columns come from its provenance tags."""
+    return {
+        **params,
+        "status": "FINISHED",
+        **metrics,
+        **{k: tags[k] for k in SPLIT_TAGS if k in tags},
+        "host": tags.get("hostname", "?"),
+        "device": tags.get("device_name", "?"),
+        "cell_key": tags["cell_key"],
+        "mlflow_run_id": run_id,
+        "error": "",
     }
 
 

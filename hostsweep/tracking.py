@@ -17,7 +17,7 @@ import pandas as pd
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
-from hostsweep.report import cell_metrics, split_tags
+from hostsweep.report import cell_metrics, logged_row, split_tags
 from hostsweep.worker import CellResult
 
 log = logging.getLogger(__name__)
@@ -95,12 +95,7 @@ class SweepTracker:
             for run in page:
                 tags = run.data.tags
                 if "cell_key" in tags:
-                    rows[tags["cell_key"]] = {
-                        **run.data.params, "status": "FINISHED", **run.data.metrics,
-                        **{k: tags[k] for k in ("kernel_source", "regime") if k in tags},
-                        "host": tags.get("hostname", "?"), "device": tags.get("device_name", "?"),
-                        "cell_key": tags["cell_key"], "mlflow_run_id": run.info.run_id, "error": "",
-                    }
+                    rows[tags["cell_key"]] = logged_row(run.data.params, run.data.metrics, tags, run.info.run_id)
             page_token = page.token
             if not page_token:
                 return rows

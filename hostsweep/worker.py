@@ -93,8 +93,8 @@ def restore_priority() -> str:
 
 def restore_scheduler() -> str:
     """Run under the normal scheduling policy, whatever process started this one (connect
-    idles Ray's daemons but not the raylet, the workers' parent); an engine under another
-    policy would not measure what a plain process does, so that is an error."""
+    may idle the raylet, the workers' parent, whose policy they inherit); an engine under
+    another policy would not measure what a plain process does, so that is an error."""
     if os.sched_getscheduler(0) != os.SCHED_OTHER:
         try:
             os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
