@@ -13,10 +13,10 @@ from itertools import product
 import numpy as np
 import pandas as pd
 
-from hostsweep.compare import cell_frame, in_regime
-from hostsweep.config import load_model_shape, load_sku
-from hostsweep.fit import AllReduceFit, HostFit, allreduce_s, sharded_compute_s
-from hostsweep.hostforms import compare_forms, fit_form, predict_s
+from hostsweep.model.compare import cell_frame, in_regime
+from hostsweep.config.schema import load_model_shape, load_sku
+from hostsweep.model.fit import AllReduceFit, HostFit, allreduce_s, sharded_compute_s
+from hostsweep.model.hostforms import compare_forms, fit_form, predict_s
 
 
 def synthetic_cells(n: int) -> pd.DataFrame:

@@ -29,10 +29,10 @@ from typing import Callable, Iterator
 import numpy as np
 from hydra import compose, initialize_config_module
 
-from hostsweep.config import register_configs, to_sweep_config
-from hostsweep.grid import build_cells
-from hostsweep.measure import bootstrap_median_ci
-from hostsweep.worker import MeasureOptions, SweepWorker
+from hostsweep.config.schema import register_configs, to_sweep_config
+from hostsweep.config.grid import build_cells
+from hostsweep.measure.protocol import bootstrap_median_ci
+from hostsweep.run.worker import MeasureOptions, SweepWorker
 
 TARGET = 0.03
 RESAMPLES = 4000
@@ -75,7 +75,7 @@ def report(label: str, ratios: list[float], rng: np.random.Generator) -> None:
 def main() -> None:
     import ray
 
-    from hostsweep.cluster import connect, descendant_pids, disconnect, new_worker, release_worker
+    from hostsweep.run.cluster import connect, descendant_pids, disconnect, new_worker, release_worker
 
     def descendants() -> set[int]:
         return set(descendant_pids(os.getpid()))

@@ -10,7 +10,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from hostsweep.config import ConfigError, check_group_overrides, register_configs
+from hostsweep.config.schema import ConfigError, check_group_overrides, register_configs
 
 register_configs()
 
@@ -21,7 +21,7 @@ _exit_codes: list[int] = [0]
 
 @hydra.main(version_base="1.3", config_path="pkg://hostsweep.conf", config_name="config")
 def _sweep(cfg: DictConfig) -> None:
-    from hostsweep import sweep
+    from hostsweep.stages import sweep
 
     try:
         _exit_codes.append(sweep.run(cfg, Path(HydraConfig.get().runtime.output_dir)))

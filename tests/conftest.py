@@ -11,7 +11,7 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
 
-from hostsweep.config import SweepConfig, register_configs, to_sweep_config
+from hostsweep.config.schema import SweepConfig, register_configs, to_sweep_config
 
 register_configs()
 

@@ -11,11 +11,11 @@ import pandas as pd
 import pytest
 import yaml
 
-from hostsweep.compare import cell_frame
-from hostsweep.config import load_model_shape, load_sku
-from hostsweep.fit import AllReduceFit, HostFit, allreduce_s, sharded_compute_s
-from hostsweep.modelcli import main
-from hostsweep.tpmodel import predict_rows
+from hostsweep.model.compare import cell_frame
+from hostsweep.config.schema import load_model_shape, load_sku
+from hostsweep.model.fit import AllReduceFit, HostFit, allreduce_s, sharded_compute_s
+from hostsweep.model.cli import main
+from hostsweep.model.tpmodel import predict_rows
 
 AR, HOST, G = AllReduceFit(21.2e-6, 307e9), HostFit(16.9e-3, 0.1e-3), 0.30
 

@@ -5,7 +5,7 @@ import importlib
 from pathlib import Path
 from typing import Protocol
 
-from hostsweep.grid import EngineSpec
+from hostsweep.config.grid import EngineSpec
 
 # Module and class per engine name; imported only when a worker starts that engine,
 # so `import hostsweep` works on a machine without vLLM.

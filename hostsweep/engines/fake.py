@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from hostsweep.grid import EngineSpec
-from hostsweep.provenance import cpu_model_name
+from hostsweep.config.grid import EngineSpec
+from hostsweep.record.provenance import cpu_model_name
 
 
 class FakeEngine:

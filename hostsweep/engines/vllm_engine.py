@@ -13,9 +13,9 @@ import re
 import time
 from pathlib import Path
 
-from hostsweep.grid import EngineSpec
-from hostsweep.provenance import device_name
-from hostsweep.shapes import hf_config
+from hostsweep.config.grid import EngineSpec
+from hostsweep.record.provenance import device_name
+from hostsweep.config.shapes import hf_config
 
 log = logging.getLogger(__name__)
 

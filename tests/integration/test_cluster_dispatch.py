@@ -10,13 +10,13 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from hostsweep import sweep
-from hostsweep.cluster import (
+from hostsweep.stages import sweep
+from hostsweep.run.cluster import (
     InfeasiblePlan, check_feasible, live_nodes, new_worker, placement_group_of, release_worker,
 )
-from hostsweep.dispatch import Dispatcher, FaultPolicy
-from hostsweep.grid import build_cells, group_by_engine
-from hostsweep.worker import MeasureOptions
+from hostsweep.run.dispatch import Dispatcher, FaultPolicy
+from hostsweep.config.grid import build_cells, group_by_engine
+from hostsweep.run.worker import MeasureOptions
 from tests.conftest import compose_raw, compose_typed
 
 pytestmark = pytest.mark.integration

@@ -80,7 +80,7 @@ def test_top_ops_artifact_names_compute_ops(runs, tmp_path):
 
 
 def test_pyspy_thread_states_of_the_engine_tree_are_logged(runs, tmp_path):
-    from hostsweep.pyspy import pyspy_binary
+    from hostsweep.run.pyspy import pyspy_binary
 
     if pyspy_binary() is None:
         pytest.skip("py-spy is not installed")

@@ -6,14 +6,14 @@ import time
 
 import pytest
 
-from hostsweep.cluster import (
+from hostsweep.run.cluster import (
     InfeasiblePlan, NodeInventory, actor_options, check_feasible, cpu_engine_cpus, descendant_pids,
     can_leave_sched_idle, daemons_to_idle, describe_inventory, idle_process,
 )
-from hostsweep import placement
-from hostsweep.grid import build_cells, group_by_engine
+from hostsweep.run import placement
+from hostsweep.config.grid import build_cells, group_by_engine
 from hostsweep.engines.vllm_engine import engine_kwargs
-from hostsweep.placement import placement_bundles
+from hostsweep.run.placement import placement_bundles
 from tests.conftest import compose_typed
 
 CPU_NODE = NodeInventory("n0", cpus=2, gpus=0, accelerator_types=())

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from hostsweep.config import ConfigError, check_group_overrides, default_dtype, group_options
-from hostsweep.grid import build_cells
-from hostsweep.validation import validate
+from hostsweep.config.schema import ConfigError, check_group_overrides, default_dtype, group_options
+from hostsweep.config.grid import build_cells
+from hostsweep.config.validation import validate
 from tests.conftest import compose_raw, compose_typed
 
 
@@ -37,7 +37,7 @@ def test_plus_sku_and_top_level_tp_compose_exactly_as_written():
 
 
 def test_without_plus_sku_the_sku_is_the_local_kind(monkeypatch):
-    monkeypatch.setattr("hostsweep.config.local_sku_name", lambda: "cpu")
+    monkeypatch.setattr("hostsweep.config.schema.local_sku_name", lambda: "cpu")
     cfg = compose_typed([])
     assert cfg.sku.name == "cpu" and cfg.sku.accelerator_type is None
 

@@ -9,10 +9,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from hostsweep.compare import cell_frame, falsified_skus, generalization, in_regime, predictions_table
-from hostsweep.config import load_sku
-from hostsweep.fit import AllReduceFit, HostFit, allreduce_s, fit_allreduce, fit_host, sharded_compute_s
-from hostsweep.hostforms import compare_forms, fit_form, predict_s, verdict
+from hostsweep.model.compare import cell_frame, falsified_skus, generalization, in_regime, predictions_table
+from hostsweep.config.schema import load_sku
+from hostsweep.model.fit import AllReduceFit, HostFit, allreduce_s, fit_allreduce, fit_host, sharded_compute_s
+from hostsweep.model.hostforms import compare_forms, fit_form, predict_s, verdict
 from tests.conftest import compose_typed
 
 TRUE_AR = AllReduceFit(latency_s=21.2e-6, bandwidth_Bps=307e9)   # seed 002, H100

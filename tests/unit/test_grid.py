@@ -5,7 +5,7 @@ import hashlib
 import json
 from dataclasses import replace
 
-from hostsweep.grid import build_cells, group_by_engine
+from hostsweep.config.grid import build_cells, group_by_engine
 from tests.conftest import compose_typed
 
 
@@ -67,7 +67,7 @@ def test_a_study_spanning_skus_and_tp_degrees_has_one_engine_per_pair():
 def test_unknown_sku_in_a_list_names_the_allowed_ones():
     import pytest
 
-    from hostsweep.config import ConfigError
+    from hostsweep.config.schema import ConfigError
 
     with pytest.raises(ConfigError, match="unknown sku 'h300' in skus; allowed sku values: cpu, h100, h200"):
         build_cells(compose_typed(["skus=[h100,h300]"]))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hostsweep.measure import (
+from hostsweep.measure.protocol import (
     bootstrap_median_ci, random_prompts, run_protocol, step_time, summarize,
 )
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import io
 
-from hostsweep.progress import ProgressReporter, format_duration, progress_line
+from hostsweep.run.progress import ProgressReporter, format_duration, progress_line
 
 
 def test_progress_line_extrapolates_eta_from_finished_cells():

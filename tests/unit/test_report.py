@@ -1,9 +1,9 @@
 """The printed cell table and the CSV rows."""
 from __future__ import annotations
 
-from hostsweep.measure import CellMeasurement
-from hostsweep.report import cell_row, format_table
-from hostsweep.worker import CellResult
+from hostsweep.measure.protocol import CellMeasurement
+from hostsweep.report.tables import cell_row, format_table
+from hostsweep.run.worker import CellResult
 
 PARAMS = {"sku": "cpu", "model": "tiny-llama", "mode": "eager", "tp": 1, "batch": 2, "ctx": 128,
           "T": 33, "reps": 12, "warmups": 2, "dtype": "float32", "engine": "vllm"}

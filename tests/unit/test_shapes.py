@@ -5,7 +5,7 @@ from dataclasses import asdict
 
 import pytest
 
-from hostsweep.shapes import hf_config, parameter_count
+from hostsweep.config.shapes import hf_config, parameter_count
 from tests.conftest import compose_typed
 
 # Parameter counts published on the models' cards / computed by transformers.

@@ -6,8 +6,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from hostsweep.split import device_split, linear_fit, linearity
-from hostsweep.traces import TraceTotals
+from hostsweep.measure.split import device_split, linear_fit, linearity
+from hostsweep.measure.traces import TraceTotals
 
 
 def rank_totals(prefill_us: float, step_us: float, tokens: int, overlap_us_per_step: float = 0.0,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from hostsweep.threadstates import idle_fraction, parse_raw, thread_states
+from hostsweep.measure.threadstates import idle_fraction, parse_raw, thread_states
 
 ALL = """process 10:"ray::SweepWorker";thread (10): MainThread;generate (llm.py:1);poll (zmq.py:9) 80
 process 10:"ray::SweepWorker";thread (10): MainThread;generate (llm.py:1);step (core.py:5) 20

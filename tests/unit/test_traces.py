@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from hostsweep.traces import interval_union_us, is_cpu_compute_op, load_trace, outermost_compute_ops, totals
-from hostsweep.traces import Interval
+from hostsweep.measure.traces import interval_union_us, is_cpu_compute_op, load_trace, outermost_compute_ops, totals
+from hostsweep.measure.traces import Interval
 
 
 def kernel(name, ts, dur, stream):

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from hostsweep.grid import build_cells
-from hostsweep.worker import MeasureOptions, SweepWorker, release_ray_thread_limits
+from hostsweep.config.grid import build_cells
+from hostsweep.run.worker import MeasureOptions, SweepWorker, release_ray_thread_limits
 from tests.conftest import compose_typed
 
 
@@ -77,7 +77,7 @@ def test_linearity_sweep_reports_r2_for_wall_and_kernels(tmp_path):
 
 
 def test_pyspy_view_samples_the_worker_or_is_skipped_cleanly(tmp_path, monkeypatch):
-    from hostsweep import pyspy
+    from hostsweep.run import pyspy
 
     cell = fake_cells("batch=[1]", "ctx=[16]", "measure.T=20")[0]
     worker = SweepWorker(cell.engine, str(tmp_path))
@@ -101,7 +101,7 @@ def test_worker_takes_back_every_core_when_ray_daemons_were_confined():
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("needs two cores")
-    script = ("import os; os.sched_setaffinity(0, {%d}); from hostsweep.worker import restore_affinity; "
+    script = ("import os; os.sched_setaffinity(0, {%d}); from hostsweep.run.worker import restore_affinity; "
               "restore_affinity(); print(sorted(os.sched_getaffinity(0)))" % cores[-1])
     env = {**os.environ, "HOSTSWEEP_WORKER_AFFINITY": ",".join(map(str, cores))}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
@@ -114,7 +114,7 @@ def test_a_worker_started_under_sched_idle_measures_under_the_normal_policy_or_r
     import sys
 
     script = ("import os; os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)); "
-              "from hostsweep.worker import restore_scheduler; print(restore_scheduler(), os.sched_getscheduler(0))")
+              "from hostsweep.run.worker import restore_scheduler; print(restore_scheduler(), os.sched_getscheduler(0))")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     restored = out.returncode == 0 and out.stdout.split() == ["other", str(os.SCHED_OTHER)]
     refused = out.returncode != 0 and "SCHED_OTHER" in out.stderr  # unprivileged, RLIMIT_NICE 0

@@ -11,9 +11,9 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
-from hostsweep.compare import cell_frame, in_regime
-from hostsweep.fit import AllReduceFit, HostFit
-from hostsweep.hostforms import FittedForm, predict_s
+from hostsweep.model.compare import cell_frame, in_regime
+from hostsweep.model.fit import AllReduceFit, HostFit
+from hostsweep.model.hostforms import FittedForm, predict_s
 
 INPUT_COLUMNS = ("model", "sku", "tp", "batch", "ctx")
 

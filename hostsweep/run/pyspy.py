@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import pandas as pd
 
-from hostsweep.threadstates import thread_states
+from hostsweep.measure.threadstates import thread_states
 
 log = logging.getLogger(__name__)
 

@@ -12,15 +12,15 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
-from hostsweep import cluster
-from hostsweep.config import SweepConfig, sweep_skus, to_sweep_config
-from hostsweep.dispatch import Dispatcher, FaultPolicy
-from hostsweep.grid import Cell, build_cells, group_by_engine
-from hostsweep.progress import ProgressReporter
-from hostsweep.provenance import driver_tags
-from hostsweep.report import cell_row, format_table
-from hostsweep.tracking import SweepTracker
-from hostsweep.worker import CellResult, MeasureOptions
+from hostsweep.run import cluster
+from hostsweep.config.schema import SweepConfig, sweep_skus, to_sweep_config
+from hostsweep.run.dispatch import Dispatcher, FaultPolicy
+from hostsweep.config.grid import Cell, build_cells, group_by_engine
+from hostsweep.run.progress import ProgressReporter
+from hostsweep.record.provenance import driver_tags
+from hostsweep.report.tables import cell_row, format_table
+from hostsweep.record.tracking import SweepTracker
+from hostsweep.run.worker import CellResult, MeasureOptions
 
 log = logging.getLogger(__name__)
 

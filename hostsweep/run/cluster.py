@@ -13,10 +13,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable
 
-from hostsweep.config import ConfigError
-from hostsweep.grid import EngineSpec
-from hostsweep.placement import ACCELERATOR_PREFIX, placement_bundles
-from hostsweep.worker import WORKER_AFFINITY_ENV, SweepWorker
+from hostsweep.config.schema import ConfigError
+from hostsweep.config.grid import EngineSpec
+from hostsweep.run.placement import ACCELERATOR_PREFIX, placement_bundles
+from hostsweep.run.worker import WORKER_AFFINITY_ENV, SweepWorker
 
 log = logging.getLogger(__name__)
 

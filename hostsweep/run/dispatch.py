@@ -17,10 +17,10 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from hostsweep.cluster import new_worker, release_worker, stop_workers
-from hostsweep.grid import Cell, EngineSpec, group_by_engine
-from hostsweep.progress import ProgressReporter
-from hostsweep.worker import CellResult, MeasureOptions
+from hostsweep.run.cluster import new_worker, release_worker, stop_workers
+from hostsweep.config.grid import Cell, EngineSpec, group_by_engine
+from hostsweep.run.progress import ProgressReporter
+from hostsweep.run.worker import CellResult, MeasureOptions
 
 log = logging.getLogger(__name__)
 

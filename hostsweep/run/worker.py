@@ -17,13 +17,13 @@ import numpy as np
 import pandas as pd
 
 from hostsweep.engines.base import Engine, start_engine
-from hostsweep.grid import Cell, EngineSpec
-from hostsweep.measure import CellMeasurement, random_prompts, run_protocol, summarize
-from hostsweep.placement import hand_gpus_to_ranks
-from hostsweep.provenance import hostname
-from hostsweep.pyspy import record_thread_states
-from hostsweep.split import LinearityResult, SplitResult, device_split, linearity
-from hostsweep.traces import TraceTotals, load_trace, totals
+from hostsweep.config.grid import Cell, EngineSpec
+from hostsweep.measure.protocol import CellMeasurement, random_prompts, run_protocol, summarize
+from hostsweep.run.placement import hand_gpus_to_ranks
+from hostsweep.record.provenance import hostname
+from hostsweep.run.pyspy import record_thread_states
+from hostsweep.measure.split import LinearityResult, SplitResult, device_split, linearity
+from hostsweep.measure.traces import TraceTotals, load_trace, totals
 
 log = logging.getLogger(__name__)
 

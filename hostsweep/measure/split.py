@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from hostsweep.traces import TraceTotals
+from hostsweep.measure.traces import TraceTotals
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hostsweep.config import ConfigError, SkuConfig, SweepConfig, sweep_skus
-from hostsweep.placement import TP_EXECUTORS
+from hostsweep.config.schema import ConfigError, SkuConfig, SweepConfig, sweep_skus
+from hostsweep.run.placement import TP_EXECUTORS
 
 ENGINES = ("vllm", "fake")
 DTYPES = ("bfloat16", "float16", "float32", "auto")

@@ -17,7 +17,7 @@ def package_version(distribution: str) -> str:
 
 def git_sha() -> str:
     """The commit of the hostsweep checkout, or 'unknown' for an installed wheel."""
-    source_dir = Path(__file__).resolve().parent.parent
+    source_dir = Path(__file__).resolve().parents[2]  # the checkout holding hostsweep/
     try:
         out = subprocess.run(
             ["git", "-C", str(source_dir), "rev-parse", "HEAD"],

@@ -12,9 +12,9 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
-from hostsweep.fit import AllReduceTerms, HostFit, SHAPE_COLUMNS, allreduce_s, ape
-from hostsweep.hostforms import FittedForm, host_and_allreduce_s, predict_s
-from hostsweep.shapes import parameter_count
+from hostsweep.model.fit import AllReduceTerms, HostFit, SHAPE_COLUMNS, allreduce_s, ape
+from hostsweep.model.hostforms import FittedForm, host_and_allreduce_s, predict_s
+from hostsweep.config.shapes import parameter_count
 
 GIB = 1024 ** 3
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}

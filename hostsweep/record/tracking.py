@@ -17,8 +17,8 @@ import pandas as pd
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
-from hostsweep.report import cell_metrics, logged_row, split_tags
-from hostsweep.worker import CellResult
+from hostsweep.report.tables import cell_metrics, logged_row, split_tags
+from hostsweep.run.worker import CellResult
 
 log = logging.getLogger(__name__)
 
@@ -159,13 +159,13 @@ class SweepTracker:
 
 class TPLatencyPyfunc(mlflow.pyfunc.PythonModel):
     """The fitted TP latency model as an MLflow pyfunc: rows of (model, sku, tp, batch,
-    ctx) in, step_ms out. The spec is plain data (see hostsweep.tpmodel)."""
+    ctx) in, step_ms out. The spec is plain data (see hostsweep.model.tpmodel)."""
 
     def __init__(self, spec: dict) -> None:
         self.spec = spec
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
-        from hostsweep.tpmodel import predict_rows
+        from hostsweep.model.tpmodel import predict_rows
 
         return predict_rows(self.spec, model_input)[["step_ms"]]
 
@@ -175,7 +175,7 @@ def log_model_fit(tracking_uri: str, experiment: str, run_name: str, params: dic
     """One run in the models experiment: params, metrics, tables, and the pyfunc model."""
     from mlflow.models import infer_signature
 
-    from hostsweep.tpmodel import INPUT_COLUMNS, predict_rows
+    from hostsweep.model.tpmodel import INPUT_COLUMNS, predict_rows
 
     tracker_experiment = SweepTracker(tracking_uri, experiment).experiment_id
     mlflow.set_tracking_uri(tracking_uri)

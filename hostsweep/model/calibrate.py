@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import pandas as pd
 
-from hostsweep.fit import HostFit, fit_host
+from hostsweep.model.fit import HostFit, fit_host
 
 
 def _median_seconds(action: Callable[[], None], sync: Callable[[], None], reps: int) -> float:
@@ -64,7 +64,7 @@ def run_on_sku(function: Callable[..., Any], accelerator_type: Optional[str], gp
         return function(*args)
     import ray
 
-    from hostsweep.cluster import InfeasiblePlan, describe_inventory, live_nodes, node_offers
+    from hostsweep.run.cluster import InfeasiblePlan, describe_inventory, live_nodes, node_offers
 
     ray.init(address=address, ignore_reinit_error=True)
     nodes = live_nodes()

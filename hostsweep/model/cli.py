@@ -20,11 +20,11 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from hostsweep.compare import cell_frame, falsified_skus, generalization, in_regime, predictions_table
-from hostsweep.config import ConfigError, load_model_shape, load_sku
-from hostsweep.fit import AllReduceFit, HostFit, mape_summary
-from hostsweep.hostforms import DEFAULT_FORM, FORM_CLASSES, compare_forms, fit_form, verdict
-from hostsweep.tpmodel import model_spec, tp_scaling
+from hostsweep.model.compare import cell_frame, falsified_skus, generalization, in_regime, predictions_table
+from hostsweep.config.schema import ConfigError, load_model_shape, load_sku
+from hostsweep.model.fit import AllReduceFit, HostFit, mape_summary
+from hostsweep.model.hostforms import DEFAULT_FORM, FORM_CLASSES, compare_forms, fit_form, verdict
+from hostsweep.model.tpmodel import model_spec, tp_scaling
 
 
 def load_calibration(name_or_path: str) -> tuple[dict[str, AllReduceFit], HostFit, dict[str, dict]]:
@@ -48,7 +48,7 @@ def load_calibration(name_or_path: str) -> tuple[dict[str, AllReduceFit], HostFi
 def measured_cells(args: argparse.Namespace) -> pd.DataFrame:
     frames = [pd.read_csv(path) for path in args.cells]
     if args.experiment:
-        from hostsweep.tracking import read_cells
+        from hostsweep.record.tracking import read_cells
 
         frames.append(read_cells(args.tracking_uri, args.experiment))
     measured = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
@@ -86,7 +86,7 @@ def fit_command(args: argparse.Namespace) -> int:
               "roofs": args.roofs, "utilization": args.utilization,
               **{f"lambda_s.{k}": v.latency_s for k, v in allreduce.items()},
               **{f"beta_Bps.{k}": v.bandwidth_Bps for k, v in allreduce.items()}}
-    from hostsweep.tracking import log_model_fit
+    from hostsweep.record.tracking import log_model_fit
 
     spec = model_spec(fitted, allreduce, host, shapes, skus, args.roofs)
     run_id = log_model_fit(args.tracking_uri, args.models_experiment, f"{args.form} g={fitted.g:.3f}",
@@ -135,10 +135,10 @@ def _write_calibration(path: str | None, section: str, values: dict) -> None:
 
 
 def allreduce_command(args: argparse.Namespace) -> int:
-    from hostsweep.allreduce_bench import run_allreduce_sweep
-    from hostsweep.calibrate import run_on_sku
-    from hostsweep.fit import fit_allreduce
-    from hostsweep.tracking import log_calibration
+    from hostsweep.model.allreduce_bench import run_allreduce_sweep
+    from hostsweep.model.calibrate import run_on_sku
+    from hostsweep.model.fit import fit_allreduce
+    from hostsweep.record.tracking import log_calibration
 
     sku = load_sku(args.sku)
     sizes = np.geomspace(args.min_bytes, args.max_bytes, args.points).astype(int)
@@ -158,8 +158,8 @@ def allreduce_command(args: argparse.Namespace) -> int:
 
 
 def roofs_command(args: argparse.Namespace) -> int:
-    from hostsweep.calibrate import measure_roofs, run_on_sku
-    from hostsweep.tracking import log_calibration
+    from hostsweep.model.calibrate import measure_roofs, run_on_sku
+    from hostsweep.record.tracking import log_calibration
 
     sku = load_sku(args.sku)
     gpu = sku.accelerator_type is not None
@@ -177,8 +177,8 @@ def roofs_command(args: argparse.Namespace) -> int:
 
 
 def host_command(args: argparse.Namespace) -> int:
-    from hostsweep.calibrate import host_calibration
-    from hostsweep.tracking import log_calibration
+    from hostsweep.model.calibrate import host_calibration
+    from hostsweep.record.tracking import log_calibration
 
     cells = measured_cells(args)
     cells = cells[(cells["model"] == args.model) & (cells["sku"] == args.sku)]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from hostsweep.threadstates import idle_fraction
-from hostsweep.worker import CellResult
+from hostsweep.measure.threadstates import idle_fraction
+from hostsweep.run.worker import CellResult
 
 COLUMNS = ("sku", "model", "mode", "tp", "batch", "ctx", "step_ms", "ci95_ms", "device_ms", "host_frac",
            "regime", "host", "status")

@@ -10,8 +10,8 @@ import json
 from dataclasses import asdict, dataclass
 from itertools import product
 
-from hostsweep.config import SkuConfig, SweepConfig, sweep_skus
-from hostsweep.validation import max_tokens, validate
+from hostsweep.config.schema import SkuConfig, SweepConfig, sweep_skus
+from hostsweep.config.validation import max_tokens, validate
 
 
 @dataclass(frozen=True)

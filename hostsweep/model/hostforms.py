@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from hostsweep.fit import AllReduceTerms, HostFit, allreduce_s, mape_summary, relative_least_squares, sharded_compute_s
+from hostsweep.model.fit import AllReduceTerms, HostFit, allreduce_s, mape_summary, relative_least_squares, sharded_compute_s
 
 FORM_CLASSES = {
     "baseline": "none",
