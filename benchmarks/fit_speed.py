@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from hostsweep.model.compare import cell_frame, in_regime
-from hostsweep.config.schema import load_model_shape, load_sku
+from hostsweep.config.options import load_model_shape, load_sku
 from hostsweep.model.fit import AllReduceFit, HostFit, allreduce_s, sharded_compute_s
 from hostsweep.model.hostforms import compare_forms, fit_form, predict_s
 

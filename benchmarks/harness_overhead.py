@@ -29,10 +29,12 @@ from typing import Callable, Iterator
 import numpy as np
 from hydra import compose, initialize_config_module
 
-from hostsweep.config.schema import register_configs, to_sweep_config
+from hostsweep.config.resolve import resolve
+from hostsweep.config.schema import register_configs
 from hostsweep.config.grid import build_cells
 from hostsweep.measure.protocol import bootstrap_median_ci
-from hostsweep.run.worker import MeasureOptions, SweepWorker
+from hostsweep.measure.results import MeasureOptions
+from hostsweep.run.worker import SweepWorker
 
 TARGET = 0.03
 RESAMPLES = 4000
@@ -75,7 +77,9 @@ def report(label: str, ratios: list[float], rng: np.random.Generator) -> None:
 def main() -> None:
     import ray
 
-    from hostsweep.run.cluster import connect, descendant_pids, disconnect, new_worker, release_worker
+    from hostsweep.run.actors import new_worker, release_worker
+    from hostsweep.run.cluster import connect, disconnect
+    from hostsweep.run.hygiene import descendant_pids
 
     def descendants() -> set[int]:
         return set(descendant_pids(os.getpid()))
@@ -86,10 +90,10 @@ def main() -> None:
     args, overrides = parser.parse_known_args()
     register_configs()
     with initialize_config_module("hostsweep.conf", version_base="1.3"):
-        cfg = to_sweep_config(compose("config", overrides=["+sku=cpu", "batch=[1]", "ctx=[128]",
-                                                           "split.enabled=false", *overrides]))
-    cell = build_cells(cfg)[0]
-    options = MeasureOptions(split=False)
+        study = resolve(compose("config", overrides=["+sku=cpu", "batch=[1]", "ctx=[128]",
+                                                     "split.enabled=false", *overrides]))
+    cell = build_cells(study)[0]
+    options = MeasureOptions.of(study.config)
     started_at = time.perf_counter()
 
     plain = SweepWorker(cell.engine)
@@ -100,7 +104,8 @@ def main() -> None:
 
     no_ray_before = [measure_plain() for _ in range(args.bracket)]
     started = connect(None, cfg.ray.confine_daemons, cfg.ray.idle_daemons)
-    actor = new_worker(cell.engine)
+    worker = new_worker(cell.engine)
+    actor = worker.actor
     actor_host = ray.get(actor.host_info.remote())  # waits for the actor's engine
 
     def measure_ray_frozen() -> float:
@@ -117,7 +122,7 @@ def main() -> None:
         for name in names[round_ % 3:] + names[:round_ % 3]:
             steps[name].append(conditions[name]())
     ray.get(actor.close.remote())
-    release_worker(actor)
+    release_worker(worker)
     disconnect(started)
     no_ray_after = [measure_plain() for _ in range(args.bracket)]
     plain.close()

@@ -10,7 +10,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from hostsweep.config.schema import ConfigError, check_group_overrides, register_configs
+from hostsweep.config.options import check_group_overrides
+from hostsweep.config.schema import ConfigError, register_configs
 
 register_configs()
 

@@ -11,7 +11,8 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
 
-from hostsweep.config.schema import SweepConfig, register_configs, to_sweep_config
+from hostsweep.config.resolve import Study, resolve
+from hostsweep.config.schema import register_configs
 
 register_configs()
 
@@ -21,8 +22,9 @@ def compose_raw(overrides: list[str]) -> DictConfig:
         return compose("config", overrides=overrides)
 
 
-def compose_typed(overrides: list[str]) -> SweepConfig:
-    return to_sweep_config(compose_raw(overrides))
+def compose_typed(overrides: list[str]) -> Study:
+    """The resolved, validated study (raises ConfigError on bad input)."""
+    return resolve(compose_raw(overrides))
 
 
 def run_hostsweep(args: list[str], cwd: Path, timeout: float = 120,
@@ -36,6 +38,6 @@ def run_hostsweep(args: list[str], cwd: Path, timeout: float = 120,
 
 
 @pytest.fixture
-def cpu_config() -> SweepConfig:
+def cpu_config() -> Study:
     """The embedded default, pinned to the CPU SKU whatever machine runs the tests."""
     return compose_typed(["+sku=cpu"])

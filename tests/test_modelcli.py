@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from hostsweep.model.compare import cell_frame
-from hostsweep.config.schema import load_model_shape, load_sku
+from hostsweep.config.options import load_model_shape, load_sku
 from hostsweep.model.fit import AllReduceFit, HostFit, allreduce_s, sharded_compute_s
 from hostsweep.model.cli import main
 from hostsweep.model.tpmodel import predict_rows

@@ -1,4 +1,4 @@
-"""The grid: cells and engine specs from a validated config (pure).
+"""The grid: cells and engine specs expanded from a resolved Study (pure).
 
 A cell is one (sku, model, mode, tp, batch, ctx) point measured with one protocol.
 Cells that share (sku, model, mode, tp) share one engine, so one worker serves them.
@@ -10,8 +10,8 @@ import json
 from dataclasses import asdict, dataclass
 from itertools import product
 
-from hostsweep.config.schema import SkuConfig, SweepConfig, sweep_skus
-from hostsweep.config.validation import max_tokens, validate
+from hostsweep.config.resolve import Study
+from hostsweep.config.schema import SkuConfig
 
 
 @dataclass(frozen=True)
@@ -76,8 +76,9 @@ class Cell:
         }
 
 
-def engine_spec(cfg: SweepConfig, sku: SkuConfig, tp: int, batches: list[int], ctxs: list[int]) -> EngineSpec:
+def engine_spec(study: Study, sku: SkuConfig, tp: int) -> EngineSpec:
     """Size the engine to the largest cell it serves: longest context plus T, widest batch."""
+    cfg = study.config
     shape = cfg.model.shape
     return EngineSpec(
         sku=sku.name,
@@ -92,8 +93,8 @@ def engine_spec(cfg: SweepConfig, sku: SkuConfig, tp: int, batches: list[int], c
         quantization=cfg.mode.quantization,
         tp=tp,
         dtype=cfg.engine.dtype,
-        max_model_len=max(ctxs) + max_tokens(cfg)[0],
-        max_num_seqs=max(batches),
+        max_model_len=max(cfg.ctx) + study.longest_generate()[0],
+        max_num_seqs=max(cfg.batch),
         engine=cfg.engine.name,
         profile=cfg.split.enabled,
         cpu_kvcache_gib=cfg.engine.cpu_kvcache_gib,
@@ -102,14 +103,13 @@ def engine_spec(cfg: SweepConfig, sku: SkuConfig, tp: int, batches: list[int], c
     )
 
 
-def build_cells(cfg: SweepConfig) -> list[Cell]:
-    """Validate the config and expand it to cells, grouped by engine spec."""
-    tps, batches, ctxs = validate(cfg)
-    m = cfg.measure
+def build_cells(study: Study) -> list[Cell]:
+    """Every cell of the study, grouped by engine spec (SKU-major, then TP, batch, ctx)."""
+    cfg, m = study.config, study.config.measure
     cells = []
-    for sku, tp in product(sweep_skus(cfg), tps):
-        spec = engine_spec(cfg, sku, tp, batches, ctxs)
-        for batch, ctx in product(batches, ctxs):
+    for sku, tp in product(study.skus, cfg.tp):
+        spec = engine_spec(study, sku, tp)
+        for batch, ctx in product(cfg.batch, cfg.ctx):
             cells.append(Cell(spec, batch, ctx, m.T, m.warmups, m.reps, m.seed))
     return cells
 

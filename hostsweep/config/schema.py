@@ -1,22 +1,29 @@
-"""Config schemas (dataclasses), their Hydra registration, and input validation.
+"""The config schema (dataclasses) and its one Hydra registration; the allowed values of
+every enumerated field.
 
-Schema lives here, values live in conf/*.yaml. Validation raises ConfigError naming
-the field and the allowed values, before any cluster or engine starts.
+Schema lives here, values live in conf/*.yaml. The SKU, model and mode YAMLs are typed
+through the fields of SweepConfig that hold them, so one store entry checks them all.
 """
 from __future__ import annotations
 
-import json
-import shutil
-import subprocess
-from dataclasses import asdict, dataclass, field
-from importlib import resources
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING
 
 CONFIG_GROUPS = ("sku", "model", "mode", "experiment")
+# The one engine registry: engine.name -> "module:Class", imported only where a worker
+# starts that engine (hostsweep.engines.base.start_engine).
+ENGINES = {
+    "vllm": "hostsweep.engines.vllm_engine:VllmEngine",
+    "fake": "hostsweep.engines.fake:FakeEngine",
+}
+DTYPES = ("bfloat16", "float16", "float32", "auto")
+MODEL_SOURCES = ("shape", "checkpoint")
+LOAD_FORMATS = ("dummy", "auto", "safetensors", "pt")
+# How a TP-k engine on GPUs runs its ranks (hostsweep/run/placement.py).
+TP_EXECUTORS = ("mp", "ray")
 
 
 class ConfigError(ValueError):
@@ -57,8 +64,6 @@ class SkuConfig:
     device_memory_gib: Optional[float] = None
     peak_bf16_tflops: Optional[float] = None
     mem_bandwidth_gbps: Optional[float] = None
-    interconnect: str = ""
-    interconnect_gbps: Optional[float] = None
     gpus_per_node: int = 0
 
 
@@ -123,7 +128,6 @@ class RayConfig:
     # Local cluster only: Ray's daemons run under SCHED_IDLE; the raylet only where its
     # workers may leave that policy (cluster.connect).
     idle_daemons: bool = True
-    feasibility_timeout_s: float = 10.0
 
 
 @dataclass
@@ -133,8 +137,47 @@ class FaultsConfig:
 
 
 @dataclass
+class AllReduceCalibration:
+    """λ and β of t = λ + bytes/β, from the all-reduce microbenchmark on one SKU."""
+
+    latency_us: float = MISSING
+    bandwidth_gbps: float = MISSING
+
+
+@dataclass
+class HostCalibration:
+    """H(N) = s0 + s1·(N − 1), the single-device framework-overhead line."""
+
+    s0_ms: float = 0.0
+    s1_ms: float = 0.0
+
+
+@dataclass
+class RoofsCalibration:
+    """Achieved roofs from the roofs microbenchmark (the alternative to datasheet roofs)."""
+
+    measured_tflops: float = MISSING
+    measured_bandwidth_gbps: float = MISSING
+
+
+@dataclass
+class CalibrationConfig:
+    """The measured (or reported) terms the TP model holds fixed; conf/calibration/*.yaml
+    or a file written by `hostsweep-model allreduce|roofs|host --out`."""
+
+    allreduce: dict[str, AllReduceCalibration] = field(default_factory=dict)  # by SKU
+    host: HostCalibration = field(default_factory=HostCalibration)
+    roofs: dict[str, RoofsCalibration] = field(default_factory=dict)  # by SKU
+
+
+# The one default store: a sqlite file beside the run directories (MLflow >= 3.13 refuses
+# the plain file store).
+DEFAULT_TRACKING_URI = "sqlite:///outputs/mlflow.db"
+
+
+@dataclass
 class TrackingConfig:
-    uri: str = "sqlite:///outputs/mlflow.db"
+    uri: str = DEFAULT_TRACKING_URI
     experiment: Optional[str] = None
 
 
@@ -170,141 +213,5 @@ class SweepConfig:
 
 
 def register_configs() -> None:
-    """Register the schemas so every YAML in conf/ is type-checked on composition."""
-    store = ConfigStore.instance()
-    store.store(name="hostsweep_schema", node=SweepConfig)
-    store.store(group="sku", name="sku_schema", node=SkuConfig)
-    store.store(group="model", name="model_schema", node=ModelConfig)
-    store.store(group="mode", name="mode_schema", node=ModeConfig)
-
-
-def group_options(group: str) -> list[str]:
-    """The YAML options shipped for one config group, e.g. ['cpu', 'h100', 'h200']."""
-    folder = resources.files("hostsweep.conf").joinpath(group)
-    if not folder.is_dir():
-        return []
-    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
-
-
-def check_option(group: str, option: str, where: str = "") -> None:
-    """ConfigError naming the group and its allowed values if `option` is not shipped."""
-    allowed = group_options(group)
-    if option not in allowed:
-        raise ConfigError(f"unknown {group} '{option}'{where}; allowed {group} values: {', '.join(allowed)}")
-
-
-def check_group_overrides(argv: list[str]) -> None:
-    """Reject `sku=…`, `model=…`, `mode=…`, `experiment=…` options that do not exist.
-
-    Hydra reports these itself, but over many lines; this gives one line naming the
-    field and the allowed values, before Hydra composes anything.
-    """
-    for arg in argv:
-        if arg.startswith("-") or "=" not in arg:
-            continue
-        key, value = arg.split("=", 1)
-        group = key.lstrip("+~")
-        if group not in CONFIG_GROUPS or not value or value == "null":
-            continue
-        for option in value.split(","):  # multirun sweeps list options with commas
-            check_option(group, option)
-
-
-def _load_option(group: str, name: str, schema: type) -> Any:
-    """conf/<group>/<name>.yaml outside Hydra composition, typed by its schema."""
-    text = resources.files("hostsweep.conf").joinpath(group, f"{name}.yaml").read_text()
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.create(text)))
-
-
-def load_sku(name: str) -> SkuConfig:
-    """Load conf/sku/<name>.yaml onto the schema."""
-    return _load_option("sku", name, SkuConfig)
-
-
-def load_model_shape(name: str) -> dict[str, Any]:
-    """The shape of a shipped model option (conf/model/<name>.yaml) as a plain dict."""
-    model: ModelConfig = _load_option("model", name, ModelConfig)
-    if model.shape is None:
-        raise ConfigError(f"model {name} has no shipped shape (a checkpoint option)")
-    return asdict(model.shape)
-
-
-def local_sku_name() -> str:
-    """The kind of this machine: the first GPU's SKU when nvidia-smi sees one, else cpu."""
-    if shutil.which("nvidia-smi") is None:
-        return "cpu"
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=10, check=True,
-        ).stdout
-    except (subprocess.SubprocessError, OSError):
-        return "cpu"
-    for option in group_options("sku"):
-        if option != "cpu" and option.upper() in out.upper():
-            return option
-    return "cpu"
-
-
-def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def default_dtype(gpu: bool, flags: set[str]) -> str:
-    """bfloat16 where the hardware computes it natively, float32 on other CPUs."""
-    if gpu or flags & {"avx512_bf16", "amx_bf16"}:
-        return "bfloat16"
-    return "float32"
-
-
-def sweep_skus(cfg: SweepConfig) -> list[SkuConfig]:
-    """The SKUs a sweep spans: the `skus` list when given, else the single `sku`."""
-    if cfg.skus:
-        for name in cfg.skus:
-            check_option("sku", name, " in skus")
-        return [load_sku(name) for name in dict.fromkeys(cfg.skus)]
-    if cfg.sku is None:
-        raise ConfigError("no SKU: give +sku=NAME or skus=[...]")
-    return [cfg.sku]
-
-
-def to_sweep_config(cfg: DictConfig) -> SweepConfig:
-    """Typed config from Hydra's DictConfig; fills the SKU with the local kind if absent."""
-    typed: SweepConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-    if typed.sku is None:
-        typed.sku = load_sku(local_sku_name())
-    if typed.engine.dtype == "auto":
-        any_gpu = any(s.accelerator_type is not None for s in sweep_skus(typed))
-        typed.engine.dtype = default_dtype(any_gpu, cpu_flags())
-    if typed.model.source == "checkpoint" and typed.model.shape is None:
-        typed.model.shape = _shape_from_checkpoint(typed.model.path)
-    return typed
-
-
-def _shape_from_checkpoint(path: Optional[str]) -> Optional[ShapeConfig]:
-    """Read a local checkpoint's config.json; a hub id is resolved on the worker instead."""
-    if not path:
-        raise ConfigError("model.path is required with model=checkpoint (a hub id or a directory)")
-    config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        return None
-    hf = json.loads(config_file.read_text())
-    heads = hf["num_attention_heads"]
-    return ShapeConfig(
-        architecture=hf.get("architectures", ["?"])[0],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_hidden_layers=hf["num_hidden_layers"],
-        num_attention_heads=heads,
-        num_key_value_heads=hf.get("num_key_value_heads", heads),
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        vocab_size=hf["vocab_size"],
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        tie_word_embeddings=hf.get("tie_word_embeddings", False),
-    )
+    """Register the schema so every YAML in conf/ is type-checked on composition."""
+    ConfigStore.instance().store(name="hostsweep_schema", node=SweepConfig)

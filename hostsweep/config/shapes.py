@@ -58,3 +58,21 @@ def parameter_count(shape: dict[str, Any]) -> int:
     embeddings = shape["vocab_size"] * h
     lm_head = 0 if shape["tie_word_embeddings"] else embeddings
     return layers * per_layer + embeddings + lm_head + h
+
+
+def shape_from_hf_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of hf_config: a shape (ShapeConfig's fields) from a checkpoint's
+    config.json, with the defaults Hugging Face applies to keys it may omit."""
+    heads = hf["num_attention_heads"]
+    return {
+        "architecture": (hf.get("architectures") or ["?"])[0],
+        "hidden_size": hf["hidden_size"],
+        "intermediate_size": hf["intermediate_size"],
+        "num_hidden_layers": hf["num_hidden_layers"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": hf.get("num_key_value_heads", heads),
+        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
+        "vocab_size": hf["vocab_size"],
+        "max_position_embeddings": hf.get("max_position_embeddings", 2048),
+        "tie_word_embeddings": hf.get("tie_word_embeddings", False),
+    }

@@ -5,15 +5,11 @@ what is allowed, so the CLI can print it as one line.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
-from hostsweep.config.schema import ConfigError, SkuConfig, SweepConfig, sweep_skus
-from hostsweep.run.placement import TP_EXECUTORS
-
-ENGINES = ("vllm", "fake")
-DTYPES = ("bfloat16", "float16", "float32", "auto")
-MODEL_SOURCES = ("shape", "checkpoint")
-LOAD_FORMATS = ("dummy", "auto", "safetensors", "pt")
+from hostsweep.config.schema import (
+    DTYPES, ENGINES, LOAD_FORMATS, MODEL_SOURCES, TP_EXECUTORS, ConfigError, SkuConfig, SweepConfig,
+)
 
 
 def positive_ints(field_name: str, value: Any) -> list[int]:
@@ -31,7 +27,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _check_choice(field_name: str, value: Any, allowed: tuple[str, ...]) -> None:
+def _check_choice(field_name: str, value: Any, allowed: Iterable[str]) -> None:
     if value not in allowed:
         raise ConfigError(f"{field_name}={value!r} is not allowed; allowed: {', '.join(allowed)}")
 
@@ -68,7 +64,8 @@ def check_split(cfg: SweepConfig) -> None:
             raise ConfigError(f"linearity.reps must be >= 1, got {lin.reps}")
 
 
-def check_tp(cfg: SweepConfig, sku: SkuConfig, tps: list[int]) -> None:
+def check_tp(cfg: SweepConfig, sku: SkuConfig) -> None:
+    tps = cfg.tp
     shape = cfg.model.shape
     if shape is not None:
         heads = shape.num_attention_heads
@@ -85,22 +82,15 @@ def check_tp(cfg: SweepConfig, sku: SkuConfig, tps: list[int]) -> None:
         )
 
 
-def max_tokens(cfg: SweepConfig) -> tuple[int, str]:
-    """The longest generate any cell runs, and the field that asks for it."""
-    if cfg.linearity.enabled and max(cfg.linearity.T) > cfg.measure.T:
-        return max(cfg.linearity.T), "linearity.T"
-    return cfg.measure.T, "measure.T"
-
-
-def check_context(cfg: SweepConfig, ctxs: list[int]) -> None:
+def check_context(cfg: SweepConfig, longest_generate: tuple[int, str]) -> None:
     shape = cfg.model.shape
     if shape is None:
         return
-    longest, field_name = max_tokens(cfg)
+    longest, field_name = longest_generate
     limit = shape.max_position_embeddings - longest
-    if max(ctxs) > limit:
+    if max(cfg.ctx) > limit:
         raise ConfigError(
-            f"ctx={max(ctxs)} plus {field_name}={longest} exceeds model {cfg.model.name}'s "
+            f"ctx={max(cfg.ctx)} plus {field_name}={longest} exceeds model {cfg.model.name}'s "
             f"max_position_embeddings={shape.max_position_embeddings}; allowed ctx <= {limit}"
         )
 
@@ -120,24 +110,20 @@ def check_capabilities(cfg: SweepConfig, sku: SkuConfig) -> None:
         )
 
 
-def validate(cfg: SweepConfig) -> tuple[list[int], list[int], list[int]]:
-    """Check the whole config; return the normalized (tp, batch, ctx) lists."""
+def validate(cfg: SweepConfig, skus: Iterable[SkuConfig], longest_generate: tuple[int, str]) -> None:
+    """Check a config whose tp/batch/ctx lists are already normalized (config.resolve)."""
     _check_choice("engine.name", cfg.engine.name, ENGINES)
     _check_choice("engine.dtype", cfg.engine.dtype, DTYPES)
     _check_choice("engine.tp_executor", cfg.engine.tp_executor, TP_EXECUTORS)
     _check_choice("model.source", cfg.model.source, MODEL_SOURCES)
     _check_choice("model.load_format", cfg.model.load_format, LOAD_FORMATS)
-    tps = positive_ints("tp", cfg.tp)
-    batches = positive_ints("batch", cfg.batch)
-    ctxs = positive_ints("ctx", cfg.ctx)
     check_measure(cfg)
     check_split(cfg)
     if cfg.faults.max_retries < 0:
         raise ConfigError(f"faults.max_retries must be >= 0, got {cfg.faults.max_retries}")
     if cfg.faults.cell_timeout_s is not None and cfg.faults.cell_timeout_s <= 0:
         raise ConfigError(f"faults.cell_timeout_s must be positive or null, got {cfg.faults.cell_timeout_s}")
-    for sku in sweep_skus(cfg):
-        check_tp(cfg, sku, tps)
+    for sku in skus:
+        check_tp(cfg, sku)
         check_capabilities(cfg, sku)
-    check_context(cfg, ctxs)
-    return tps, batches, ctxs
+    check_context(cfg, longest_generate)

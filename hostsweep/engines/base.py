@@ -6,13 +6,7 @@ from pathlib import Path
 from typing import Protocol
 
 from hostsweep.config.grid import EngineSpec
-
-# Module and class per engine name; imported only when a worker starts that engine,
-# so `import hostsweep` works on a machine without vLLM.
-ENGINE_CLASSES = {
-    "vllm": ("hostsweep.engines.vllm_engine", "VllmEngine"),
-    "fake": ("hostsweep.engines.fake", "FakeEngine"),
-}
+from hostsweep.config.schema import ENGINES
 
 
 class Engine(Protocol):
@@ -44,6 +38,6 @@ class Engine(Protocol):
 
 def start_engine(spec: EngineSpec, workdir: Path) -> Engine:
     """Import and start the engine named by the spec."""
-    module_name, class_name = ENGINE_CLASSES[spec.engine]
+    module_name, class_name = ENGINES[spec.engine].split(":")
     engine_class = getattr(importlib.import_module(module_name), class_name)
     return engine_class(spec, workdir)

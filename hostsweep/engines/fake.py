@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from hostsweep.config.grid import EngineSpec
-from hostsweep.record.provenance import cpu_model_name
+from hostsweep.config.machine import cpu_model_name
 
 
 class FakeEngine:

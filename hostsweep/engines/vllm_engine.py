@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from hostsweep.config.grid import EngineSpec
-from hostsweep.record.provenance import device_name
+from hostsweep.config.machine import device_name
 from hostsweep.config.shapes import hf_config
 
 log = logging.getLogger(__name__)

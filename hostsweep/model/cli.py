@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import asdict
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -21,28 +20,21 @@ import pandas as pd
 import yaml
 
 from hostsweep.model.compare import cell_frame, falsified_skus, generalization, in_regime, predictions_table
-from hostsweep.config.schema import ConfigError, load_model_shape, load_sku
+from hostsweep.config.options import load_calibration as load_calibration_config
+from hostsweep.config.options import load_model_shape, load_sku
+from hostsweep.config.schema import DEFAULT_TRACKING_URI, ConfigError
 from hostsweep.model.fit import AllReduceFit, HostFit, mape_summary
 from hostsweep.model.hostforms import DEFAULT_FORM, FORM_CLASSES, compare_forms, fit_form, verdict
-from hostsweep.model.tpmodel import model_spec, tp_scaling
+from hostsweep.model.tpmodel import INPUT_COLUMNS, model_spec, predict_rows, tp_scaling
 
 
 def load_calibration(name_or_path: str) -> tuple[dict[str, AllReduceFit], HostFit, dict[str, dict]]:
-    """A calibration YAML: a file path, or a shipped name under conf/calibration/."""
-    path = Path(name_or_path)
-    if path.is_file():
-        text = path.read_text()
-    else:
-        shipped = resources.files("hostsweep.conf").joinpath("calibration", f"{name_or_path}.yaml")
-        if not shipped.is_file():
-            raise ConfigError(f"calibration {name_or_path!r} is neither a file nor a shipped calibration")
-        text = shipped.read_text()
-    data = yaml.safe_load(text)
-    allreduce = {sku: AllReduceFit(v["latency_us"] * 1e-6, v["bandwidth_gbps"] * 1e9)
-                 for sku, v in (data.get("allreduce") or {}).items()}
-    host = data.get("host") or {}
-    roofs = data.get("roofs") or {}
-    return allreduce, HostFit(float(host.get("s0_ms", 0.0)) * 1e-3, float(host.get("s1_ms", 0.0)) * 1e-3), roofs
+    """The calibration's terms in the model's units: all-reduce fits by SKU, H(N), roofs."""
+    calibration = load_calibration_config(name_or_path)
+    allreduce = {sku: AllReduceFit(v.latency_us * 1e-6, v.bandwidth_gbps * 1e9)
+                 for sku, v in calibration.allreduce.items()}
+    host = HostFit(calibration.host.s0_ms * 1e-3, calibration.host.s1_ms * 1e-3)
+    return allreduce, host, {sku: asdict(roofs) for sku, roofs in calibration.roofs.items()}
 
 
 def measured_cells(args: argparse.Namespace) -> pd.DataFrame:
@@ -86,12 +78,13 @@ def fit_command(args: argparse.Namespace) -> int:
               "roofs": args.roofs, "utilization": args.utilization,
               **{f"lambda_s.{k}": v.latency_s for k, v in allreduce.items()},
               **{f"beta_Bps.{k}": v.bandwidth_Bps for k, v in allreduce.items()}}
-    from hostsweep.record.tracking import log_model_fit
+    from hostsweep.record.registry import log_model_fit
 
     spec = model_spec(fitted, allreduce, host, shapes, skus, args.roofs)
     run_id = log_model_fit(args.tracking_uri, args.models_experiment, f"{args.form} g={fitted.g:.3f}",
                            params, metrics, {"predictions": table, "host_forms": comparison,
-                                             "generalization": summary}, spec)
+                                             "generalization": summary}, spec,
+                           predict_rows, INPUT_COLUMNS)
     print(f"logged model: runs:/{run_id}/model (experiment {args.models_experiment!r} in {args.tracking_uri})")
     return 0
 
@@ -108,10 +101,9 @@ def _fit_metrics(table: pd.DataFrame) -> dict[str, float]:
 
 
 def whatif_command(args: argparse.Namespace) -> int:
-    import mlflow.pyfunc
+    from hostsweep.record.registry import load_model_spec
 
-    mlflow.set_tracking_uri(args.tracking_uri)
-    spec = mlflow.pyfunc.load_model(args.model_uri).unwrap_python_model().spec
+    spec = load_model_spec(args.tracking_uri, args.model_uri)
     table, stop = tp_scaling(spec, args.model, args.sku, args.batch, args.ctx, args.tp, args.min_gain)
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     if stop is None:
@@ -138,7 +130,7 @@ def allreduce_command(args: argparse.Namespace) -> int:
     from hostsweep.model.allreduce_bench import run_allreduce_sweep
     from hostsweep.model.calibrate import run_on_sku
     from hostsweep.model.fit import fit_allreduce
-    from hostsweep.record.tracking import log_calibration
+    from hostsweep.record.registry import log_calibration
 
     sku = load_sku(args.sku)
     sizes = np.geomspace(args.min_bytes, args.max_bytes, args.points).astype(int)
@@ -159,7 +151,7 @@ def allreduce_command(args: argparse.Namespace) -> int:
 
 def roofs_command(args: argparse.Namespace) -> int:
     from hostsweep.model.calibrate import measure_roofs, run_on_sku
-    from hostsweep.record.tracking import log_calibration
+    from hostsweep.record.registry import log_calibration
 
     sku = load_sku(args.sku)
     gpu = sku.accelerator_type is not None
@@ -178,7 +170,7 @@ def roofs_command(args: argparse.Namespace) -> int:
 
 def host_command(args: argparse.Namespace) -> int:
     from hostsweep.model.calibrate import host_calibration
-    from hostsweep.record.tracking import log_calibration
+    from hostsweep.record.registry import log_calibration
 
     cells = measured_cells(args)
     cells = cells[(cells["model"] == args.model) & (cells["sku"] == args.sku)]
@@ -194,7 +186,7 @@ def host_command(args: argparse.Namespace) -> int:
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="hostsweep-model", description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    top.add_argument("--tracking-uri", default="sqlite:///outputs/mlflow.db")
+    top.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI, help="MLflow store or server")
     sub = top.add_subparsers(dest="command", required=True)
     fit = sub.add_parser("fit", help="fit on training cells, score held-out, log to MLflow")
     fit.add_argument("--cells", action="append", default=[], help="cells.csv from a sweep (repeatable)")

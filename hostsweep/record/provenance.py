@@ -1,11 +1,11 @@
 """Where a number came from: versions, git SHA, host and device names."""
 from __future__ import annotations
 
-import platform
-import socket
 import subprocess
 from importlib import metadata
 from pathlib import Path
+
+from hostsweep.config.machine import hostname
 
 
 def package_version(distribution: str) -> str:
@@ -26,29 +26,6 @@ def git_sha() -> str:
     except (subprocess.SubprocessError, OSError):
         return "unknown"
     return out.stdout.strip() or "unknown"
-
-
-def cpu_model_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown-cpu"
-
-
-def device_name(gpu: bool) -> str:
-    """The GPU's name on GPU engines, the CPU's model name otherwise."""
-    if gpu:
-        import torch
-
-        return torch.cuda.get_device_name(0)
-    return cpu_model_name()
-
-
-def hostname() -> str:
-    return socket.gethostname()
 
 
 def driver_tags() -> dict[str, str]:

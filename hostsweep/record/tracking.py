@@ -1,7 +1,9 @@
-"""MLflow recording: one experiment per study, a parent run per sweep, a child per cell.
+"""MLflow recording of sweeps: one experiment per study, a parent run per sweep, a child
+per cell.
 
-The only module that imports mlflow. It uses MlflowClient with explicit run ids, so
-results can be logged from the driver's result loop in any order.
+With registry.py (fitted models, calibrations), the only modules that import mlflow. It
+uses MlflowClient with explicit run ids, so results can be logged from the driver's
+result loop in any order.
 """
 from __future__ import annotations
 
@@ -12,13 +14,11 @@ from pathlib import Path
 from typing import Optional
 
 import mlflow
-import mlflow.pyfunc
 import pandas as pd
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
-from hostsweep.report.tables import cell_metrics, logged_row, split_tags
-from hostsweep.run.worker import CellResult
+from hostsweep.measure.results import CellResult, cell_metrics, logged_row, split_tags
 
 log = logging.getLogger(__name__)
 
@@ -157,41 +157,6 @@ class SweepTracker:
         return f"http://127.0.0.1:{port}/#/experiments/{self.experiment_id}/runs?workflowType=machine_learning"
 
 
-class TPLatencyPyfunc(mlflow.pyfunc.PythonModel):
-    """The fitted TP latency model as an MLflow pyfunc: rows of (model, sku, tp, batch,
-    ctx) in, step_ms out. The spec is plain data (see hostsweep.model.tpmodel)."""
-
-    def __init__(self, spec: dict) -> None:
-        self.spec = spec
-
-    def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
-        from hostsweep.model.tpmodel import predict_rows
-
-        return predict_rows(self.spec, model_input)[["step_ms"]]
-
-
-def log_model_fit(tracking_uri: str, experiment: str, run_name: str, params: dict[str, object],
-                  metrics: dict[str, float], tables: dict[str, pd.DataFrame], spec: dict) -> str:
-    """One run in the models experiment: params, metrics, tables, and the pyfunc model."""
-    from mlflow.models import infer_signature
-
-    from hostsweep.model.tpmodel import INPUT_COLUMNS, predict_rows
-
-    tracker_experiment = SweepTracker(tracking_uri, experiment).experiment_id
-    mlflow.set_tracking_uri(tracking_uri)
-    example = pd.DataFrame([{"model": next(iter(spec["shapes"])), "sku": next(iter(spec["skus"])),
-                             "tp": 2, "batch": 1, "ctx": 512}])[list(INPUT_COLUMNS)]
-    signature = infer_signature(example, predict_rows(spec, example)[["step_ms"]])
-    with mlflow.start_run(experiment_id=tracker_experiment, run_name=run_name) as run:
-        mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
-        mlflow.log_metrics({k: v for k, v in metrics.items() if math.isfinite(v)})
-        for name, table in tables.items():
-            mlflow.log_text(table.to_csv(index=False), f"{name}.csv")
-        mlflow.pyfunc.log_model(name="model", python_model=TPLatencyPyfunc(spec), signature=signature,
-                                input_example=example, pip_requirements=["hostsweep", "pandas", "numpy"])
-        return run.info.run_id
-
-
 def read_cells(tracking_uri: str, experiments: list[str]) -> pd.DataFrame:
     """Finished cell runs of the given sweep experiments as a measured-cell table."""
     mlflow.set_tracking_uri(tracking_uri)
@@ -208,19 +173,3 @@ def read_cells(tracking_uri: str, experiments: list[str]) -> pd.DataFrame:
         "cell_key": cells["tags.cell_key"], "run_id": cells["run_id"],
     })
     return frame.reset_index(drop=True)
-
-
-def log_calibration(tracking_uri: str, kind: str, sku: str, params: dict[str, object],
-                    metrics: dict[str, float], table: pd.DataFrame, experiment: str = "calibration") -> str:
-    """One calibration microbenchmark (allreduce, roofs, host) as a run: params, the
-    fitted values as metrics, and the raw measurements as a table artifact."""
-    tracker = SweepTracker(tracking_uri, experiment)
-    run = tracker.client.create_run(tracker.experiment_id, run_name=f"{kind}/{sku}",
-                                    tags={"calibration_kind": kind, "sku": sku})
-    run_id = run.info.run_id
-    tracker.client.log_batch(
-        run_id, params=[Param(k, str(v)[:500]) for k, v in params.items()],
-        metrics=[Metric(k, float(v), 0, 0) for k, v in metrics.items() if math.isfinite(float(v))])
-    tracker.client.log_text(run_id, table.to_csv(index=False), f"{kind}.csv")
-    tracker.client.set_terminated(run_id, "FINISHED")
-    return run_id

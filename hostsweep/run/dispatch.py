@@ -17,10 +17,10 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from hostsweep.run.cluster import new_worker, release_worker, stop_workers
+from hostsweep.run.actors import WorkerHandle, new_worker, release_worker, stop_workers
 from hostsweep.config.grid import Cell, EngineSpec, group_by_engine
 from hostsweep.run.progress import ProgressReporter
-from hostsweep.run.worker import CellResult, MeasureOptions
+from hostsweep.measure.results import CellResult, MeasureOptions
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +39,12 @@ def failed_result(cell: Cell, reason: str) -> CellResult:
 class Dispatcher:
     def __init__(self, cells: list[Cell], options: MeasureOptions, on_result: Callable[[CellResult], None],
                  policy: FaultPolicy = FaultPolicy(), progress: Optional[ProgressReporter] = None,
-                 worker_factory: Callable[[EngineSpec], object] = new_worker) -> None:
+                 worker_factory: Callable[[EngineSpec], WorkerHandle] = new_worker) -> None:
         self.queues = {spec: deque(group) for spec, group in group_by_engine(cells).items()}
         self.options, self.on_result, self.policy = options, on_result, policy
         self.progress = progress
         self.worker_factory = worker_factory
-        self.actors: dict[EngineSpec, object] = {}
+        self.actors: dict[EngineSpec, WorkerHandle] = {}
         # When each actor's engine finished starting: cell timeouts count from then, not
         # from submission, so a slow engine start is not charged to its first cell.
         self.ready_refs: dict[EngineSpec, object] = {}
@@ -62,18 +62,18 @@ class Dispatcher:
             return
         if spec not in self.actors:
             self.actors[spec] = self.worker_factory(spec)
-            self.ready_refs[spec] = self.actors[spec].host_info.remote()
+            self.ready_refs[spec] = self.actors[spec].actor.host_info.remote()
             self.ready_at.pop(spec, None)
         cell = self.queues[spec].popleft()
-        ref = self.actors[spec].measure.remote(cell, self.options)
+        ref = self.actors[spec].actor.measure.remote(cell, self.options)
         self.inflight[ref] = (spec, cell, time.monotonic())
 
     def _replace_actor(self, spec: EngineSpec) -> None:
-        actor = self.actors.pop(spec, None)
+        worker = self.actors.pop(spec, None)
         self.ready_refs.pop(spec, None)
         self.ready_at.pop(spec, None)
-        if actor is not None:
-            release_worker(actor)
+        if worker is not None:
+            release_worker(worker)
 
     def _on_actor_died(self, spec: EngineSpec, cell: Cell, exc: Exception) -> None:
         self._replace_actor(spec)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import MutableMapping, Optional
 
-TP_EXECUTORS = ("mp", "ray")
 ACCELERATOR_PREFIX = "accelerator_type:"
 # Seconds a probe may wait for its bundle's GPU: the bundles are reserved for this worker,
 # so a wait this long means the group is not what this module built.

@@ -9,102 +9,23 @@ import os
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
-import pandas as pd
 
 from hostsweep.engines.base import Engine, start_engine
 from hostsweep.config.grid import Cell, EngineSpec
-from hostsweep.measure.protocol import CellMeasurement, random_prompts, run_protocol, summarize
+from hostsweep.config.machine import hostname
+from hostsweep.measure.protocol import random_prompts, run_protocol, summarize
+from hostsweep.measure.results import CellResult, MeasureOptions
+from hostsweep.run.hygiene import release_ray_thread_limits, restore_affinity, restore_priority, restore_scheduler
 from hostsweep.run.placement import hand_gpus_to_ranks
-from hostsweep.record.provenance import hostname
 from hostsweep.run.pyspy import record_thread_states
 from hostsweep.measure.split import LinearityResult, SplitResult, device_split, linearity
 from hostsweep.measure.traces import TraceTotals, load_trace, totals
 
 log = logging.getLogger(__name__)
-
-# Ray exports OMP_NUM_THREADS=<num_cpus> into actors it schedules. The engine's compute
-# threads must be sized as in a plain process, or the harness changes what it measures
-# (seen here: 2.9 -> 4.5 ms per step with num_cpus=1).
-RAY_THREAD_ENV = ("OMP_NUM_THREADS",)
-# Set by cluster.connect when it confines Ray's daemons to one core: every core of the node.
-WORKER_AFFINITY_ENV = "HOSTSWEEP_WORKER_AFFINITY"
-
-
-@dataclass(frozen=True)
-class MeasureOptions:
-    """How the worker analyses a cell beyond the timed reps (from split/linearity config)."""
-
-    resamples: int = 2000
-    ci_level: float = 0.95
-    split: bool = True
-    split_reps: int = 1
-    host_bound_threshold: float = 0.5
-    top_ops: int = 15
-    keep_traces: bool = False
-    linearity_T: tuple[int, ...] = ()  # empty: no linearity sweep
-    linearity_reps: int = 3
-    pyspy_seconds: float = 0.0  # > 0: py-spy thread states while T-token generates run
-
-
-@dataclass(frozen=True)
-class CellResult:
-    key: str
-    params: dict[str, object]
-    status: str  # "FINISHED" or "FAILED"
-    measurement: Optional[CellMeasurement]
-    error: Optional[str]
-    host: dict[str, str] = field(default_factory=dict)
-    duration_s: float = 0.0
-    split: Optional[SplitResult] = None
-    linearity: Optional[LinearityResult] = None
-    traces: dict[str, bytes] = field(default_factory=dict)  # file name -> gzipped trace
-    thread_states: Optional[pd.DataFrame] = None  # py-spy view of the engine process tree
-
-
-def release_ray_thread_limits(environ: dict[str, str]) -> dict[str, str]:
-    """Drop the thread caps Ray sets for actors; return what was dropped, for the record."""
-    return {key: environ.pop(key) for key in RAY_THREAD_ENV if key in environ}
-
-
-def restore_affinity() -> None:
-    """Take back every core of the node when the driver confined Ray's daemons (and so
-    this worker, their child) to one; vLLM binds its threads from this set."""
-    cores = os.environ.get(WORKER_AFFINITY_ENV)
-    if cores:
-        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
-
-
-def restore_priority() -> str:
-    """Undo the niceness Ray gives its workers (15 by default), which the engine's
-    processes would inherit; returns what the worker runs at, for the record."""
-    before = os.getpriority(os.PRIO_PROCESS, 0)
-    if before > 0:
-        try:
-            os.setpriority(os.PRIO_PROCESS, 0, 0)
-        except PermissionError:  # unprivileged: start Ray with RAY_worker_niceness=0
-            log.warning("worker runs at niceness %d and may not lower it", before)
-    return f"{before}->{os.getpriority(os.PRIO_PROCESS, 0)}"
-
-
-def restore_scheduler() -> str:
-    """Run under the normal scheduling policy, whatever process started this one (connect
-    may idle the raylet, the workers' parent, whose policy they inherit); an engine under
-    another policy would not measure what a plain process does, so that is an error."""
-    if os.sched_getscheduler(0) != os.SCHED_OTHER:
-        try:
-            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-        except PermissionError:
-            raise RuntimeError(
-                f"worker runs under scheduling policy {os.sched_getscheduler(0)}, not SCHED_OTHER, "
-                "and may not leave it: its timings would not be a plain process's"
-            ) from None
-    return "other"
-
 
 def ray_placement(tp_gpus: Optional[list[str]] = None) -> dict[str, str]:
     """The Ray node and the GPU ids the engine was given ('none' outside Ray): the worker's
@@ -185,14 +106,14 @@ class SweepWorker:
                keep: Optional[dict[str, bytes]]) -> SplitResult:
         """Profiled pairs, separate from the timed reps; the median-device pair wins."""
         splits = []
-        for rep in range(opts.split_reps):
+        for rep in range(opts.split.reps):
             self._profile_count += 1
             prefix = f"p{self._profile_count}_b{cell.batch}_ctx{cell.ctx}_r{rep}"
             short, wall_1 = self._profiled(prompts, 1, f"{prefix}_T1", keep)
             long, wall_T = self._profiled(prompts, cell.T, f"{prefix}_T{cell.T}", keep)
             profiled_step_ms = (wall_T - wall_1) / (cell.T - 1) * 1e3
             splits.append(device_split(short, long, cell.T, step_ms, profiled_step_ms,
-                                       opts.host_bound_threshold, opts.top_ops))
+                                       opts.split.host_bound_threshold, opts.split.top_ops))
         return sorted(splits, key=lambda s: s.device_ms)[(len(splits) - 1) // 2]
 
     def _linearity(self, prompts: list[list[int]], opts: MeasureOptions,
@@ -201,8 +122,8 @@ class SweepWorker:
         timed = self._timed_generate(prompts)
         tokens, walls, kernels = list(opts.linearity_T), [], []
         for t in tokens:
-            walls.append(float(np.median([timed(t) for _ in range(opts.linearity_reps)])) * 1e3)
-            if self.spec.profile and opts.split:
+            walls.append(float(np.median([timed(t) for _ in range(opts.linearity.reps)])) * 1e3)
+            if self.spec.profile and opts.split.enabled:
                 self._profile_count += 1
                 rank_totals, _ = self._profiled(prompts, t, f"lin{self._profile_count}_T{t}", keep)
                 kernels.append(max(r.kernel_sum_us for r in rank_totals) / 1e3)
@@ -211,13 +132,13 @@ class SweepWorker:
     def measure(self, cell: Cell, options: MeasureOptions) -> CellResult:
         """Run the differencing protocol on one cell; failures become FAILED results."""
         start = time.perf_counter()
-        keep: Optional[dict[str, bytes]] = {} if options.keep_traces else None
+        keep: Optional[dict[str, bytes]] = {} if options.split.keep_traces else None
         try:
             prompts = random_prompts(cell.batch, cell.ctx, self.engine.vocab_size(), prompt_seed(cell))
             timings = run_protocol(self._timed_generate(prompts), cell.T, cell.warmups, cell.reps)
-            measurement = summarize(timings, options.resamples, options.ci_level, cell.seed)
+            measurement = summarize(timings, options.measure.bootstrap_resamples, options.measure.ci_level, cell.seed)
             split = self._split(cell, prompts, measurement.step_ms, options, keep) \
-                if options.split and self.spec.profile else None
+                if options.split.enabled and self.spec.profile else None
             lin = self._linearity(prompts, options, keep) if options.linearity_T else None
             states = record_thread_states(os.getpid(), options.pyspy_seconds,
                                           lambda: self._timed_generate(prompts)(cell.T)) \

@@ -11,12 +11,11 @@ from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hostsweep.stages import sweep
-from hostsweep.run.cluster import (
-    InfeasiblePlan, check_feasible, live_nodes, new_worker, placement_group_of, release_worker,
-)
+from hostsweep.run.actors import new_worker, release_worker
+from hostsweep.run.cluster import InfeasiblePlan, check_feasible, live_nodes
 from hostsweep.run.dispatch import Dispatcher, FaultPolicy
 from hostsweep.config.grid import build_cells, group_by_engine
-from hostsweep.run.worker import MeasureOptions
+from hostsweep.measure.results import MeasureOptions
 from tests.conftest import compose_raw, compose_typed
 
 pytestmark = pytest.mark.integration
@@ -38,6 +37,10 @@ def cluster():
     fake.shutdown()
 
 
+def quick_options() -> MeasureOptions:
+    return MeasureOptions.of(compose_typed([*FAST, "split.enabled=false", "measure.bootstrap_resamples=200"]).config)
+
+
 def cells_for(*overrides: str):
     return build_cells(compose_typed([*FAST, *overrides]))
 
@@ -50,7 +53,7 @@ def run(cells, policy=FaultPolicy(), on_result=None):
         if on_result:
             on_result(result)
 
-    dispatcher = Dispatcher(cells, MeasureOptions(resamples=200, split=False), collect, policy)
+    dispatcher = Dispatcher(cells, quick_options(), collect, policy)
     dispatcher.run()
     return results, dispatcher
 
@@ -72,7 +75,8 @@ def worker_env(actor, name):
 @pytest.mark.parametrize("executor", ["mp", "ray"])
 def test_tp_k_worker_gets_k_one_gpu_bundles_on_one_node_and_hands_their_gpus_to_its_ranks(cluster, executor):
     (spec,) = group_by_engine(cells_for("+sku=h200", "model=llama-3.1-8b", "tp=4", f"engine.tp_executor={executor}"))
-    actor = new_worker(spec)
+    worker = new_worker(spec)
+    actor = worker.actor
     host = ray.get(actor.host_info.remote())
     (table,) = [t for t in ray.util.placement_group_table().values() if t["state"] == "CREATED"]
     assert table["strategy"] == "STRICT_PACK"
@@ -85,12 +89,12 @@ def test_tp_k_worker_gets_k_one_gpu_bundles_on_one_node_and_hands_their_gpus_to_
         assert worker_env(actor, "CUDA_VISIBLE_DEVICES") == host["ray_gpu_ids"]
     else:  # vLLM's Ray executor places rank i in bundle i: each bundle's GPU is still free
         assert worker_env(actor, "CUDA_VISIBLE_DEVICES") is None
-        pg = placement_group_of(actor)
+        pg = worker.placement_group
         rank = ray.remote(num_cpus=0, num_gpus=1)(lambda: ray.get_gpu_ids())
         ranks = [rank.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
                  .remote() for i in range(4)]
         assert sorted(str(g) for ids in ray.get(ranks, timeout=30) for g in ids) == sorted(gpus)
-    release_worker(actor)
+    release_worker(worker)
     assert not [t for t in ray.util.placement_group_table().values() if t["state"] == "CREATED"]
 
 
@@ -101,10 +105,10 @@ def test_killing_a_worker_mid_sweep_still_measures_every_cell_once(cluster):
     def record_and_kill_once(result):
         results.append(result)
         if len(results) == 1:
-            (actor,) = dispatcher.actors.values()
-            ray.kill(actor)  # the next cell goes to a dead worker and must be retried elsewhere
+            (worker,) = dispatcher.actors.values()
+            ray.kill(worker.actor)  # the next cell goes to a dead worker and must be retried elsewhere
 
-    dispatcher = Dispatcher(cells, MeasureOptions(resamples=200, split=False), record_and_kill_once,
+    dispatcher = Dispatcher(cells, quick_options(), record_and_kill_once,
                             FaultPolicy(max_retries=2))
     dispatcher.run()
     assert Counter(r.key for r in results) == Counter(c.key for c in cells)

@@ -6,13 +6,12 @@ import time
 
 import pytest
 
-from hostsweep.run.cluster import (
-    InfeasiblePlan, NodeInventory, actor_options, check_feasible, cpu_engine_cpus, descendant_pids,
-    can_leave_sched_idle, daemons_to_idle, describe_inventory, idle_process,
-)
-from hostsweep.run import placement
 from hostsweep.config.grid import build_cells, group_by_engine
 from hostsweep.engines.vllm_engine import engine_kwargs
+from hostsweep.run import placement
+from hostsweep.run.actors import actor_options, cpu_engine_cpus
+from hostsweep.run.cluster import InfeasiblePlan, NodeInventory, check_feasible, describe_inventory
+from hostsweep.run.hygiene import can_leave_sched_idle, daemons_to_idle, descendant_pids, idle_process
 from hostsweep.run.placement import placement_bundles
 from tests.conftest import compose_typed
 

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from hostsweep.config.schema import ConfigError, check_group_overrides, default_dtype, group_options
+from hostsweep.config.machine import default_dtype
+from hostsweep.config.options import check_group_overrides, group_options
+from hostsweep.config.schema import ConfigError
 from hostsweep.config.grid import build_cells
-from hostsweep.config.validation import validate
 from tests.conftest import compose_raw, compose_typed
 
 
@@ -29,17 +30,18 @@ def test_shipped_options_include_the_seed_models_and_skus():
 
 
 def test_plus_sku_and_top_level_tp_compose_exactly_as_written():
-    cfg = compose_typed(["+sku=h200", "tp=4", "model=llama-3.1-8b"])
-    assert cfg.sku.name == "h200" and cfg.sku.accelerator_type == "H200"
-    assert cfg.tp == 4
-    assert cfg.engine.dtype == "bfloat16"  # auto resolves to bf16 on GPU SKUs
-    assert {c.engine.tp for c in build_cells(cfg)} == {4}
+    study = compose_typed(["+sku=h200", "tp=4", "model=llama-3.1-8b"])
+    (sku,) = study.skus
+    assert sku.name == "h200" and sku.accelerator_type == "H200"
+    assert study.config.tp == [4]  # normalized to a list once, at resolution
+    assert study.config.engine.dtype == "bfloat16"  # auto resolves to bf16 on GPU SKUs
+    assert {c.engine.tp for c in build_cells(study)} == {4}
 
 
 def test_without_plus_sku_the_sku_is_the_local_kind(monkeypatch):
-    monkeypatch.setattr("hostsweep.config.schema.local_sku_name", lambda: "cpu")
-    cfg = compose_typed([])
-    assert cfg.sku.name == "cpu" and cfg.sku.accelerator_type is None
+    monkeypatch.setattr("hostsweep.config.resolve.local_sku_name", lambda: "cpu")
+    (sku,) = compose_typed([]).skus
+    assert sku.name == "cpu" and sku.accelerator_type is None
 
 
 @pytest.mark.parametrize("gpu,flags,expected", [
@@ -86,29 +88,24 @@ def test_known_group_options_and_plain_keys_pass_the_override_check():
     (["+sku=cpu", "tp=2", "engine.tp_executor=ray"], "engine.tp_executor=ray"),  # no GPUs to place ranks on
 ])
 def test_bad_input_raises_one_line_naming_the_field(overrides, field):
-    cfg = compose_typed(overrides)
     with pytest.raises(ConfigError) as err:
-        validate(cfg)
+        compose_typed(overrides)
     assert field in str(err.value)
     assert "\n" not in str(err.value)
 
 
 def test_tp_error_lists_the_allowed_divisors():
-    cfg = compose_typed(["+sku=cpu", "tp=3"])
     with pytest.raises(ConfigError, match=r"allowed tp: 1, 2, 4, 8"):
-        validate(cfg)
+        compose_typed(["+sku=cpu", "tp=3"])
 
 
 def test_context_at_the_limit_is_accepted():
-    cfg = compose_typed(["+sku=cpu", "ctx=[4063]"])  # 4063 + 33 == 4096
-    validate(cfg)
+    assert compose_typed(["+sku=cpu", "ctx=[4063]"]).config.ctx == [4063]  # 4063 + 33 == 4096
 
 
 def test_quantized_mode_is_refused_on_cpu_before_any_engine_starts():
-    cfg = compose_typed(["+sku=cpu"])
-    cfg.mode.quantization = "fp8"
     with pytest.raises(ConfigError, match="needs a GPU SKU"):
-        validate(cfg)
+        compose_typed(["+sku=cpu", "mode.quantization=fp8"])
 
 
 def test_checkpoint_directory_supplies_the_shape(tmp_path):
@@ -117,7 +114,7 @@ def test_checkpoint_directory_supplies_the_shape(tmp_path):
         ' "num_hidden_layers": 2, "num_attention_heads": 6, "vocab_size": 100,'
         ' "max_position_embeddings": 512}'
     )
-    cfg = compose_typed(["+sku=cpu", "model=checkpoint", f"model.path={tmp_path}", "tp=4"])
-    assert cfg.model.shape.num_attention_heads == 6
+    study = compose_typed(["+sku=cpu", "model=checkpoint", f"model.path={tmp_path}", "tp=3", "ctx=[64]"])
+    assert study.config.model.shape.num_attention_heads == 6 and study.config.model.shape.head_dim == 64 // 6
     with pytest.raises(ConfigError, match="allowed tp: 1, 2, 3, 6"):
-        validate(cfg)
+        compose_typed(["+sku=cpu", "model=checkpoint", f"model.path={tmp_path}", "tp=4", "ctx=[64]"])

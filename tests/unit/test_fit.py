@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from hostsweep.model.compare import cell_frame, falsified_skus, generalization, in_regime, predictions_table
-from hostsweep.config.schema import load_sku
+from hostsweep.config.options import load_sku
 from hostsweep.model.fit import AllReduceFit, HostFit, allreduce_s, fit_allreduce, fit_host, sharded_compute_s
 from hostsweep.model.hostforms import compare_forms, fit_form, predict_s, verdict
 from tests.conftest import compose_typed
@@ -21,7 +21,7 @@ TRUE_G = 0.30
 
 
 def shape(model: str) -> dict:
-    return asdict(compose_typed(["+sku=cpu", f"model={model}"]).model.shape)
+    return asdict(compose_typed(["+sku=cpu", f"model={model}"]).config.model.shape)
 
 
 SHAPES = {m: shape(m) for m in ("llama-3.1-8b", "llama-3.1-70b")}

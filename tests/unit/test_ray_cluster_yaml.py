@@ -5,7 +5,7 @@ from pathlib import Path
 
 import yaml
 
-from hostsweep.config.schema import load_sku
+from hostsweep.config.options import load_sku
 
 CLUSTER = yaml.safe_load((Path(__file__).resolve().parents[2] / "ray_cluster.yaml").read_text())
 

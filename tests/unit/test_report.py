@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from hostsweep.measure.protocol import CellMeasurement
-from hostsweep.report.tables import cell_row, format_table
-from hostsweep.run.worker import CellResult
+from hostsweep.measure.results import CellResult, cell_row
+from hostsweep.report.tables import format_table
 
 PARAMS = {"sku": "cpu", "model": "tiny-llama", "mode": "eager", "tp": 1, "batch": 2, "ctx": 128,
           "T": 33, "reps": 12, "warmups": 2, "dtype": "float32", "engine": "vllm"}
@@ -20,6 +20,6 @@ def test_table_shows_one_line_per_cell_with_ci_and_failures():
                              None, {"hostname": "vm"}), "r1")
     bad = cell_row(CellResult("b", {**PARAMS, "batch": 4}, "FAILED", None, "OOM\ntrace", {}), "r2")
     lines = format_table([ok, bad]).splitlines()
-    assert len(lines) == 4
-    assert "3.250" in lines[2] and "[3.000, 3.500]" in lines[2] and "vm" in lines[2]
-    assert "FAILED" in lines[3] and bad["error"] == "OOM"
+    assert len(lines) == 3 and lines[0].split()[:2] == ["sku", "model"]
+    assert "3.250" in lines[1] and "[3.000, 3.500]" in lines[1] and "vm" in lines[1]
+    assert "FAILED" in lines[2] and bad["error"] == "OOM"

@@ -21,19 +21,19 @@ PUBLISHED = {
 
 @pytest.mark.parametrize("model,count", sorted(PUBLISHED.items()))
 def test_shipped_shape_has_the_published_parameter_count(model, count):
-    shape = asdict(compose_typed(["+sku=cpu", f"model={model}"]).model.shape)
+    shape = asdict(compose_typed(["+sku=cpu", f"model={model}"]).config.model.shape)
     assert parameter_count(shape) == count
 
 
 def test_cpu_shapes_are_about_a_decade_apart():
-    tiny = parameter_count(asdict(compose_typed(["+sku=cpu", "model=tiny-llama"]).model.shape))
-    small = parameter_count(asdict(compose_typed(["+sku=cpu", "model=small-llama"]).model.shape))
+    tiny = parameter_count(asdict(compose_typed(["+sku=cpu", "model=tiny-llama"]).config.model.shape))
+    small = parameter_count(asdict(compose_typed(["+sku=cpu", "model=small-llama"]).config.model.shape))
     assert 8 <= small / tiny <= 15
 
 
 @pytest.mark.parametrize("model,model_type", [("llama-3.1-8b", "llama"), ("qwen2.5-14b", "qwen2")])
 def test_hf_config_carries_the_shape_and_architecture(model, model_type):
-    shape = asdict(compose_typed(["+sku=cpu", f"model={model}"]).model.shape)
+    shape = asdict(compose_typed(["+sku=cpu", f"model={model}"]).config.model.shape)
     config = hf_config(shape, "bfloat16")
     assert config["model_type"] == model_type
     assert config["architectures"] == [shape["architecture"]]

@@ -1,0 +1,74 @@
+"""A sweep config resolved once: Hydra's DictConfig typed, the SKUs loaded, the grid lists
+normalized, the dtype and a checkpoint's shape filled in, and everything validated.
+
+The entry point calls `resolve` once; everything downstream receives the Study and never
+re-reads conf/ or re-validates.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from hostsweep.config.machine import cpu_flags, default_dtype, local_sku_name
+from hostsweep.config.options import check_option, load_sku
+from hostsweep.config.schema import ConfigError, ShapeConfig, SkuConfig, SweepConfig
+from hostsweep.config.shapes import shape_from_hf_config
+from hostsweep.config.validation import positive_ints, validate
+
+
+@dataclass(frozen=True)
+class Study:
+    """A validated sweep config. `config.tp`, `.batch` and `.ctx` are sorted lists of
+    distinct positive ints; `skus` are the SKUs it spans, loaded."""
+
+    config: SweepConfig
+    skus: tuple[SkuConfig, ...]
+
+    @property
+    def name(self) -> str:
+        return self.config.study
+
+    def longest_generate(self) -> tuple[int, str]:
+        """The most tokens any generate of a cell asks for, and the field that asks."""
+        cfg = self.config
+        if cfg.linearity.enabled and max(cfg.linearity.T) > cfg.measure.T:
+            return max(cfg.linearity.T), "linearity.T"
+        return cfg.measure.T, "measure.T"
+
+
+def _skus(cfg: SweepConfig) -> tuple[SkuConfig, ...]:
+    """The `skus` list when given, else `+sku=`, else this machine's kind."""
+    if cfg.skus:
+        for name in cfg.skus:
+            check_option("sku", name, " in skus")
+        return tuple(load_sku(name) for name in dict.fromkeys(cfg.skus))
+    return (cfg.sku if cfg.sku is not None else load_sku(local_sku_name()),)
+
+
+def _checkpoint_shape(path: Optional[str]) -> Optional[ShapeConfig]:
+    """A local checkpoint's shape from its config.json; a hub id is resolved by vLLM."""
+    if not path:
+        raise ConfigError("model.path is required with model=checkpoint (a hub id or a directory)")
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return None
+    return ShapeConfig(**shape_from_hf_config(json.loads(config_file.read_text())))
+
+
+def resolve(raw: DictConfig) -> Study:
+    """Type, normalize and validate the composed config; ConfigError on bad input."""
+    cfg: SweepConfig = OmegaConf.to_object(raw)  # type: ignore[assignment]
+    skus = _skus(cfg)
+    cfg.tp, cfg.batch, cfg.ctx = (positive_ints(name, getattr(cfg, name)) for name in ("tp", "batch", "ctx"))
+    if cfg.engine.dtype == "auto":
+        any_gpu = any(s.accelerator_type is not None for s in skus)
+        cfg.engine.dtype = default_dtype(any_gpu, cpu_flags())
+    if cfg.model.source == "checkpoint" and cfg.model.shape is None:
+        cfg.model.shape = _checkpoint_shape(cfg.model.path)
+    study = Study(cfg, skus)
+    validate(cfg, skus, study.longest_generate())
+    return study

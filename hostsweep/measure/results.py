@@ -1,0 +1,121 @@
+"""What a worker returns for a cell, and what is recorded of it: the result types, the
+metrics and tags its MLflow run gets, and its flat row in the cell table (pure).
+
+Every recorder (MLflow, cells.csv, the printed table) derives from these functions, so a
+metric has one name and one definition.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import pandas as pd
+
+from hostsweep.config.schema import LinearityConfig, MeasureConfig, SplitConfig, SweepConfig
+from hostsweep.measure.protocol import CellMeasurement
+from hostsweep.measure.split import LinearityResult, SplitResult
+from hostsweep.measure.threadstates import idle_fraction
+
+
+@dataclass(frozen=True)
+class MeasureOptions:
+    """How a worker analyses a cell beyond its timed reps: the study's measure, split and
+    linearity sections, exactly as configured (no field is copied by hand)."""
+
+    measure: MeasureConfig = field(default_factory=MeasureConfig)
+    split: SplitConfig = field(default_factory=SplitConfig)
+    linearity: LinearityConfig = field(default_factory=LinearityConfig)
+
+    @classmethod
+    def of(cls, cfg: SweepConfig) -> "MeasureOptions":
+        return cls(cfg.measure, cfg.split, cfg.linearity)
+
+    @property
+    def linearity_T(self) -> tuple[int, ...]:
+        """The decade of T the linearity check sweeps; empty when it is off."""
+        return tuple(sorted(set(self.linearity.T))) if self.linearity.enabled else ()
+
+    @property
+    def pyspy_seconds(self) -> float:
+        return self.split.pyspy_seconds if self.split.pyspy else 0.0
+
+
+@dataclass(frozen=True)
+class CellResult:
+    key: str
+    params: dict[str, object]
+    status: str  # "FINISHED" or "FAILED"
+    measurement: Optional[CellMeasurement]
+    error: Optional[str]
+    host: dict[str, str] = field(default_factory=dict)
+    duration_s: float = 0.0
+    split: Optional[SplitResult] = None
+    linearity: Optional[LinearityResult] = None
+    traces: dict[str, bytes] = field(default_factory=dict)  # file name -> gzipped trace
+    thread_states: Optional[pd.DataFrame] = None  # py-spy view of the engine process tree
+
+
+def cell_metrics(result: CellResult) -> dict[str, float]:
+    m = result.measurement
+    if m is None:
+        return {}
+    metrics = {
+        "step_ms": m.step_ms, "step_ci_low_ms": m.step_ci_low_ms, "step_ci_high_ms": m.step_ci_high_ms,
+        "wall_1_ms": m.wall_1_ms, "wall_T_ms": m.wall_T_ms, "cell_duration_s": result.duration_s,
+    }
+    if result.split is not None:
+        sp = result.split
+        metrics.update(device_ms=sp.device_ms, host_ms=sp.host_ms, host_frac=sp.host_frac,
+                       overlap_gap_ms=sp.overlap_gap_ms, profiled_step_ms=sp.profiled_step_ms,
+                       profiler_overhead=sp.profiler_overhead)
+        if sp.kernel_source == "cuda":
+            metrics.update(copy_ms=sp.copy_ms, copy_bytes_per_step=sp.copy_bytes)
+    if result.thread_states is not None and not result.thread_states.empty:
+        metrics["pyspy_idle_frac"] = idle_fraction(result.thread_states)
+    if result.linearity is not None:
+        lin = result.linearity
+        metrics.update(r2_wall=lin.r2_wall, r2_kernel=lin.r2_kernel,
+                       slope_disagreement=lin.slope_disagreement, linearity_slope_fit_ms=lin.slope_fit_ms)
+    return metrics
+
+
+SPLIT_TAGS = ("kernel_source", "regime")
+
+
+def split_tags(result: CellResult) -> dict[str, str]:
+    if result.split is None:
+        return {}
+    return dict(zip(SPLIT_TAGS, (result.split.kernel_source, result.split.regime)))
+
+
+def cell_row(result: CellResult, run_id: str) -> dict[str, object]:
+    """One flat row per cell: params, the metrics and tags its MLflow run gets, provenance,
+    and its run id. Metrics a cell does not have are absent (empty in the CSV)."""
+    return {
+        **result.params,
+        "status": result.status,
+        **cell_metrics(result),
+        **split_tags(result),
+        "host": result.host.get("hostname", "?"),
+        "device": result.host.get("device_name", "?"),
+        "cell_key": result.key,
+        "mlflow_run_id": run_id,
+        "error": (result.error or "").splitlines()[0] if result.error else "",
+    }
+
+
+def logged_row(params: dict[str, str], metrics: dict[str, float], tags: dict[str, str],
+               run_id: str) -> dict[str, object]:
+    """cell_row's columns for a FINISHED cell read back from its MLflow run (a resumed
+    sweep's earlier cells); the host/device columns come from its provenance tags."""
+    return {
+        **params,
+        "status": "FINISHED",
+        **metrics,
+        **{k: tags[k] for k in SPLIT_TAGS if k in tags},
+        "host": tags.get("hostname", "?"),
+        "device": tags.get("device_name", "?"),
+        "cell_key": tags["cell_key"],
+        "mlflow_run_id": run_id,
+        "error": "",
+    }

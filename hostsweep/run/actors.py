@@ -1,0 +1,82 @@
+"""Worker actors: where each goes (a CPU node, a GPU of its SKU, or a TP-k placement
+group), starting and releasing them, and closing their engines at the end."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from hostsweep.config.grid import EngineSpec
+from hostsweep.run.cluster import NodeInventory, live_nodes
+from hostsweep.run.placement import placement_bundles
+from hostsweep.run.worker import SweepWorker
+
+log = logging.getLogger(__name__)
+
+
+def cpu_engine_cpus(nodes: list[NodeInventory]) -> int:
+    """CPUs a CPU-engine worker reserves: a whole CPU node, so no two CPU engines (or
+    anything else Ray schedules) share its cores while it measures."""
+    cpu_nodes = [n.cpus for n in nodes if not n.accelerator_types] or [n.cpus for n in nodes]
+    return max(1, int(max(cpu_nodes, default=1)))
+
+
+def actor_options(spec: EngineSpec, cpu_cpus: int = 1) -> dict[str, object]:
+    """Ray scheduling options for a worker without a placement group: a CPU engine, or a
+    single-GPU engine pinned to its SKU. (TP-k on GPUs: new_worker's placement group.)"""
+    if spec.accelerator_type is None:
+        return {"num_cpus": cpu_cpus, "num_gpus": 0}
+    if spec.tp > 1:
+        raise ValueError(f"{spec.label}: a TP-{spec.tp} GPU worker is placed through a placement group")
+    return {"num_cpus": 1, "num_gpus": 1, "accelerator_type": spec.accelerator_type}
+
+
+@dataclass(frozen=True)
+class WorkerHandle:
+    """A worker actor and the placement group reserved for it (TP-k on GPUs), which
+    outlives the actor and must be given back with it."""
+
+    actor: Any
+    placement_group: Optional[Any] = None
+
+
+def release_worker(worker: WorkerHandle) -> None:
+    """Kill a worker and free its placement group, if it has one."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    ray.kill(worker.actor)
+    if worker.placement_group is not None:
+        remove_placement_group(worker.placement_group)
+
+
+def new_worker(spec: EngineSpec) -> WorkerHandle:
+    """Start one worker actor for `spec`, pinned to a node of its SKU."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    remote_worker = ray.remote(SweepWorker)
+    if spec.accelerator_type is not None and spec.tp > 1:
+        # k one-GPU bundles on one node; the worker sits in bundle 0 holding none of them
+        # and hands them to vLLM's ranks (placement.py).
+        group = placement_group(placement_bundles(spec.tp, spec.accelerator_type), strategy="STRICT_PACK")
+        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0,
+                                                    placement_group_capture_child_tasks=True)
+        actor = remote_worker.options(num_cpus=1, num_gpus=0, scheduling_strategy=strategy).remote(spec)
+        return WorkerHandle(actor, group)
+    return WorkerHandle(remote_worker.options(**actor_options(spec, cpu_engine_cpus(live_nodes()))).remote(spec))
+
+
+def stop_workers(workers: list[WorkerHandle]) -> None:
+    """Close engines cleanly (their EngineCore subprocesses exit), then end the actors."""
+    import ray
+
+    try:
+        ray.get([worker.actor.close.remote() for worker in workers], timeout=60)
+    except ray.exceptions.GetTimeoutError:  # a subclass of RayError: test it first
+        log.warning("workers took over 60 s to close; killing them")
+    except ray.exceptions.RayError as exc:
+        log.warning("a worker did not close cleanly: %s", exc)
+    for worker in workers:
+        release_worker(worker)

@@ -1,0 +1,112 @@
+"""Process hygiene: keep the harness from changing what it measures.
+
+Driver side (local clusters): Ray's daemons are found and put under SCHED_IDLE. Worker
+side: the thread caps, niceness, scheduling policy and CPU affinity Ray hands its actors
+are undone before an engine starts, and each is recorded.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from typing import Iterable
+
+import psutil
+
+log = logging.getLogger(__name__)
+
+# Ray exports OMP_NUM_THREADS=<num_cpus> into actors it schedules. The engine's compute
+# threads must be sized as in a plain process, or the harness changes what it measures
+# (seen here: 2.9 -> 4.5 ms per step with num_cpus=1).
+RAY_THREAD_ENV = ("OMP_NUM_THREADS",)
+# Set by cluster.connect when it confines Ray's daemons to one core: every core of the node.
+WORKER_AFFINITY_ENV = "HOSTSWEEP_WORKER_AFFINITY"
+
+
+def release_ray_thread_limits(environ: dict[str, str]) -> dict[str, str]:
+    """Drop the thread caps Ray sets for actors; return what was dropped, for the record."""
+    return {key: environ.pop(key) for key in RAY_THREAD_ENV if key in environ}
+
+
+def restore_affinity() -> None:
+    """Take back every core of the node when the driver confined Ray's daemons (and so
+    this worker, their child) to one; vLLM binds its threads from this set."""
+    cores = os.environ.get(WORKER_AFFINITY_ENV)
+    if cores:
+        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+
+
+def restore_priority() -> str:
+    """Undo the niceness Ray gives its workers (15 by default), which the engine's
+    processes would inherit; returns what the worker runs at, for the record."""
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    if before > 0:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+        except PermissionError:  # unprivileged: start Ray with RAY_worker_niceness=0
+            log.warning("worker runs at niceness %d and may not lower it", before)
+    return f"{before}->{os.getpriority(os.PRIO_PROCESS, 0)}"
+
+
+def restore_scheduler() -> str:
+    """Run under the normal scheduling policy, whatever process started this one (connect
+    may idle the raylet, the workers' parent, whose policy they inherit); an engine under
+    another policy would not measure what a plain process does, so that is an error."""
+    if os.sched_getscheduler(0) != os.SCHED_OTHER:
+        try:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        except PermissionError:
+            raise RuntimeError(
+                f"worker runs under scheduling policy {os.sched_getscheduler(0)}, not SCHED_OTHER, "
+                "and may not leave it: its timings would not be a plain process's"
+            ) from None
+    return "other"
+
+
+def can_leave_sched_idle() -> bool:
+    """Whether a process here may go back from SCHED_IDLE to the normal policy (root, or an
+    RLIMIT_NICE that allows nice 0). Tried in a child: nothing here changes policy."""
+    script = ("import os; os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)); "
+              "os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))")
+    return subprocess.run([sys.executable, "-c", script], capture_output=True).returncode == 0
+
+
+def process_name(pid: int) -> str:
+    try:
+        return psutil.Process(pid).name()
+    except psutil.Error:
+        return ""
+
+
+def daemons_to_idle(pids: Iterable[int], workers_can_leave_idle: bool) -> list[int]:
+    """The processes ray.init started, less the raylet unless its workers can leave
+    SCHED_IDLE: the raylet starts them, a child keeps its parent's SCHED_IDLE, and a
+    worker that cannot go back to the normal policy refuses to measure."""
+    return sorted(pid for pid in pids if workers_can_leave_idle or process_name(pid) != "raylet")
+
+
+def idle_process(pid: int) -> None:
+    """SCHED_IDLE for every thread of `pid`: the policy is per thread, and the daemons'
+    gRPC and event-loop threads already exist."""
+    try:
+        threads = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:
+        return
+    for tid in threads:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        except ProcessLookupError:
+            pass
+        except PermissionError as exc:
+            log.warning("could not idle Ray process %d: %s", pid, exc)
+            return
+
+
+def descendant_pids(pid: int) -> list[int]:
+    """Every live process below `pid`: here, the daemons ray.init started or an engine's
+    EngineCore and its workers."""
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []

@@ -1,0 +1,78 @@
+"""The package layout keeps the data flow: imports run one way, and the pure core imports
+no Ray, MLflow or vLLM (it is what notebooks reuse and what runs without a cluster)."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "hostsweep"
+# The order the data flows through; a module may import only from its own package or
+# from packages before it.
+ORDER = ["config", "measure", "engines", "run", "record", "model", "report", "stages", "__main__"]
+# Modules that run on a cluster or a device and so import torch, Ray or MLflow (lazily).
+IMPURE_MODULES = {"model.cli", "model.calibrate", "model.allreduce_bench"}
+PURE_PACKAGES = ("config", "measure", "model", "report")
+POISON = "raise ImportError('{name} must not be imported by the pure core')\n"
+
+
+def modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py" or p.parent != PACKAGE)
+
+
+def package_of(path: Path) -> str:
+    relative = path.relative_to(PACKAGE)
+    return relative.parts[0] if len(relative.parts) > 1 else relative.stem
+
+
+def hostsweep_imports(path: Path) -> set[str]:
+    """The hostsweep packages a module imports, at module level or inside functions."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "hostsweep" and len(parts) > 1 and parts[1] in ORDER:
+                found.add(parts[1])
+    return found
+
+
+@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_run_down_the_data_flow_only(path):
+    own = ORDER.index(package_of(path))
+    later = {pkg for pkg in hostsweep_imports(path) if ORDER.index(pkg) > own}
+    assert not later, f"{path.relative_to(PACKAGE)} imports {sorted(later)}, which come after {ORDER[own]}"
+
+
+def test_the_rule_catches_an_import_against_the_flow(tmp_path):
+    offender = tmp_path / "bad.py"
+    offender.write_text("def f():\n    from hostsweep.record.tracking import SweepTracker\n")
+    assert hostsweep_imports(offender) == {"record"}
+
+
+def pure_modules() -> list[str]:
+    names = []
+    for path in modules():
+        dotted = ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        if package_of(path) in PURE_PACKAGES and dotted not in IMPURE_MODULES and path.name != "__init__.py":
+            names.append(f"hostsweep.{dotted}")
+    return names
+
+
+def test_the_pure_core_imports_without_ray_mlflow_or_vllm(tmp_path):
+    for name in ("ray", "mlflow", "vllm"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(POISON.format(name=name))
+    script = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
+    pure = pure_modules()
+    assert "hostsweep.model.fit" in pure and "hostsweep.config.grid" in pure
+    proc = subprocess.run([sys.executable, "-c", script, *pure], capture_output=True, text=True,
+                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-3000:]

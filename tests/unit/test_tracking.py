@@ -1,0 +1,71 @@
+"""MLflow recording against a real sqlite store: a sweep's parent and cell runs, what a
+resumed sweep reads back, and the measured-cell frame the model stage reads."""
+from __future__ import annotations
+
+import mlflow
+import pytest
+
+from hostsweep.measure.protocol import CellMeasurement, RepTiming
+from hostsweep.measure.results import CellResult, cell_row
+from hostsweep.measure.split import SplitResult
+from hostsweep.record.tracking import SweepTracker, read_cells
+
+PARAMS = {"sku": "cpu", "model": "tiny-llama", "mode": "eager", "tp": 1, "batch": 2, "ctx": 128,
+          "T": 33, "reps": 2, "warmups": 1, "dtype": "float32", "engine": "fake", "tp_executor": "mp"}
+REPS = (RepTiming(0, True, 0.010, 0.106, 0.003), RepTiming(1, False, 0.011, 0.107, 0.003))
+SPLIT = SplitResult("cpu-ops", 1.25, 1.75, 0.5833, 0.01, 0.0, 0.0, 3.5, 1.1667, "host-bound", (1.25,),
+                    (("aten::addmm", 1.0),))
+
+
+@pytest.fixture
+def tracker(tmp_path):
+    tracker = SweepTracker(f"sqlite:///{tmp_path}/store/mlflow.db", "hostsweep-unit")
+    tracker.start_sweep("unit sweep", "study: unit\n", {"n_cells": 2}, {"git_sha": "abc"})
+    return tracker
+
+
+def test_a_finished_and_a_failed_cell_become_child_runs_of_the_sweep(tracker):
+    ok = CellResult("key-ok", PARAMS, "FINISHED", CellMeasurement(3.0, 2.9, 3.1, 10.5, 106.5, REPS), None,
+                    {"hostname": "vm"}, 1.5, SPLIT)
+    bad = CellResult("key-bad", {**PARAMS, "batch": 4}, "FAILED", None, "OOM: no memory", {})
+    ok_id, bad_id = tracker.log_cell(ok, {}), tracker.log_cell(bad, {})
+    tracker.finish_sweep("FAILED", {"cells_done": 2.0})
+    client = tracker.client
+    ok_run, bad_run = client.get_run(ok_id), client.get_run(bad_id)
+    assert ok_run.data.tags["mlflow.parentRunId"] == tracker.parent_run_id
+    assert ok_run.info.status == "FINISHED" and bad_run.info.status == "FAILED"
+    assert ok_run.data.metrics["step_ms"] == 3.0 and ok_run.data.metrics["device_ms"] == 1.25
+    assert ok_run.data.tags["regime"] == "host-bound" and ok_run.data.params["batch"] == "2"
+    assert bad_run.data.tags["failure_reason"].startswith("OOM")
+    artifacts = {a.path for a in client.list_artifacts(ok_id)}
+    assert {"raw_timings.csv", "top_ops.csv"} <= artifacts
+    assert client.get_run(tracker.parent_run_id).info.status == "FAILED"
+
+
+def test_finished_cells_read_back_as_the_rows_they_were_logged_with(tracker):
+    result = CellResult("key-ok", PARAMS, "FINISHED", CellMeasurement(3.0, 2.9, 3.1, 10.5, 106.5, REPS), None,
+                        {"hostname": "vm", "device_name": "cpu-x"}, 1.5, SPLIT)
+    run_id = tracker.log_cell(result, {})
+    tracker.log_cell(CellResult("key-bad", PARAMS, "FAILED", None, "boom", {}), {})
+    finished = tracker.finished_cells()
+    assert set(finished) == {"key-ok"}  # a FAILED cell is measured again on resume
+    logged, written = finished["key-ok"], cell_row(result, run_id)
+    for column in ("step_ms", "device_ms", "host_frac", "regime", "host", "device", "cell_key", "mlflow_run_id"):
+        assert logged[column] == pytest.approx(written[column]) if isinstance(written[column], float) \
+            else logged[column] == written[column], column
+
+
+def test_read_cells_gives_the_model_stage_one_row_per_finished_cell(tracker):
+    for batch in (1, 2, 4):
+        params = {**PARAMS, "batch": batch}
+        tracker.log_cell(CellResult(f"k{batch}", params, "FINISHED",
+                                    CellMeasurement(2.0 + batch, 1.9, 2.1 + batch, 10.0, 100.0, REPS), None, {}), {})
+    frame = read_cells(tracker.tracking_uri, ["hostsweep-unit"])
+    assert sorted(frame["batch"]) == [1, 2, 4] and sorted(frame["step_ms"]) == [3.0, 4.0, 6.0]
+    assert frame["tp"].dtype.kind == "i" and set(frame["sku"]) == {"cpu"}
+    mlflow.set_tracking_uri(None)
+
+
+def test_runs_table_link_opens_the_runs_view_not_the_genai_overview(tracker):
+    url = tracker.runs_table_url(5001)
+    assert url == f"http://127.0.0.1:5001/#/experiments/{tracker.experiment_id}/runs?workflowType=machine_learning"
