@@ -2,9 +2,11 @@
 what-if answers; and the all-reduce microbenchmark on gloo."""
 from __future__ import annotations
 
+import json
 from itertools import product
 
 import mlflow
+import mlflow.artifacts
 import mlflow.pyfunc
 import numpy as np
 import pandas as pd
@@ -23,13 +25,14 @@ AR, HOST, G = AllReduceFit(21.2e-6, 307e9), HostFit(16.9e-3, 0.1e-3), 0.30
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("model")
-    rows = pd.DataFrame([{"sku": "h100", "model": "llama-3.1-70b", "tp": k, "batch": n, "ctx": c, "step_ms": 0.0}
+    rows = pd.DataFrame([{"sku": "h100", "model": "llama-3.1-70b", "tp": k, "batch": n, "ctx": c, "T": 33, "step_ms": 0.0}
                          for k, n, c in product([2, 4], [1, 2, 4, 8], [512, 2048, 4096])])
     from dataclasses import asdict
 
     cells = cell_frame(rows, {"llama-3.1-70b": load_model_shape("llama-3.1-70b")}, {"h100": asdict(load_sku("h100"))})
     noise = np.random.default_rng(0).normal(0, 0.01, len(cells))
     rows["step_ms"] = (G * sharded_compute_s(cells) + allreduce_s(cells, AR) + HOST.time_s(cells["batch"])) * (1 + noise) * 1e3
+    rows["step_ci_low_ms"], rows["step_ci_high_ms"] = rows["step_ms"] * 0.99, rows["step_ms"] * 1.01
     rows["status"] = "FINISHED"
     rows.to_csv(root / "cells.csv", index=False)
     (root / "calib.yaml").write_text(yaml.safe_dump({
@@ -43,18 +46,27 @@ def run_main(argv):
     return stop.value.code
 
 
-def test_fit_logs_a_model_run_that_loads_back_as_pyfunc(workspace, capsys):
+def test_fit_prints_writes_fit_json_and_logs_a_model_that_loads_back_as_pyfunc(workspace, capsys):
     uri = f"sqlite:///{workspace}/mlflow.db"
-    code = run_main(["--tracking-uri", uri, "fit", "--cells", str(workspace / "cells.csv"),
+    report = workspace / "out" / "fit.json"
+    code = run_main(["--tracking-uri", uri, "fit", "--cells", str(workspace / "cells.csv"), "--json", str(report),
                      "--calibration", str(workspace / "calib.yaml"), "--train-sku", "h100", "--train-tp", "2"])
-    out = capsys.readouterr().out
-    assert code == 0 and "host term: k-invariant" in out and "falsified on: no SKU" in out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert code == 0 and "k-invariant: held-out groups h100 TP-4 say k-invariant" in out
+    assert "no held-out in-regime cell lies below the bound" in out and "heldout_n = 12" in out
+    assert "s0_ms" in out and "C0_ms" in out and " INFO " not in captured.err
+    data = json.loads(report.read_text())
+    assert data["verdict"]["verdict"] == "k-invariant" and data["scale"]["g"] == pytest.approx(G, rel=0.05)
+    assert (workspace / "out" / "predictions.csv").is_file()
     model_uri = out.strip().splitlines()[-1].split()[2]
     mlflow.set_tracking_uri(uri)
     (run,) = mlflow.search_runs(experiment_names=["models"]).itertuples()
     run_data = mlflow.get_run(run.run_id).data
-    assert float(run_data.params["g"]) == pytest.approx(G, rel=0.05)
+    assert float(run_data.params["g"]) == pytest.approx(G, rel=0.05) and run_data.params["verdict"] == "k-invariant"
     assert run_data.metrics["heldout_mape_mean"] < 3.0 and run_data.metrics["heldout_n"] == 12
+    logged = mlflow.artifacts.load_text(f"runs:/{run.run_id}/fit.json")
+    assert json.loads(logged)["verdict"] == data["verdict"]
     model = mlflow.pyfunc.load_model(model_uri)
     query = pd.DataFrame([{"model": "llama-3.1-70b", "sku": "h100", "tp": 4, "batch": 2, "ctx": 2048}])
     predicted = model.predict(query)
@@ -66,6 +78,27 @@ def test_fit_logs_a_model_run_that_loads_back_as_pyfunc(workspace, capsys):
                      "--tp", "1", "2", "4", "8"])
     out = capsys.readouterr().out
     assert code == 0 and "more GPUs stop helping at tp=" in out
+
+
+def test_cells_without_t_fail_in_one_line_unless_tokens_are_given(workspace, tmp_path, capsys):
+    pd.read_csv(workspace / "cells.csv").drop(columns=["T"]).to_csv(tmp_path / "no_t.csv", index=False)
+    argv = ["--tracking-uri", f"sqlite:///{tmp_path}/x.db", "fit", "--cells", str(tmp_path / "no_t.csv"),
+            "--calibration", str(workspace / "calib.yaml"), "--train-sku", "h100", "--json", str(tmp_path / "f.json")]
+    code = run_main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "no T column" in err[0]
+    assert run_main(argv + ["--tokens", "33"]) == 0
+
+
+def test_synth_writes_seed002_cells_that_fit_reads_back(tmp_path, capsys):
+    assert run_main(["synth", "--out", str(tmp_path / "synth.csv"), "--seed", "3"]) == 0
+    cells = pd.read_csv(tmp_path / "synth.csv")
+    assert len(cells) == 24 and {"T", "step_ci_high_ms"} <= set(cells)
+    assert run_main(["--tracking-uri", f"sqlite:///{tmp_path}/s.db", "fit", "--cells", str(tmp_path / "synth.csv"),
+                     "--calibration", "seed002-h100", "--train-sku", "h100", "--out-dir", str(tmp_path / "run")]) == 0
+    data = json.loads((tmp_path / "run" / "fit.json").read_text())
+    mape = {s["form"]: s["mape_mean"] for s in data["scores"] if s["role"] == "held-out"}
+    assert mape["c_times_k"] > 50 and 25 < mape["c_over_k"] < 50 and mape["free_constant"] < 5
 
 
 def test_fit_with_an_unknown_calibration_fails_in_one_line(workspace, capsys):
@@ -98,7 +131,7 @@ def test_roofs_microbenchmark_logs_measured_next_to_datasheet_and_feeds_the_fit(
     assert roofs["measured_tflops"] > 0 and roofs["measured_bandwidth_gbps"] > 0
     assert "allreduce" in yaml.safe_load(calib.read_text())  # merged, not overwritten
     code = run_main(["--tracking-uri", uri, "fit", "--cells", str(workspace / "cells.csv"), "--calibration",
-                     str(calib), "--train-sku", "h100", "--roofs", "measured"])
+                     str(calib), "--train-sku", "h100", "--roofs", "measured", "--out-dir", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "needs a roofs section for sku ['h100']" in err[-1]
 

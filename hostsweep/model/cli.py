@@ -1,7 +1,8 @@
 """`hostsweep-model`: fit the TP latency model on measured cells, score it held-out, log it.
 
     hostsweep-model fit --experiment hostsweep-tp70b --calibration calib.yaml --train-sku h100 --train-tp 2
-    hostsweep-model fit --cells outputs/.../cells.csv --calibration seed002-h100
+    hostsweep-model fit --cells outputs/.../cells.csv --calibration seed002-h100 --train-sku h100
+    hostsweep-model synth --calibration seed002-h100 --out seed002.csv     # cells from seed 002's own numbers
     hostsweep-model whatif runs:/<run_id>/model --model llama-3.1-70b --sku h100 --batch 1 --ctx 2048
     hostsweep-model allreduce --ranks 2 --out calib.yaml      # gloo here, NCCL on GPUs
     hostsweep-model roofs --sku h100 --ray-address auto --out calib.yaml
@@ -12,92 +13,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import yaml
 
-from hostsweep.model.compare import cell_frame, falsified_skus, generalization, in_regime, predictions_table
-from hostsweep.config.options import load_calibration as load_calibration_config
-from hostsweep.config.options import load_model_shape, load_sku
+from hostsweep.config.options import load_sku
 from hostsweep.config.schema import DEFAULT_TRACKING_URI, ConfigError
-from hostsweep.model.fit import AllReduceFit, HostFit, mape_summary
-from hostsweep.model.hostforms import DEFAULT_FORM, FORM_CLASSES, compare_forms, fit_form, verdict
-from hostsweep.model.tpmodel import INPUT_COLUMNS, model_spec, predict_rows, tp_scaling
-
-
-def load_calibration(name_or_path: str) -> tuple[dict[str, AllReduceFit], HostFit, dict[str, dict]]:
-    """The calibration's terms in the model's units: all-reduce fits by SKU, H(N), roofs."""
-    calibration = load_calibration_config(name_or_path)
-    allreduce = {sku: AllReduceFit(v.latency_us * 1e-6, v.bandwidth_gbps * 1e9)
-                 for sku, v in calibration.allreduce.items()}
-    host = HostFit(calibration.host.s0_ms * 1e-3, calibration.host.s1_ms * 1e-3)
-    return allreduce, host, {sku: asdict(roofs) for sku, roofs in calibration.roofs.items()}
-
-
-def measured_cells(args: argparse.Namespace) -> pd.DataFrame:
-    frames = [pd.read_csv(path) for path in args.cells]
-    if args.experiment:
-        from hostsweep.record.tracking import read_cells
-
-        frames.append(read_cells(args.tracking_uri, args.experiment))
-    measured = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-    if measured.empty:
-        raise ConfigError("no measured cells: give --cells CSV files or --experiment names with finished runs")
-    if "status" in measured:
-        measured = measured[measured["status"] == "FINISHED"]
-    return measured.reset_index(drop=True)
-
-
-def fit_command(args: argparse.Namespace) -> int:
-    measured = measured_cells(args)
-    allreduce, host, measured_roofs = load_calibration(args.calibration)
-    shapes = {m: load_model_shape(m) for m in measured["model"].unique()}
-    skus = {s: {**asdict(load_sku(s)), **measured_roofs.get(s, {})} for s in measured["sku"].unique()}
-    if args.roofs == "measured" and (missing := sorted(set(skus) - set(measured_roofs))):
-        raise ConfigError(f"--roofs measured needs a roofs section for sku {missing} in the calibration "
-                          "(hostsweep-model roofs --sku NAME --out FILE)")
-    cells = cell_frame(measured, shapes, skus, args.roofs)
-    cells["in_regime"] = in_regime(cells, args.utilization)
-    selected = ((cells["sku"] == args.train_sku) & cells["tp"].isin(args.train_tp)).to_numpy()
-    train, held_out = cells[selected & cells["in_regime"]], cells[~selected & cells["in_regime"]]
-    fitted = fit_form(args.form, train, allreduce, host)
-    table = predictions_table(fitted, cells, allreduce, host, selected)
-    comparison = compare_forms(train, held_out, allreduce, host)
-    summary = generalization(table)
-    print(summary.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
-    print(comparison.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    print(f"host term: {verdict(comparison)}")
-    broken = falsified_skus(table)
-    print(f"additive model falsified on: {', '.join(broken) if broken else 'no SKU'}")
-    metrics = _fit_metrics(table)
-    params = {"form": args.form, "train_selection": f"sku={args.train_sku} tp={args.train_tp} in-regime",
-              "g": fitted.g, "host_params_s": fitted.host_params, "s0_s": host.s0_s, "s1_s": host.s1_s,
-              "roofs": args.roofs, "utilization": args.utilization,
-              **{f"lambda_s.{k}": v.latency_s for k, v in allreduce.items()},
-              **{f"beta_Bps.{k}": v.bandwidth_Bps for k, v in allreduce.items()}}
-    from hostsweep.record.registry import log_model_fit
-
-    spec = model_spec(fitted, allreduce, host, shapes, skus, args.roofs)
-    run_id = log_model_fit(args.tracking_uri, args.models_experiment, f"{args.form} g={fitted.g:.3f}",
-                           params, metrics, {"predictions": table, "host_forms": comparison,
-                                             "generalization": summary}, spec,
-                           predict_rows, INPUT_COLUMNS)
-    print(f"logged model: runs:/{run_id}/model (experiment {args.models_experiment!r} in {args.tracking_uri})")
-    return 0
-
-
-def _fit_metrics(table: pd.DataFrame) -> dict[str, float]:
-    train, held = table[table["role"] == "train"], table[table["role"] == "held-out"]
-    held_in = held[held["in_regime"]]
-    metrics = {f"train_{k}": v for k, v in mape_summary(train["predicted_ms"], train["step_ms"]).items()}
-    metrics |= {f"heldout_{k}": v for k, v in mape_summary(held_in["predicted_ms"], held_in["step_ms"]).items()}
-    metrics |= {f"heldout_with_outliers_{k}": v
-                for k, v in mape_summary(held["predicted_ms"], held["step_ms"]).items()}
-    metrics["falsifying_cells"] = float(table["falsifies"].sum())
-    return {k: float(v) for k, v in metrics.items()}
+from hostsweep.model.fit_command import (fit_arguments, fit_command, measured_cells, quiet_mlflow, synth_arguments,
+                                         synth_command)
+from hostsweep.model.tpmodel import tp_scaling
 
 
 def whatif_command(args: argparse.Namespace) -> int:
@@ -188,16 +114,8 @@ def parser() -> argparse.ArgumentParser:
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     top.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI, help="MLflow store or server")
     sub = top.add_subparsers(dest="command", required=True)
-    fit = sub.add_parser("fit", help="fit on training cells, score held-out, log to MLflow")
-    fit.add_argument("--cells", action="append", default=[], help="cells.csv from a sweep (repeatable)")
-    fit.add_argument("--experiment", action="append", default=[], help="sweep experiment to read (repeatable)")
-    fit.add_argument("--calibration", required=True, help="calibration YAML, or a shipped name (seed002-h100)")
-    fit.add_argument("--train-sku", required=True)
-    fit.add_argument("--train-tp", type=int, nargs="+", default=[2])
-    fit.add_argument("--form", choices=list(FORM_CLASSES), default=DEFAULT_FORM)
-    fit.add_argument("--roofs", choices=["datasheet", "measured"], default="datasheet")
-    fit.add_argument("--utilization", type=float, default=0.9)
-    fit.add_argument("--models-experiment", default="models")
+    fit_arguments(sub.add_parser("fit", help="fit on training cells, score held-out, write fit.json, log to MLflow"))
+    synth_arguments(sub.add_parser("synth", help="synthetic cells from a known truth (seed 002's grid by default)"))
     whatif = sub.add_parser("whatif", help="what going from TP k to 2k buys, from a logged model")
     whatif.add_argument("model_uri")
     whatif.add_argument("--model", required=True)
@@ -233,8 +151,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    commands = {"fit": fit_command, "whatif": whatif_command, "allreduce": allreduce_command,
-                "roofs": roofs_command, "host": host_command}
+    commands = {"fit": fit_command, "synth": synth_command, "whatif": whatif_command,
+                "allreduce": allreduce_command, "roofs": roofs_command, "host": host_command}
+    quiet_mlflow()
     try:
         sys.exit(commands[args.command](args))
     except (ConfigError, ValueError) as exc:

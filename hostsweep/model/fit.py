@@ -19,6 +19,7 @@ from typing import Mapping, Union
 
 import numpy as np
 import pandas as pd
+from scipy.optimize import lsq_linear
 
 SHAPE_COLUMNS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "vocab_size")
@@ -121,8 +122,32 @@ def mape_summary(predicted: np.ndarray, measured: np.ndarray) -> dict[str, float
             "mape_max": float(errors.max()), "n": int(errors.size)}
 
 
-def relative_least_squares(design: np.ndarray, target: np.ndarray, measured: np.ndarray) -> np.ndarray:
-    """Parameters minimising Σ((design·p − target) / measured)², i.e. squared relative error."""
+@dataclass(frozen=True)
+class BoundedFit:
+    """Parameters of a bounded relative least-squares fit, and which ones sit on their bound."""
+
+    params: np.ndarray
+    at_lower_bound: np.ndarray  # bool per parameter
+
+
+def bounded_relative_lsq(design: np.ndarray, target: np.ndarray, measured: np.ndarray,
+                         lower: float = 0.0) -> BoundedFit:
+    """Parameters p >= lower minimising Σ((design·p − target) / measured)², the squared
+    relative error. Physical terms (a compute scale, a host time) are never negative, so
+    an unconstrained fit that wants one below zero is told so rather than accepted."""
+    design = np.asarray(design, float)
+    if design.shape[1] == 0:
+        return BoundedFit(np.zeros(0), np.zeros(0, bool))
     weights = 1.0 / np.asarray(measured, float)
-    params, *_ = np.linalg.lstsq(design * weights[:, None], target * weights, rcond=None)
-    return params
+    result = lsq_linear(design * weights[:, None], np.asarray(target, float) * weights,
+                        bounds=(lower, np.inf), method="bvls")
+    params = np.maximum(result.x, lower)
+    return BoundedFit(params, np.asarray(result.active_mask) == -1)
+
+
+def design_condition(design: np.ndarray, measured: np.ndarray) -> float:
+    """Condition number of the relative-error design with unit-norm columns: how well the
+    training cells separate the parameters (large: they trade off against each other)."""
+    weighted = np.asarray(design, float) / np.asarray(measured, float)[:, None]
+    norms = np.linalg.norm(weighted, axis=0)
+    return float(np.linalg.cond(weighted / np.where(norms > 0, norms, 1.0)))

@@ -1,7 +1,8 @@
 """A fitted TP latency model as plain data, and what-if answers from it (pure).
 
 The spec is JSON-able (it is what MLflow stores with the pyfunc model): the host form,
-g and its parameters, the calibration terms, and the shapes and SKUs it may predict for.
+g and its parameters, the calibration terms, the T its cells were measured with, and the
+shapes and SKUs it may predict for.
 """
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ INPUT_COLUMNS = ("model", "sku", "tp", "batch", "ctx")
 
 def model_spec(fitted: FittedForm, allreduce: Mapping[str, AllReduceFit], host: HostFit,
                shapes: Mapping[str, Mapping[str, Any]], skus: Mapping[str, Mapping[str, Any]],
-               roofs: str = "datasheet") -> dict[str, Any]:
+               roofs: str = "datasheet", tokens: int | None = None) -> dict[str, Any]:
+    """`tokens`: the T the training cells were measured with (the memory criterion needs it)."""
     return {
-        "form": fitted.form, "g": fitted.g, "host_params": list(fitted.host_params),
+        "form": fitted.form, "g": fitted.g, "host_params": list(fitted.host_params), "tokens": tokens,
         "allreduce": {sku: asdict(fit) for sku, fit in allreduce.items()},
         "host": asdict(host), "roofs": roofs,
         "shapes": {name: dict(shape) for name, shape in shapes.items()},
@@ -42,7 +44,9 @@ def predict_rows(spec: Mapping[str, Any], rows: pd.DataFrame) -> pd.DataFrame:
     _unknown(rows["sku"], spec["skus"], "sku")
     frame = rows[list(INPUT_COLUMNS)].copy()
     frame["step_ms"] = np.nan
-    cells = cell_frame(frame, spec["shapes"], spec["skus"], spec["roofs"])
+    if spec.get("tokens") is None:
+        raise ValueError("this model's spec has no 'tokens' (T of its training cells): refit it with hostsweep-model fit")
+    cells = cell_frame(frame, spec["shapes"], spec["skus"], spec["roofs"], tokens=spec["tokens"])
     fitted = FittedForm(spec["form"], spec["g"], tuple(spec["host_params"]))
     allreduce = {sku: AllReduceFit(**fit) for sku, fit in spec["allreduce"].items()}
     host = HostFit(**spec["host"])

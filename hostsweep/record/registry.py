@@ -8,6 +8,7 @@ function by reference, so loading the model back needs hostsweep installed.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Callable, Mapping
 
 import mlflow
@@ -35,20 +36,26 @@ class TPLatencyPyfunc(mlflow.pyfunc.PythonModel):
 
 def log_model_fit(tracking_uri: str, experiment: str, run_name: str, params: dict[str, object],
                   metrics: dict[str, float], tables: dict[str, pd.DataFrame], spec: dict,
-                  predict_rows: PredictRows, input_columns: tuple[str, ...]) -> str:
-    """One run in the models experiment: params, metrics, tables, and the pyfunc model."""
+                  predict_rows: PredictRows, input_columns: tuple[str, ...],
+                  texts: Mapping[str, str] | None = None) -> str:
+    """One run in the models experiment: params, metrics, tables (CSV), text artifacts
+    (e.g. fit.json, by file name) and the pyfunc model."""
     from mlflow.models import infer_signature
 
     tracker_experiment = SweepTracker(tracking_uri, experiment).experiment_id
     mlflow.set_tracking_uri(tracking_uri)
     example = pd.DataFrame([{"model": next(iter(spec["shapes"])), "sku": next(iter(spec["skus"])),
                              "tp": 2, "batch": 1, "ctx": 512}])[list(input_columns)]
-    signature = infer_signature(example, predict_rows(spec, example)[["step_ms"]])
+    with warnings.catch_warnings():  # the hint is about our one-row example's int columns, not the user's data
+        warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer", category=UserWarning)
+        signature = infer_signature(example, predict_rows(spec, example)[["step_ms"]])
     with mlflow.start_run(experiment_id=tracker_experiment, run_name=run_name) as run:
         mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
         mlflow.log_metrics({k: v for k, v in metrics.items() if math.isfinite(v)})
         for name, table in tables.items():
             mlflow.log_text(table.to_csv(index=False), f"{name}.csv")
+        for name, text in (texts or {}).items():
+            mlflow.log_text(text, name)
         mlflow.pyfunc.log_model(name="model", python_model=TPLatencyPyfunc(spec, predict_rows), signature=signature,
                                 input_example=example, pip_requirements=["hostsweep", "pandas", "numpy"])
         return run.info.run_id

@@ -158,7 +158,8 @@ class SweepTracker:
 
 
 def read_cells(tracking_uri: str, experiments: list[str]) -> pd.DataFrame:
-    """Finished cell runs of the given sweep experiments as a measured-cell table."""
+    """Finished cell runs of the given sweep experiments as a measured-cell table (step_ms
+    with its 95% CI, host_ms where the cell was split)."""
     mlflow.set_tracking_uri(tracking_uri)
     runs = mlflow.search_runs(experiment_names=experiments)
     if runs.empty or "params.batch" not in runs:
@@ -169,7 +170,8 @@ def read_cells(tracking_uri: str, experiments: list[str]) -> pd.DataFrame:
         "batch": cells["params.batch"].astype(int), "ctx": cells["params.ctx"].astype(int),
         "T": cells["params.T"].astype(int), "dtype": cells["params.dtype"],
         "step_ms": cells["metrics.step_ms"].astype(float),
-        "host_ms": cells.get("metrics.host_ms", pd.Series(float("nan"), index=cells.index)).astype(float),
+        **{name: cells.get(f"metrics.{name}", pd.Series(float("nan"), index=cells.index)).astype(float)
+           for name in ("step_ci_low_ms", "step_ci_high_ms", "host_ms")},
         "cell_key": cells["tags.cell_key"], "run_id": cells["run_id"],
     })
     return frame.reset_index(drop=True)

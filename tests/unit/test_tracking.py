@@ -55,13 +55,16 @@ def test_finished_cells_read_back_as_the_rows_they_were_logged_with(tracker):
             else logged[column] == written[column], column
 
 
-def test_read_cells_gives_the_model_stage_one_row_per_finished_cell(tracker):
+def test_read_cells_gives_the_model_stage_one_row_per_finished_cell_with_its_ci(tracker):
     for batch in (1, 2, 4):
         params = {**PARAMS, "batch": batch}
         tracker.log_cell(CellResult(f"k{batch}", params, "FINISHED",
                                     CellMeasurement(2.0 + batch, 1.9, 2.1 + batch, 10.0, 100.0, REPS), None, {}), {})
     frame = read_cells(tracker.tracking_uri, ["hostsweep-unit"])
     assert sorted(frame["batch"]) == [1, 2, 4] and sorted(frame["step_ms"]) == [3.0, 4.0, 6.0]
+    by_batch = frame.set_index("batch")
+    assert list(by_batch.loc[[1, 2, 4], "step_ci_high_ms"]) == [3.1, 4.1, 6.1]  # the falsification rule reads it
+    assert list(by_batch.loc[[1, 2, 4], "step_ci_low_ms"]) == [1.9, 1.9, 1.9]
     assert frame["tp"].dtype.kind == "i" and set(frame["sku"]) == {"cpu"}
     mlflow.set_tracking_uri(None)
 

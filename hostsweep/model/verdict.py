@@ -1,0 +1,111 @@
+"""Verdicts with evidence: is the host term k-invariant or k-scaling, judged on one
+held-out (SKU, TP) group at a time with a paired bootstrap (pure, vectorized).
+
+The rule, per group whose TP degree was not trained on:
+    d = MAPE(best k-scaling form) − MAPE(best k-invariant form), both on the same cells;
+    the best form of each family is re-chosen in every resample, so picking it on these
+    cells is part of what the interval covers.
+    d's 95% CI above +margin → "k-invariant"; below −margin → "k-scaling"; else "inconclusive".
+The winner (the best form of the winning family, or of all forms when inconclusive)
+beats the baseline only if MAPE(baseline) − MAPE(winner) has its CI above +margin.
+A group at a training TP degree cannot separate the families (C, C·k and C/k are the
+same function there) and is reported as inconclusive for that reason.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+from scipy.stats import binom
+
+from hostsweep.model.hostforms import FORM_CLASSES
+
+FAMILIES = ("k-invariant", "k-scaling")
+
+
+def resampled_mapes(ape: Mapping[str, np.ndarray], resamples: int, seed: int,
+                    max_draws: int = 4_000_000) -> dict[str, np.ndarray]:
+    """Each form's mean APE over the same bootstrap resamples of the group's cells (paired),
+    drawn in chunks of at most `max_draws` indices so a large group stays in memory."""
+    n = len(next(iter(ape.values())))
+    rng = np.random.default_rng(seed)
+    chunk = max(1, max_draws // n)
+    parts: dict[str, list[np.ndarray]] = {form: [] for form in ape}
+    for start in range(0, resamples, chunk):
+        index = rng.integers(0, n, size=(min(chunk, resamples - start), n))
+        for form, errors in ape.items():
+            parts[form].append(np.asarray(errors, float)[index].mean(axis=1))
+    return {form: np.concatenate(chunks) for form, chunks in parts.items()}
+
+
+def _best(mapes: Mapping[str, np.ndarray], forms: list[str]) -> np.ndarray:
+    return np.min(np.vstack([mapes[f] for f in forms]), axis=0)
+
+
+def _interval(point: float, draws: np.ndarray) -> dict[str, float]:
+    low, high = np.percentile(draws, [2.5, 97.5])
+    return {"diff": float(point), "ci_low": float(low), "ci_high": float(high)}
+
+
+def _decide(evidence: dict[str, float], margin: float) -> str:
+    if evidence["ci_low"] > margin:
+        return "k-invariant"
+    if evidence["ci_high"] < -margin:
+        return "k-scaling"
+    return "inconclusive"
+
+
+def group_verdict(ape: Mapping[str, np.ndarray], discriminating: bool, resamples: int = 2000,
+                  seed: int = 0, margin: float = 1.0) -> dict[str, Any]:
+    """The verdict on one held-out group from each form's per-cell APE (percent)."""
+    point = {form: float(np.mean(errors)) for form, errors in ape.items()}
+    draws = resampled_mapes(ape, resamples, seed)
+    family = {name: [f for f in ape if FORM_CLASSES[f] == name] for name in FAMILIES}
+    best = {name: min(forms, key=point.get) for name, forms in family.items()}
+    spread = _interval(point[best["k-scaling"]] - point[best["k-invariant"]],
+                       _best(draws, family["k-scaling"]) - _best(draws, family["k-invariant"]))
+    verdict = _decide(spread, margin) if discriminating else "inconclusive"
+    if not discriminating:
+        reason = "a training TP degree: every host family predicts the same term here"
+    elif verdict == "inconclusive":
+        reason = f"CI of MAPE(k-scaling) − MAPE(k-invariant) [{spread['ci_low']:.2f}, {spread['ci_high']:.2f}] " \
+                 f"does not clear ±{margin:g} points"
+    else:
+        reason = f"CI of MAPE(k-scaling) − MAPE(k-invariant) [{spread['ci_low']:.2f}, {spread['ci_high']:.2f}] " \
+                 f"clears ±{margin:g} points"
+    pool = family[verdict] if verdict in FAMILIES else family["k-invariant"] + family["k-scaling"]
+    winner = min(pool, key=point.get)
+    versus = _interval(point["baseline"] - point[winner], draws["baseline"] - _best(draws, pool))
+    return {
+        "verdict": verdict, "reason": reason, "discriminating": discriminating,
+        "best_k_invariant": best["k-invariant"], "best_k_scaling": best["k-scaling"],
+        "scaling_minus_invariant": spread, "winner": winner,
+        "baseline_minus_winner": versus, "beats_baseline": versus["ci_low"] > margin,
+    }
+
+
+def overall_verdict(groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """One answer across the held-out groups the comparison kept (falsified ones are out):
+    the family every conclusive group names, or inconclusive when none is conclusive or
+    they disagree."""
+    named = {(g["sku"], g["tp"]): g["verdict"] for g in groups if g["verdict"] in FAMILIES}
+    families = sorted(set(named.values()))
+    if len(families) == 1:
+        supporting = ", ".join(f"{sku} TP-{tp}" for sku, tp in sorted(named))
+        return {"verdict": families[0], "reason": f"held-out groups {supporting} say {families[0]}"}
+    if families:
+        split = "; ".join(f"{sku} TP-{tp}: {v}" for (sku, tp), v in sorted(named.items()))
+        return {"verdict": "inconclusive", "reason": f"held-out groups disagree ({split})"}
+    return {"verdict": "inconclusive", "reason": "no held-out group separates the families with its CI"
+            if groups else "no held-out group at an untrained TP degree is left to compare"}
+
+
+def falsifying_threshold(cells: int, with_ci: bool, level: float = 0.05, per_cell: float = 0.025) -> int:
+    """How many falsifying cells make a group falsified. A cell's 95% CI lies wholly below
+    a bound the truth sits on with probability 2.5%, so among n CI-judged cells some will
+    by chance: the group is falsified only when the count is improbable at `level`
+    (one-sided binomial). Point values carry no such rate: one cell is enough."""
+    if not with_ci or cells == 0:
+        return 1
+    # the smallest k with P(X >= k) <= level, X ~ Binomial(cells, per_cell)
+    return int(binom.isf(level, cells, per_cell)) + 1
