@@ -13,8 +13,13 @@ import pandas as pd
 
 from hostsweep.config.schema import LinearityConfig, MeasureConfig, SplitConfig, SweepConfig
 from hostsweep.measure.protocol import CellMeasurement
+from hostsweep.measure.speculative import SpecResult, spec_metrics
 from hostsweep.measure.split import LinearityResult, SplitResult
 from hostsweep.measure.threadstates import idle_fraction
+
+# A cell's status: measured, failed while measuring, or never dispatched because its SKU
+# cannot run its mode (recorded as an MLflow run with status KILLED and tag skipped=true).
+STATUSES = ("FINISHED", "FAILED", "SKIPPED")
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,7 @@ class MeasureOptions:
 class CellResult:
     key: str
     params: dict[str, object]
-    status: str  # "FINISHED" or "FAILED"
+    status: str  # one of STATUSES
     measurement: Optional[CellMeasurement]
     error: Optional[str]
     host: dict[str, str] = field(default_factory=dict)
@@ -53,6 +58,12 @@ class CellResult:
     linearity: Optional[LinearityResult] = None
     traces: dict[str, bytes] = field(default_factory=dict)  # file name -> gzipped trace
     thread_states: Optional[pd.DataFrame] = None  # py-spy view of the engine process tree
+    spec: Optional[SpecResult] = None  # acceptance and cycles of a speculative engine
+
+
+def skipped_result(key: str, params: dict[str, object], reason: str) -> CellResult:
+    """The record of a cell whose SKU cannot run its mode: no measurement, the reason."""
+    return CellResult(key, params, "SKIPPED", None, reason)
 
 
 def cell_metrics(result: CellResult) -> dict[str, float]:
@@ -72,6 +83,8 @@ def cell_metrics(result: CellResult) -> dict[str, float]:
             metrics.update(copy_ms=sp.copy_ms, copy_bytes_per_step=sp.copy_bytes)
     if result.thread_states is not None and not result.thread_states.empty:
         metrics["pyspy_idle_frac"] = idle_fraction(result.thread_states)
+    if result.spec is not None:
+        metrics.update(spec_metrics(result.spec, m.step_ms, result.split.host_ms if result.split else None))
     if result.linearity is not None:
         lin = result.linearity
         metrics.update(r2_wall=lin.r2_wall, r2_kernel=lin.r2_kernel,

@@ -24,9 +24,9 @@ def test_each_tp_degree_gets_its_own_engine():
 
 def test_engine_is_sized_to_its_largest_cell():
     cells = build_cells(compose_typed(["+sku=cpu", "batch=[1,3]", "ctx=[100,300]", "measure.T=17"]))
-    spec = cells[0].engine
-    assert spec.max_model_len == 300 + 17
-    assert spec.max_num_seqs == 3
+    args = cells[0].engine.engine_args
+    assert args["max_model_len"] == 300 + 17
+    assert args["max_num_seqs"] == 3
 
 
 def test_cell_key_is_stable_and_distinguishes_measurements():
