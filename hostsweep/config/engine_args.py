@@ -31,7 +31,10 @@ HARNESS_OWNED: dict[str, str] = {
     "distributed_executor_backend": "engine.tp_executor",
     "gpu_memory_utilization": "engine.gpu_memory_utilization",
     "per_request_spec_decode_metrics": "the harness (summary whenever speculative_config is set)",
+    "worker_extension_cls": "the harness (TP>1 ranks report their all-reduce path)",
 }
+# Mixed into TP>1 vLLM workers so each rank can say which all-reduce it uses.
+WORKER_EXTENSION = "hostsweep.engines.vllm_ext.HostsweepWorkerExtension"
 # What mode `eager` gave the engine before engine_args existed: cells with exactly these
 # user arguments keep their earlier keys (config.grid.Cell.key).
 LEGACY_EAGER_ARGS: dict[str, Any] = {"enforce_eager": True}
@@ -93,6 +96,7 @@ def resolved_engine_args(cfg: SweepConfig, sku: SkuConfig, mode: ModeConfig, tp:
         # GPUs: ranks on the k GPUs of the worker's placement group, by mp or by vLLM's Ray
         # executor (run/placement.py). CPUs: mp, ranks bound to disjoint cores.
         args["distributed_executor_backend"] = cfg.engine.tp_executor if sku.accelerator_type else "mp"
+        args["worker_extension_cls"] = WORKER_EXTENSION
     if "speculative_config" in args:
         args["per_request_spec_decode_metrics"] = "summary"  # acceptance counts per request
     return args

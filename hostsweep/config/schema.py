@@ -202,6 +202,14 @@ class OutputConfig:
 
 
 @dataclass
+class ReportConfig:
+    """Study-level comparisons of modes (hostsweep/report/modes.py)."""
+
+    # graph vs eager: the crossover batch is where the per-step reduction falls below this.
+    crossover_threshold: float = 0.05
+
+
+@dataclass
 class SweepConfig:
     study: str = "default"
     sku: Optional[SkuConfig] = None
@@ -231,6 +239,7 @@ class SweepConfig:
     # rerun after Ctrl-C or a crash measures only what is missing. resume=false remeasures.
     resume: bool = True
     output: OutputConfig = field(default_factory=OutputConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
 
 
 def register_configs() -> None:

@@ -145,6 +145,10 @@ def validate(cfg: SweepConfig, skus: Iterable[SkuConfig], modes: tuple[ModeConfi
                           f"is a {cfg.model.source} (use auto, safetensors or pt)")
     for workload in cfg.workload:
         _check_choice("workload", workload, WORKLOADS)
+    if "repeat" in cfg.workload and min(cfg.ctx) < 2:
+        raise ConfigError(f"workload=repeat grows each prompt from its first tokens: ctx must be >= 2, got {min(cfg.ctx)}")
+    if not 0.0 < cfg.report.crossover_threshold < 1.0:
+        raise ConfigError(f"report.crossover_threshold must be in (0, 1), got {cfg.report.crossover_threshold}")
     check_measure(cfg)
     check_split(cfg)
     check_modes(cfg, modes, engine_fields)

@@ -190,7 +190,14 @@ class VllmEngine:
             "torch_version": torch.__version__,
             "device_name": device_name(self.spec.accelerator_type is not None),
             **compiled_path(self.llm.llm_engine.vllm_config),
+            "allreduce_backend": self._allreduce_backend(),
         }
+
+    def _allreduce_backend(self) -> str:
+        """Each TP rank's all-reduce path (engines/vllm_ext.py); 'none' at TP-1."""
+        if self.spec.tp == 1:
+            return "none"
+        return ",".join(sorted(set(self.llm.collective_rpc("hostsweep_allreduce"))))
 
     def close(self) -> None:
         # Dropping the LLM shuts its EngineCore subprocess down.
