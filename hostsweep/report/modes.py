@@ -199,6 +199,7 @@ def study_summary(cells: pd.DataFrame, pairs_of_modes: Iterable[tuple[str, str, 
 def mode_pairs(modes: Iterable[tuple[str, Optional[str], Mapping[str, Any]]]) -> list[tuple[str, str, str]]:
     """(mode, baseline, kind) for each mode whose baseline is also in the study; `modes` gives
     each mode's name, baseline and engine arguments."""
+    modes = list(modes)
     args = {name: engine_args for name, _, engine_args in modes}
     return [(name, baseline, comparison_kind(engine_args, args[baseline]))
             for name, baseline, engine_args in modes if baseline is not None and baseline in args]

@@ -109,3 +109,4 @@ def test_only_modes_whose_baseline_is_in_the_study_are_compared():
     modes = [("eager", None, {"enforce_eager": True}), ("graph", "eager", {"enforce_eager": False}),
              ("fp8", "bf16-graph", {"quantization": "fp8"})]
     assert mode_pairs(modes) == [("graph", "eager", "graph")]
+    assert mode_pairs(iter(modes)) == [("graph", "eager", "graph")]  # any iterable, read once
