@@ -7,7 +7,8 @@ Two sweeps of one study share every engine this module needs (four engine starts
    only the TP-2 engine starts, and the TP floor is summarized over both.
 The weights are drawn per tensor with an untied LM head (model.load_format=random): with
 vLLM's dummy weights every greedy output is a 2-cycle that n-gram lookup predicts on any
-prompt (README, "Workloads").
+prompt (README, "Workloads"). ctx 256 holds the orbit of the model's own text (it runs tens
+of tokens before cycling with a 4096-token vocabulary; at ctx 64 it did not fit).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from tests.conftest import run_hostsweep
 
 pytestmark = pytest.mark.integration
 
-COMMON = ["+sku=cpu", "batch=[1]", "ctx=[64]", "measure.T=17", "measure.reps=3", "measure.warmups=1",
+COMMON = ["+sku=cpu", "batch=[1]", "ctx=[256]", "measure.T=17", "measure.reps=3", "measure.warmups=1",
           "model.load_format=random", "model.shape.tie_word_embeddings=false", "study=modes-it"]
 
 
