@@ -29,6 +29,10 @@ def poisoned_path(tmp_path_factory) -> Path:
     (["+sku=cpu", "ctx=-5"], "ctx must be positive"),
     (["+sku=cpu", "ctx=[5000]"], "max_position_embeddings"),
     (["+sku=cpu", "measure.T=1"], "measure.T must be >= 2"),
+    (["+sku=cpu", "mode=fp8"], "mode fp8 needs CUDA compute capability >= 8.9; sku cpu has no GPU"),
+    (["+sku=cpu", "+engine.engine_args.enforce_eagr=true"], "did you mean 'enforce_eager'?"),
+    (["+sku=cpu", "workload=creative"], "workload='creative' is not allowed; allowed: random, repeat"),
+    (["+sku=cpu", "modes=[eager,turbo]"], "unknown mode 'turbo' in modes"),
 ])
 def test_bad_input_is_one_line_nonzero_exit_and_starts_nothing(args, needle, tmp_path, poisoned_path):
     proc = run_hostsweep(args, tmp_path, pythonpath=poisoned_path)

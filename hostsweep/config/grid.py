@@ -1,7 +1,9 @@
 """The grid: cells and engine specs expanded from a resolved Study (pure).
 
-A cell is one (sku, model, mode, tp, batch, ctx) point measured with one protocol.
-Cells that share (sku, model, mode, tp) share one engine, so one worker serves them.
+A cell is one (sku, model, mode, tp, batch, ctx, workload) point measured with one
+protocol. Cells that share (sku, model, mode, tp) share one engine, so one worker serves
+them. A cell whose SKU cannot run its mode (in a multi-mode study) carries the reason in
+`skip` and is recorded, never dispatched.
 """
 from __future__ import annotations
 
@@ -9,38 +11,56 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from itertools import product
+from typing import Any, Optional
 
+from hostsweep.config.engine_args import (
+    LEGACY_EAGER_ARGS, canonical_json, keyed_engine_args, resolved_engine_args, unsupported_reason,
+)
 from hostsweep.config.resolve import Study
-from hostsweep.config.schema import SkuConfig
+from hostsweep.config.schema import ModeConfig, SkuConfig
 
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """Everything an engine needs to start; one worker actor per distinct spec."""
+    """What an engine is given, as data: the vllm.LLM arguments (all but `model` and
+    `profiler_config`, which the worker adds) and what the harness itself needs to place,
+    start and label it. One worker actor per distinct spec."""
 
     sku: str
     accelerator_type: str | None
     model: str
     model_source: str
     model_path: str | None
-    load_format: str
     shape_json: str | None  # the model's shape as canonical JSON (hashable)
     mode: str
-    enforce_eager: bool
-    quantization: str | None
     tp: int
-    dtype: str
-    max_model_len: int
-    max_num_seqs: int
     engine: str
     profile: bool  # started with the torch profiler configured (for the split)
     cpu_kvcache_gib: int
-    gpu_memory_utilization: float
     tp_executor: str  # "mp" or "ray": how TP>1 ranks run on GPUs (placement.py)
+    engine_args_json: str  # vllm.LLM(**engine_args) as canonical JSON (config.engine_args)
+    random_weights: bool = False  # the worker writes random weights for the shape (engines/weights.py)
 
     @property
     def label(self) -> str:
         return f"{self.sku}/{self.model}/{self.mode}/tp{self.tp}"
+
+    @property
+    def engine_args(self) -> dict[str, Any]:
+        return json.loads(self.engine_args_json)
+
+    @property
+    def keyed_args(self) -> dict[str, Any]:
+        """The engine arguments the user chose (mode and engine.engine_args)."""
+        return keyed_engine_args(self.engine_args)
+
+    @property
+    def dtype(self) -> str:
+        return str(self.engine_args["dtype"])
+
+    @property
+    def quantization(self) -> Optional[str]:
+        return self.engine_args.get("quantization")
 
 
 @dataclass(frozen=True)
@@ -52,15 +72,28 @@ class Cell:
     warmups: int
     reps: int
     seed: int
+    workload: str = "random"
+    skip: Optional[str] = None  # why the SKU cannot run this mode; never part of the key
 
     @property
     def key(self) -> str:
-        """Stable identity: equal for the same measurement, whatever run asks for it."""
+        """Stable identity: equal for the same measurement, whatever run asks for it.
+
+        The fields keys always held, then, each only when off its earlier default (so keys
+        logged before it existed still match): the TP executor, the user's engine arguments
+        (mode and engine.engine_args, canonical JSON), the workload and random weights. The sixth field was
+        the mode's quantization; it is now inside the engine arguments and stays null."""
         e = self.engine
-        fields = [e.sku, e.model, e.shape_json, e.model_path, e.mode, e.quantization, e.tp,
-                  e.dtype, e.engine, self.batch, self.ctx, self.T, self.warmups, self.reps]
-        if e.tp_executor != "mp":  # appended only off the default, so earlier keys still match
+        fields: list[Any] = [e.sku, e.model, e.shape_json, e.model_path, e.mode, None, e.tp,
+                             e.dtype, e.engine, self.batch, self.ctx, self.T, self.warmups, self.reps]
+        if e.tp_executor != "mp":
             fields.append(e.tp_executor)
+        if e.keyed_args != LEGACY_EAGER_ARGS:
+            fields.append({"engine_args": e.keyed_args})
+        if self.workload != "random":
+            fields.append({"workload": self.workload})
+        if e.random_weights:
+            fields.append({"weights": "random"})
         identity = json.dumps(fields, sort_keys=True)
         digest = hashlib.sha1(identity.encode()).hexdigest()[:10]
         return f"{e.label}/b{self.batch}/ctx{self.ctx}/T{self.T}/{digest}"
@@ -72,46 +105,52 @@ class Cell:
             "sku": e.sku, "model": e.model, "mode": e.mode, "tp": e.tp,
             "batch": self.batch, "ctx": self.ctx, "T": self.T,
             "reps": self.reps, "warmups": self.warmups, "dtype": e.dtype, "engine": e.engine,
-            "tp_executor": e.tp_executor,
+            "tp_executor": e.tp_executor, "workload": self.workload,
+            "engine_args": canonical_json(e.keyed_args),
         }
 
 
-def engine_spec(study: Study, sku: SkuConfig, tp: int) -> EngineSpec:
-    """Size the engine to the largest cell it serves: longest context plus T, widest batch."""
+def engine_spec(study: Study, sku: SkuConfig, tp: int, mode: Optional[ModeConfig] = None) -> EngineSpec:
+    """The engine serving (sku, mode, tp), sized to the largest cell it serves: longest
+    context plus T, widest batch."""
     cfg = study.config
+    mode = mode if mode is not None else study.modes[0]
     shape = cfg.model.shape
+    args = resolved_engine_args(cfg, sku, mode, tp, study.longest_generate()[0])
     return EngineSpec(
         sku=sku.name,
         accelerator_type=sku.accelerator_type,
         model=cfg.model.name,
         model_source=cfg.model.source,
         model_path=cfg.model.path,
-        load_format=cfg.model.load_format,
         shape_json=json.dumps(asdict(shape), sort_keys=True) if shape is not None else None,
-        mode=cfg.mode.name,
-        enforce_eager=cfg.mode.enforce_eager,
-        quantization=cfg.mode.quantization,
+        mode=mode.name,
         tp=tp,
-        dtype=cfg.engine.dtype,
-        max_model_len=max(cfg.ctx) + study.longest_generate()[0],
-        max_num_seqs=max(cfg.batch),
         engine=cfg.engine.name,
         profile=cfg.split.enabled,
         cpu_kvcache_gib=cfg.engine.cpu_kvcache_gib,
-        gpu_memory_utilization=cfg.engine.gpu_memory_utilization,
         tp_executor=cfg.engine.tp_executor,
+        engine_args_json=canonical_json(args),
+        random_weights=cfg.model.load_format == "random",
     )
 
 
 def build_cells(study: Study) -> list[Cell]:
-    """Every cell of the study, grouped by engine spec (SKU-major, then TP, batch, ctx)."""
+    """Every cell of the study, grouped by engine spec (SKU-major, then mode, TP, batch,
+    ctx, workload). Cells of a mode their SKU cannot run carry the reason in `skip`."""
     cfg, m = study.config, study.config.measure
     cells = []
-    for sku, tp in product(study.skus, cfg.tp):
-        spec = engine_spec(study, sku, tp)
-        for batch, ctx in product(cfg.batch, cfg.ctx):
-            cells.append(Cell(spec, batch, ctx, m.T, m.warmups, m.reps, m.seed))
+    for sku, mode, tp in product(study.skus, study.modes, cfg.tp):
+        spec = engine_spec(study, sku, tp, mode)
+        skip = unsupported_reason(mode, sku, spec.keyed_args)
+        for batch, ctx, workload in product(cfg.batch, cfg.ctx, cfg.workload):
+            cells.append(Cell(spec, batch, ctx, m.T, m.warmups, m.reps, m.seed, workload, skip))
     return cells
+
+
+def runnable(cells: list[Cell]) -> list[Cell]:
+    """The cells to dispatch: all but the SKIPPED ones."""
+    return [cell for cell in cells if cell.skip is None]
 
 
 def group_by_engine(cells: list[Cell]) -> dict[EngineSpec, list[Cell]]:

@@ -11,7 +11,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from hostsweep.config.schema import CONFIG_GROUPS, CalibrationConfig, ConfigError, ModelConfig, SkuConfig
+from hostsweep.config.schema import CONFIG_GROUPS, CalibrationConfig, ConfigError, ModeConfig, ModelConfig, SkuConfig
 
 
 def group_options(group: str) -> list[str]:
@@ -55,6 +55,11 @@ def _load_option(group: str, name: str, schema: type) -> Any:
 def load_sku(name: str) -> SkuConfig:
     """Load conf/sku/<name>.yaml onto the schema."""
     return _load_option("sku", name, SkuConfig)
+
+
+def load_mode(name: str) -> ModeConfig:
+    """Load conf/mode/<name>.yaml onto the schema."""
+    return _load_option("mode", name, ModeConfig)
 
 
 def load_model_shape(name: str) -> dict[str, Any]:

@@ -9,24 +9,27 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Collection, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
 from hostsweep.config.machine import cpu_flags, default_dtype, local_sku_name
-from hostsweep.config.options import check_option, load_sku
-from hostsweep.config.schema import ConfigError, ShapeConfig, SkuConfig, SweepConfig
+from hostsweep.config.options import check_option, load_mode, load_sku
+from hostsweep.config.schema import ConfigError, ModeConfig, ShapeConfig, SkuConfig, SweepConfig
 from hostsweep.config.shapes import shape_from_hf_config
-from hostsweep.config.validation import positive_ints, validate
+from hostsweep.config.validation import names, positive_ints, validate
+from hostsweep.config.vllm_fields import ENGINE_ARG_FIELDS
 
 
 @dataclass(frozen=True)
 class Study:
     """A validated sweep config. `config.tp`, `.batch` and `.ctx` are sorted lists of
-    distinct positive ints; `skus` are the SKUs it spans, loaded."""
+    distinct positive ints, `config.workload` a list of workloads; `skus` and `modes` are
+    the SKUs and modes it spans, loaded."""
 
     config: SweepConfig
     skus: tuple[SkuConfig, ...]
+    modes: tuple[ModeConfig, ...] = ()
 
     @property
     def name(self) -> str:
@@ -49,6 +52,15 @@ def _skus(cfg: SweepConfig) -> tuple[SkuConfig, ...]:
     return (cfg.sku if cfg.sku is not None else load_sku(local_sku_name()),)
 
 
+def _modes(cfg: SweepConfig) -> tuple[ModeConfig, ...]:
+    """The `modes` list when given (the one named like `mode` keeps its overrides), else `mode`."""
+    if not cfg.modes:
+        return (cfg.mode,)
+    for name in cfg.modes:
+        check_option("mode", name, " in modes")
+    return tuple(cfg.mode if name == cfg.mode.name else load_mode(name) for name in dict.fromkeys(cfg.modes))
+
+
 def _checkpoint_shape(path: Optional[str]) -> Optional[ShapeConfig]:
     """A local checkpoint's shape from its config.json; a hub id is resolved by vLLM."""
     if not path:
@@ -59,16 +71,20 @@ def _checkpoint_shape(path: Optional[str]) -> Optional[ShapeConfig]:
     return ShapeConfig(**shape_from_hf_config(json.loads(config_file.read_text())))
 
 
-def resolve(raw: DictConfig) -> Study:
-    """Type, normalize and validate the composed config; ConfigError on bad input."""
+def resolve(raw: DictConfig, engine_fields: Collection[str] = ENGINE_ARG_FIELDS) -> Study:
+    """Type, normalize and validate the composed config; ConfigError on bad input.
+
+    `engine_fields` are the keys engine_args may hold: vLLM's EngineArgs fields, from the
+    installed vLLM where the driver has one (stages pass them), else the shipped snapshot."""
     cfg: SweepConfig = OmegaConf.to_object(raw)  # type: ignore[assignment]
-    skus = _skus(cfg)
+    skus, modes = _skus(cfg), _modes(cfg)
     cfg.tp, cfg.batch, cfg.ctx = (positive_ints(name, getattr(cfg, name)) for name in ("tp", "batch", "ctx"))
+    cfg.workload = names("workload", cfg.workload)
     if cfg.engine.dtype == "auto":
         any_gpu = any(s.accelerator_type is not None for s in skus)
         cfg.engine.dtype = default_dtype(any_gpu, cpu_flags())
     if cfg.model.source == "checkpoint" and cfg.model.shape is None:
         cfg.model.shape = _checkpoint_shape(cfg.model.path)
-    study = Study(cfg, skus)
-    validate(cfg, skus, study.longest_generate())
+    study = Study(cfg, skus, modes)
+    validate(cfg, skus, modes, study.longest_generate(), engine_fields)
     return study

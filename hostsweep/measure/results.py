@@ -13,8 +13,13 @@ import pandas as pd
 
 from hostsweep.config.schema import LinearityConfig, MeasureConfig, SplitConfig, SweepConfig
 from hostsweep.measure.protocol import CellMeasurement
+from hostsweep.measure.speculative import SpecResult, spec_metrics
 from hostsweep.measure.split import LinearityResult, SplitResult
 from hostsweep.measure.threadstates import idle_fraction
+
+# A cell's status: measured, failed while measuring, or never dispatched because its SKU
+# cannot run its mode (recorded as an MLflow run with status KILLED and tag skipped=true).
+STATUSES = ("FINISHED", "FAILED", "SKIPPED")
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,7 @@ class MeasureOptions:
 class CellResult:
     key: str
     params: dict[str, object]
-    status: str  # "FINISHED" or "FAILED"
+    status: str  # one of STATUSES
     measurement: Optional[CellMeasurement]
     error: Optional[str]
     host: dict[str, str] = field(default_factory=dict)
@@ -53,6 +58,12 @@ class CellResult:
     linearity: Optional[LinearityResult] = None
     traces: dict[str, bytes] = field(default_factory=dict)  # file name -> gzipped trace
     thread_states: Optional[pd.DataFrame] = None  # py-spy view of the engine process tree
+    spec: Optional[SpecResult] = None  # acceptance and cycles of a speculative engine
+
+
+def skipped_result(key: str, params: dict[str, object], reason: str) -> CellResult:
+    """The record of a cell whose SKU cannot run its mode: no measurement, the reason."""
+    return CellResult(key, params, "SKIPPED", None, reason)
 
 
 def cell_metrics(result: CellResult) -> dict[str, float]:
@@ -67,11 +78,14 @@ def cell_metrics(result: CellResult) -> dict[str, float]:
         sp = result.split
         metrics.update(device_ms=sp.device_ms, host_ms=sp.host_ms, host_frac=sp.host_frac,
                        overlap_gap_ms=sp.overlap_gap_ms, profiled_step_ms=sp.profiled_step_ms,
-                       profiler_overhead=sp.profiler_overhead)
+                       profiler_overhead=sp.profiler_overhead, kernels_per_step=sp.kernels_per_step)
         if sp.kernel_source == "cuda":
-            metrics.update(copy_ms=sp.copy_ms, copy_bytes_per_step=sp.copy_bytes)
+            metrics.update(copy_ms=sp.copy_ms, copy_bytes_per_step=sp.copy_bytes,
+                           launches_per_step=sp.launches_per_step)
     if result.thread_states is not None and not result.thread_states.empty:
         metrics["pyspy_idle_frac"] = idle_fraction(result.thread_states)
+    if result.spec is not None:
+        metrics.update(spec_metrics(result.spec, m.step_ms, result.split.host_ms if result.split else None))
     if result.linearity is not None:
         lin = result.linearity
         metrics.update(r2_wall=lin.r2_wall, r2_kernel=lin.r2_kernel,
@@ -80,6 +94,10 @@ def cell_metrics(result: CellResult) -> dict[str, float]:
 
 
 SPLIT_TAGS = ("kernel_source", "regime")
+# What vLLM made of the engine arguments and which prompts a cell decoded (provenance tags,
+# also cell-table columns).
+ENGINE_TAGS = ("compilation_mode", "cudagraph_mode", "cudagraph_capture_sizes", "allreduce_backend",
+               "prompt_digest")
 
 
 def split_tags(result: CellResult) -> dict[str, str]:
@@ -96,6 +114,7 @@ def cell_row(result: CellResult, run_id: str) -> dict[str, object]:
         "status": result.status,
         **cell_metrics(result),
         **split_tags(result),
+        **{k: result.host[k] for k in ENGINE_TAGS if k in result.host},
         "host": result.host.get("hostname", "?"),
         "device": result.host.get("device_name", "?"),
         "cell_key": result.key,
@@ -112,7 +131,7 @@ def logged_row(params: dict[str, str], metrics: dict[str, float], tags: dict[str
         **params,
         "status": "FINISHED",
         **metrics,
-        **{k: tags[k] for k in SPLIT_TAGS if k in tags},
+        **{k: tags[k] for k in SPLIT_TAGS + ENGINE_TAGS if k in tags},
         "host": tags.get("hostname", "?"),
         "device": tags.get("device_name", "?"),
         "cell_key": tags["cell_key"],

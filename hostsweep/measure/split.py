@@ -29,6 +29,8 @@ class SplitResult:
     regime: str  # "host-bound" or "device-bound", from host_frac
     per_rank_device_ms: tuple[float, ...]
     top_ops: tuple[tuple[str, float], ...]  # (name, ms per step), largest first
+    kernels_per_step: float = 0.0  # CUDA kernels, or counted CPU compute ops, per step
+    launches_per_step: float = 0.0  # host launch calls per step (cuda traces only)
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,8 @@ def device_split(
         regime="host-bound" if host_frac >= host_bound_threshold else "device-bound",
         per_rank_device_ms=tuple(per_rank),
         top_ops=differenced_top_ops(short, long, T, top_n),
+        kernels_per_step=per_step(short.kernel_count, long.kernel_count, T),
+        launches_per_step=per_step(short.launch_count, long.launch_count, T),
     )
 
 

@@ -39,6 +39,9 @@ CPU_METADATA_OPS = frozenset({
 # Wrapper namespaces: their own time is host bookkeeping; kernels inside still count.
 CPU_WRAPPER_PREFIXES = ("vllm::",)
 GPU_COPY_CATEGORIES = ("gpu_memcpy", "gpu_memset")
+# Host-side CUDA API events; the ones whose name holds "Launch" (cudaLaunchKernel,
+# cuLaunchKernelEx, cudaGraphLaunch…) are the host's launches: a replayed CUDA graph is one.
+CUDA_API_CATEGORIES = ("cuda_runtime", "cuda_driver")
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class TraceTotals:
     copy_us: float = 0.0
     copy_bytes: float = 0.0
     by_name_us: Counter = field(default_factory=Counter)
+    launch_count: int = 0  # host launch calls (cuda traces only)
 
 
 def load_trace(path: Path) -> dict[str, Any]:
@@ -128,6 +132,11 @@ def copy_totals(events: Iterable[dict[str, Any]]) -> tuple[float, float]:
     return time_us, nbytes
 
 
+def launch_count(events: Iterable[dict[str, Any]]) -> int:
+    """Host launch calls (kernel and graph launches) of a CUDA trace."""
+    return sum(1 for e in events if e.get("cat") in CUDA_API_CATEGORIES and "Launch" in str(e.get("name", "")))
+
+
 def totals(trace: dict[str, Any]) -> TraceTotals:
     """Kernel sum, union, count, copies and per-name time of one trace."""
     events = trace.get("traceEvents", [])
@@ -145,4 +154,5 @@ def totals(trace: dict[str, Any]) -> TraceTotals:
         copy_us=copy_us,
         copy_bytes=copy_bytes,
         by_name_us=by_name,
+        launch_count=launch_count(events) if source == "cuda" else 0,
     )

@@ -127,11 +127,29 @@ class SweepTracker:
         if result.measurement is not None:
             self.client.log_text(run_id, timings_table(result), "raw_timings.csv")
         self._log_analysis(run_id, result)
+        if result.status == "SKIPPED":
+            # MLflow has no SKIPPED status: KILLED (never measured, never resumed as done)
+            # with the reason as tags.
+            self.client.set_tag(run_id, "skipped", "true")
+            self.client.set_tag(run_id, "skip_reason", (result.error or "")[:5000])
+            self.client.set_terminated(run_id, status="KILLED")
+            return run_id
         if result.error:
             self.client.set_tag(run_id, "failure_reason", result.error[:5000])
             self.client.log_text(run_id, result.error, "failure.txt")
         self.client.set_terminated(run_id, status=result.status)
         return run_id
+
+    def log_study_summary(self, tables: dict[str, pd.DataFrame], metrics: dict[str, float]) -> None:
+        """Study-level comparisons on the parent run: each table as study/<name>.csv, and
+        the summary figures as metrics."""
+        if self.parent_run_id is None:
+            return
+        for name, frame in tables.items():
+            self.client.log_text(self.parent_run_id, frame.to_csv(index=False), f"study/{name}.csv")
+        finite = [Metric(k, float(v), 0, 0) for k, v in metrics.items() if math.isfinite(float(v))]
+        if finite:
+            self.client.log_batch(self.parent_run_id, metrics=finite)
 
     def _log_analysis(self, run_id: str, result: CellResult) -> None:
         if result.split is not None:

@@ -25,5 +25,11 @@ def _display(row: dict[str, object]) -> dict[str, str]:
 
 
 def format_table(rows: Iterable[dict[str, object]]) -> str:
-    """A fixed-width text table, one line per cell, in grid order."""
-    return pd.DataFrame([_display(r) for r in rows], columns=list(COLUMNS)).to_string(index=False, justify="left")
+    """A fixed-width text table, one line per cell, in grid order; a workload column when a
+    study has a workload other than the default random prompts."""
+    rows = list(rows)
+    columns = list(COLUMNS)
+    if any(str(r.get("workload", "random")) != "random" for r in rows):
+        columns.insert(columns.index("ctx") + 1, "workload")
+    shown = [{**_display(r), "workload": str(r.get("workload", "random"))} for r in rows]
+    return pd.DataFrame(shown, columns=columns).to_string(index=False, justify="left")

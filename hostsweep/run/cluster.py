@@ -63,7 +63,10 @@ def connect(address: str | None, confine_daemons: bool = False, idle_daemons: bo
         os.sched_setaffinity(0, cores[-1:])  # the daemons ray.init starts inherit this
     before = set(descendant_pids(os.getpid()))  # not Ray's: e.g. an engine started here
     try:
-        ray.init(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+        # address="local": always a new cluster. Without it ray.init joins the last cluster a
+        # `ray start` on this machine recorded (another user's, or one already gone: then it
+        # waits on a dead GCS).
+        ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
     finally:
         os.sched_setaffinity(0, cores)
     if idle_daemons:

@@ -59,6 +59,7 @@ class Dispatcher:
 
     def _submit_next(self, spec: EngineSpec) -> None:
         if not self.queues[spec]:
+            self._retire(spec)
             return
         if spec not in self.actors:
             self.actors[spec] = self.worker_factory(spec)
@@ -67,6 +68,14 @@ class Dispatcher:
         cell = self.queues[spec].popleft()
         ref = self.actors[spec].actor.measure.remote(cell, self.options)
         self.inflight[ref] = (spec, cell, time.monotonic())
+
+    def _retire(self, spec: EngineSpec) -> None:
+        """Close the engine of a spec with no cells left, so its resources go to the next
+        spec's worker (a CPU worker holds a whole node: two specs there run in turn)."""
+        if spec in self.actors and not any(s == spec for s, _, _ in self.inflight.values()):
+            stop_workers([self.actors.pop(spec)])
+            self.ready_refs.pop(spec, None)
+            self.ready_at.pop(spec, None)
 
     def _replace_actor(self, spec: EngineSpec) -> None:
         worker = self.actors.pop(spec, None)

@@ -17,8 +17,9 @@ import numpy as np
 from hostsweep.engines.base import Engine, start_engine
 from hostsweep.config.grid import Cell, EngineSpec
 from hostsweep.config.machine import hostname
-from hostsweep.measure.protocol import random_prompts, run_protocol, summarize
+from hostsweep.measure.protocol import own_text_seeds, prompt_digest, random_prompts, run_protocol, summarize
 from hostsweep.measure.results import CellResult, MeasureOptions
+from hostsweep.measure.speculative import spec_summary
 from hostsweep.run.hygiene import release_ray_thread_limits, restore_affinity, restore_priority, restore_scheduler
 from hostsweep.run.placement import hand_gpus_to_ranks
 from hostsweep.run.pyspy import record_thread_states
@@ -62,6 +63,7 @@ class SweepWorker:
         self.engine: Engine = start_engine(spec, folder)
         engine_start_s = time.perf_counter() - started
         self._profile_count = 0
+        self._spec_log: list[list[dict]] = []  # per-request speculation counts of T-token generates
         self.host = {
             "hostname": hostname(),
             **self.engine.describe(),
@@ -84,6 +86,9 @@ class SweepWorker:
             # A request that stopped early would shrink wall_T and corrupt the step time.
             if any(n != tokens for n in lengths):
                 raise RuntimeError(f"asked for {tokens} tokens per request, engine produced {lengths}")
+            stats = self.engine.spec_stats() if tokens > 1 else None
+            if stats is not None:
+                self._spec_log.append(stats)
             return elapsed
 
         return timed
@@ -129,13 +134,25 @@ class SweepWorker:
                 kernels.append(max(r.kernel_sum_us for r in rank_totals) / 1e3)
         return linearity(tokens, walls, kernels)
 
+    def prompts(self, cell: Cell) -> list[list[int]]:
+        """The cell's prompts: random token ids, or (workload=repeat) the model's own greedy
+        text grown from a few random tokens to ctx, which it then continues as it did."""
+        prompts = random_prompts(cell.batch, cell.ctx, self.engine.vocab_size(), prompt_seed(cell))
+        if cell.workload != "repeat":
+            return prompts
+        seeds = own_text_seeds(prompts)
+        self.engine.generate(seeds, cell.ctx - len(seeds[0]))
+        return [seed + text for seed, text in zip(seeds, self.engine.last_tokens())]
+
     def measure(self, cell: Cell, options: MeasureOptions) -> CellResult:
         """Run the differencing protocol on one cell; failures become FAILED results."""
         start = time.perf_counter()
         keep: Optional[dict[str, bytes]] = {} if options.split.keep_traces else None
         try:
-            prompts = random_prompts(cell.batch, cell.ctx, self.engine.vocab_size(), prompt_seed(cell))
+            prompts = self.prompts(cell)
+            self._spec_log = []
             timings = run_protocol(self._timed_generate(prompts), cell.T, cell.warmups, cell.reps)
+            spec = spec_summary(self._spec_log[-cell.reps:], cell.T)
             measurement = summarize(timings, options.measure.bootstrap_resamples, options.measure.ci_level, cell.seed)
             split = self._split(cell, prompts, measurement.step_ms, options, keep) \
                 if options.split.enabled and self.spec.profile else None
@@ -148,8 +165,9 @@ class SweepWorker:
             reason = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"
             return CellResult(cell.key, cell.params(), "FAILED", None, reason, self.host_info(),
                               time.perf_counter() - start)
-        return CellResult(cell.key, cell.params(), "FINISHED", measurement, None, self.host_info(),
-                          time.perf_counter() - start, split, lin, keep or {}, states)
+        host = {**self.host_info(), "prompt_digest": prompt_digest(prompts)}
+        return CellResult(cell.key, cell.params(), "FINISHED", measurement, None, host,
+                          time.perf_counter() - start, split, lin, keep or {}, states, spec)
 
     def close(self) -> None:
         self.engine.close()

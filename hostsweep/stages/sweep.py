@@ -11,13 +11,16 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from hostsweep.config.grid import Cell, build_cells, group_by_engine
+from hostsweep.config.grid import Cell, build_cells, group_by_engine, runnable
 from hostsweep.config.resolve import Study, resolve
 from hostsweep.config.schema import SweepConfig
-from hostsweep.measure.results import CellResult, MeasureOptions, cell_row
+from hostsweep.config.vllm_fields import ENGINE_ARG_FIELDS
+from hostsweep.engines.vllm_engine import engine_arg_fields
+from hostsweep.measure.results import CellResult, MeasureOptions, cell_row, skipped_result
 from hostsweep.record.celltable import CellTable
 from hostsweep.record.provenance import driver_tags
 from hostsweep.record.tracking import SweepTracker
+from hostsweep.report.modes import cell_frame, mode_pairs, study_summary
 from hostsweep.report.tables import format_table
 from hostsweep.run import cluster
 from hostsweep.run.dispatch import Dispatcher, FaultPolicy
@@ -34,14 +37,16 @@ def sweep_run_name(study: Study, run_dir: Path) -> str:
     """e.g. 'keystone-cpu: cpu/small-llama/eager @ 18-10-29/1' (multirun jobs end in /N)."""
     cfg = study.config
     skus = "+".join(s.name for s in study.skus)
-    return f"{cfg.study}: {skus}/{cfg.model.name}/{cfg.mode.name} @ {run_dir.parent.name}/{run_dir.name}"
+    modes = "+".join(m.name for m in study.modes)
+    return f"{cfg.study}: {skus}/{cfg.model.name}/{modes} @ {run_dir.parent.name}/{run_dir.name}"
 
 
 def sweep_params(study: Study, cells: list[Cell]) -> dict[str, object]:
     cfg = study.config
     return {
         "study": cfg.study, "sku": ",".join(s.name for s in study.skus), "model": cfg.model.name,
-        "mode": cfg.mode.name, "tp": sorted({c.engine.tp for c in cells}), "batch": sorted({c.batch for c in cells}),
+        "mode": ",".join(m.name for m in study.modes), "workload": ",".join(cfg.workload),
+        "tp": sorted({c.engine.tp for c in cells}), "batch": sorted({c.batch for c in cells}),
         "ctx": sorted({c.ctx for c in cells}), "T": cfg.measure.T, "reps": cfg.measure.reps,
         "warmups": cfg.measure.warmups, "engine": cfg.engine.name, "n_cells": len(cells),
     }
@@ -61,8 +66,25 @@ def measure_and_record(cfg: SweepConfig, cells: list[Cell], tracker: SweepTracke
             step += f", device {result.split.device_ms:.3f} ms, host {result.split.host_frac:.0%}"
         log.info("[%d/%d] %s: %s", len(table.rows), total, result.key, step)
 
+    for cell in cells:  # a mode the SKU cannot run: recorded with its reason, never dispatched
+        if cell.skip is not None:
+            on_result(skipped_result(cell.key, cell.params(), cell.skip))
     policy = FaultPolicy(cfg.faults.cell_timeout_s, cfg.faults.max_retries)
-    Dispatcher(cells, MeasureOptions.of(cfg), on_result, policy, ProgressReporter(total)).run()
+    to_run = runnable(cells)
+    Dispatcher(to_run, MeasureOptions.of(cfg), on_result, policy, ProgressReporter(len(to_run))).run()
+
+
+def record_study_summary(study: Study, rows: list[dict[str, object]], tracker: SweepTracker) -> None:
+    """Mode comparisons and the TP floor over the whole study, on the parent run."""
+    pairs = mode_pairs((m.name, m.baseline, m.engine_args) for m in study.modes)
+    try:
+        tables, metrics = study_summary(cell_frame(rows), pairs, study.config.report.crossover_threshold)
+    except (KeyError, ValueError) as exc:  # a summary must never cost the measurements
+        log.warning("study summary skipped: %s", exc)
+        return
+    if tables or metrics:
+        tracker.log_study_summary(tables, metrics)
+        log.info("study summary: %s", ", ".join(f"{k}={v:.3g}" for k, v in sorted(metrics.items())))
 
 
 def where_results_are(tracker: SweepTracker, table: CellTable) -> str:
@@ -90,13 +112,15 @@ def skip_finished(cells: list[Cell], tracker: SweepTracker) -> tuple[list[Cell],
 
 def run(raw_cfg: DictConfig, run_dir: Path) -> int:
     """Run the sweep the config describes; return the process exit code."""
-    study = resolve(raw_cfg)  # raises ConfigError on bad input, before Ray starts
+    # Raises ConfigError on bad input, before Ray starts; engine_args are checked against the
+    # installed vLLM's EngineArgs where the driver has vLLM, else the shipped snapshot.
+    study = resolve(raw_cfg, engine_arg_fields() or ENGINE_ARG_FIELDS)
     cfg = study.config
     grid = build_cells(study)
-    log.info("%d cells on %d engine(s)", len(grid), len(group_by_engine(grid)))
+    log.info("%d cells on %d engine(s)", len(grid), len(group_by_engine(runnable(grid))))
     started_here = cluster.connect(cfg.ray.address, cfg.ray.confine_daemons, cfg.ray.idle_daemons)
     try:
-        cluster.check_feasible(group_by_engine(grid), cluster.live_nodes())
+        cluster.check_feasible(group_by_engine(runnable(grid)), cluster.live_nodes())
         tracker = SweepTracker(cfg.tracking.uri, experiment_name(study))
         cells, resumed = skip_finished(grid, tracker) if cfg.resume else (grid, [])
         tracker.start_sweep(sweep_run_name(study, run_dir), OmegaConf.to_yaml(raw_cfg), sweep_params(study, cells),
@@ -105,7 +129,8 @@ def run(raw_cfg: DictConfig, run_dir: Path) -> int:
         status = "KILLED"
         try:
             measure_and_record(cfg, cells, tracker, table)
-            failed = sum(r["status"] != "FINISHED" for r in table.rows)
+            record_study_summary(study, table.study_rows(grid), tracker)
+            failed = sum(r["status"] not in ("FINISHED", "SKIPPED") for r in table.rows)
             status = "FINISHED" if failed == 0 else "FAILED"
         finally:
             tracker.finish_sweep(status, {"cells_done": float(len(table.rows))})

@@ -104,8 +104,10 @@ def test_context_at_the_limit_is_accepted():
 
 
 def test_quantized_mode_is_refused_on_cpu_before_any_engine_starts():
+    with pytest.raises(ConfigError, match="mode fp8 needs CUDA compute capability >= 8.9; sku cpu has no GPU"):
+        compose_typed(["+sku=cpu", "mode=fp8"])
     with pytest.raises(ConfigError, match="needs a GPU SKU"):
-        compose_typed(["+sku=cpu", "mode.quantization=fp8"])
+        compose_typed(["+sku=cpu", "+engine.engine_args.quantization=fp8"])
 
 
 def test_checkpoint_directory_supplies_the_shape(tmp_path):

@@ -24,9 +24,9 @@ def test_each_tp_degree_gets_its_own_engine():
 
 def test_engine_is_sized_to_its_largest_cell():
     cells = build_cells(compose_typed(["+sku=cpu", "batch=[1,3]", "ctx=[100,300]", "measure.T=17"]))
-    spec = cells[0].engine
-    assert spec.max_model_len == 300 + 17
-    assert spec.max_num_seqs == 3
+    args = cells[0].engine.engine_args
+    assert args["max_model_len"] == 300 + 17
+    assert args["max_num_seqs"] == 3
 
 
 def test_cell_key_is_stable_and_distinguishes_measurements():
@@ -71,3 +71,37 @@ def test_unknown_sku_in_a_list_names_the_allowed_ones():
 
     with pytest.raises(ConfigError, match="unknown sku 'h300' in skus; allowed sku values: cpu, h100, h200"):
         build_cells(compose_typed(["skus=[h100,h300]"]))
+
+
+def test_a_mode_the_sku_cannot_run_is_a_skipped_cell_in_a_multi_mode_study():
+    from hostsweep.config.grid import runnable
+
+    cells = build_cells(compose_typed(["skus=[cpu,h100]", "model=llama-3.2-1b", "modes=[eager,fp8,graph]",
+                                       "batch=1", "ctx=128"]))
+    skipped = {(c.engine.sku, c.engine.mode): c.skip for c in cells if c.skip}
+    assert list(skipped) == [("cpu", "fp8")]
+    assert skipped[("cpu", "fp8")] == "mode fp8 needs CUDA compute capability >= 8.9; sku cpu has no GPU"
+    assert len(runnable(cells)) == 5  # graph on the CPU is the compiled path, not an error
+
+
+def test_a_single_mode_some_sku_cannot_run_is_refused_before_anything_starts():
+    import pytest
+
+    from hostsweep.config.schema import ConfigError
+
+    with pytest.raises(ConfigError, match="^mode fp8 needs CUDA compute capability >= 8.9; sku cpu has no GPU$"):
+        build_cells(compose_typed(["skus=[h100,cpu]", "model=llama-3.2-1b", "mode=fp8"]))
+    with pytest.raises(ConfigError, match="sku cpu has no GPU"):  # nothing would run on the CPU
+        build_cells(compose_typed(["+sku=cpu", "modes=[fp8]"]))
+
+
+def test_compute_capability_below_the_modes_need_is_named():
+    from hostsweep.config.engine_args import unsupported_reason
+    from hostsweep.config.options import load_mode
+    from hostsweep.config.schema import SkuConfig
+
+    a100 = SkuConfig(name="a100", accelerator_type="A100", compute_capability=8.0)
+    assert unsupported_reason(load_mode("fp8"), a100) == \
+        "mode fp8 needs CUDA compute capability >= 8.9; sku a100 has compute capability 8.0"
+    assert unsupported_reason(load_mode("fp8"), SkuConfig(name="l4", accelerator_type="L4", compute_capability=8.9)) is None
+    assert unsupported_reason(load_mode("graph"), SkuConfig(name="cpu")) is None

@@ -86,3 +86,25 @@ def test_gzipped_and_plain_traces_load_alike(tmp_path):
     with gzip.open(tmp_path / "b.json.gz", "wt") as handle:
         json.dump(trace, handle)
     assert load_trace(tmp_path / "a.json") == load_trace(tmp_path / "b.json.gz") == trace
+
+
+def test_host_launches_count_kernel_and_graph_launches_on_cuda_traces_only():
+    def api(name, ts):
+        return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": 2.0, "pid": 1, "tid": 1}
+
+    kernel = {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0.0, "dur": 5.0, "pid": 0, "tid": 7}
+    events = [kernel, api("cudaLaunchKernel", 0), api("cuLaunchKernelEx", 3), api("cudaGraphLaunch", 6),
+              api("cudaMemcpyAsync", 9), api("cudaStreamSynchronize", 12)]
+    assert totals({"traceEvents": events}).launch_count == 3
+    cpu = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 5.0, "pid": 1, "tid": 1}]
+    assert totals({"traceEvents": cpu}).launch_count == 0
+
+
+def test_split_reports_kernels_and_launches_per_step():
+    from hostsweep.measure.split import device_split
+    from hostsweep.measure.traces import TraceTotals
+
+    short = TraceTotals("cuda", 100.0, 100.0, kernel_count=40, launch_count=40)
+    long = TraceTotals("cuda", 1700.0, 1700.0, kernel_count=360, launch_count=56)  # graph replays: 1 launch/step
+    split = device_split([short], [long], 17, step_ms=0.2, profiled_step_ms=0.21, host_bound_threshold=0.5)
+    assert split.kernels_per_step == 20.0 and split.launches_per_step == 1.0

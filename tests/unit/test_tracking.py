@@ -72,3 +72,26 @@ def test_read_cells_gives_the_model_stage_one_row_per_finished_cell_with_its_ci(
 def test_runs_table_link_opens_the_runs_view_not_the_genai_overview(tracker):
     url = tracker.runs_table_url(5001)
     assert url == f"http://127.0.0.1:5001/#/experiments/{tracker.experiment_id}/runs?workflowType=machine_learning"
+
+
+def test_a_skipped_cell_is_a_killed_run_with_its_reason_and_is_not_resumed(tracker):
+    from hostsweep.measure.results import skipped_result
+
+    reason = "mode fp8 needs CUDA compute capability >= 8.9; sku cpu has no GPU"
+    run_id = tracker.log_cell(skipped_result("key-fp8", {**PARAMS, "mode": "fp8"}, reason), {})
+    run = tracker.client.get_run(run_id)
+    assert run.info.status == "KILLED"
+    assert run.data.tags["skipped"] == "true" and run.data.tags["skip_reason"] == reason
+    assert "failure_reason" not in run.data.tags and run.data.params["mode"] == "fp8"
+    assert "key-fp8" not in tracker.finished_cells()
+
+
+def test_the_study_summary_lands_on_the_parent_run(tracker, tmp_path):
+    import pandas as pd
+
+    tables = {"graph_vs_eager": pd.DataFrame({"batch": [1, 2], "reduction": [0.3, 0.1]})}
+    tracker.log_study_summary(tables, {"graph_vs_eager/mean_reduction": 0.2, "graph_vs_eager/x": float("nan")})
+    parent = tracker.client.get_run(tracker.parent_run_id)
+    assert parent.data.metrics == {"graph_vs_eager/mean_reduction": 0.2}
+    path = tracker.client.download_artifacts(tracker.parent_run_id, "study/graph_vs_eager.csv", str(tmp_path))
+    assert list(pd.read_csv(path)["reduction"]) == [0.3, 0.1]

@@ -138,3 +138,43 @@ def test_a_worker_started_under_sched_idle_measures_under_the_normal_policy_or_r
         assert out.returncode == 0 and out.stdout.split() == ["other", str(os.SCHED_OTHER)], out.stderr[-2000:]
     else:
         assert out.returncode != 0 and "SCHED_OTHER" in out.stderr
+
+
+def test_repeat_workload_prompts_are_the_models_own_text(tmp_path):
+    from hostsweep.engines.fake import next_token
+    from hostsweep.measure.protocol import OWN_TEXT_SEED_TOKENS
+
+    random_cell, repeat_cell = fake_cells("batch=[3]", "ctx=[40]", "workload=[random,repeat]")
+    worker = SweepWorker(repeat_cell.engine, str(tmp_path))
+    random_prompts, repeat_prompts = worker.prompts(random_cell), worker.prompts(repeat_cell)
+    assert [len(p) for p in repeat_prompts] == [40] * 3 and len({tuple(p) for p in repeat_prompts}) == 3
+    for random_prompt, own in zip(random_prompts, repeat_prompts):
+        assert own[:OWN_TEXT_SEED_TOKENS] == random_prompt[:OWN_TEXT_SEED_TOKENS]
+        assert all(b == next_token(a) for a, b in zip(own[OWN_TEXT_SEED_TOKENS - 1:], own[OWN_TEXT_SEED_TOKENS:]))
+
+
+def test_speculation_accepts_more_on_the_models_own_text_and_a_token_costs_less(tmp_path):
+    """The fake's n-gram proposer finds its 16-token ring in its own text (repeat) but not in
+    random prompts within T=9 tokens: acceptance 1 vs 0, and per-token time follows."""
+    random_cell, repeat_cell = fake_cells("mode=spec-ngram", "batch=[1]", "ctx=[40]", "measure.T=9",
+                                          "workload=[random,repeat]")
+    worker = SweepWorker(repeat_cell.engine, str(tmp_path))
+    random_result = worker.measure(random_cell, options("mode=spec-ngram", "measure.T=9"))
+    repeat_result = worker.measure(repeat_cell, options("mode=spec-ngram", "measure.T=9"))
+    rand, rep = random_result.spec, repeat_result.spec
+    assert (rand.acceptance_rate, rand.drafts, rand.cycles, rand.tokens_per_cycle) == (0.0, 0.0, 8.0, 1.0)
+    assert rep.acceptance_rate == 1.0 and rep.accepted_per_cycle == 4.0 and rep.num_speculative_tokens == 4
+    assert rep.cycles == 2.0 and rep.tokens_per_cycle == 4.0  # 8 tokens after the prefill, in 2 cycles
+    assert repeat_result.measurement.step_ms < random_result.measurement.step_ms
+    from hostsweep.measure.results import cell_metrics
+
+    metrics = cell_metrics(repeat_result)
+    assert metrics["spec_cycle_ms"] == pytest.approx(repeat_result.measurement.step_ms * 4.0)
+    assert metrics["spec_host_cycle_ms"] == pytest.approx(repeat_result.split.host_ms * 4.0)
+    assert repeat_result.host["prompt_digest"] != random_result.host["prompt_digest"]
+
+
+def test_an_engine_without_speculation_reports_no_acceptance(tmp_path):
+    cell = fake_cells("batch=[1]", "ctx=[16]")[0]
+    result = SweepWorker(cell.engine, str(tmp_path)).measure(cell, options())
+    assert result.spec is None and "spec_acceptance_rate" not in result.params

@@ -1,0 +1,108 @@
+"""Modes on the real vLLM CPU build, through the CLI, a local Ray cluster and MLflow.
+
+Two sweeps of one study share every engine this module needs (four engine starts):
+1. modes=[eager,graph,spec-ngram,fp8] x workload=[random,repeat] at TP-1: eager vs the
+   compiled path, n-gram speculation on random vs repeat prompts, fp8 SKIPPED;
+2. tp=[1,2] eager on random prompts: the TP-1 cell is resumed from sweep 1 (same key), so
+   only the TP-2 engine starts, and the TP floor is summarized over both.
+The weights are drawn per tensor with an untied LM head (model.load_format=random): with
+vLLM's dummy weights every greedy output is a 2-cycle that n-gram lookup predicts on any
+prompt (README, "Workloads"). ctx 256 holds the orbit of the model's own text (it runs tens
+of tokens before cycling with a 4096-token vocabulary; at ctx 64 it did not fit).
+"""
+from __future__ import annotations
+
+import json
+
+import mlflow
+import pandas as pd
+import pytest
+
+from tests.conftest import run_hostsweep
+
+pytestmark = pytest.mark.integration
+
+COMMON = ["+sku=cpu", "batch=[1]", "ctx=[256]", "measure.T=17", "measure.reps=3", "measure.warmups=1",
+          "model.load_format=random", "model.shape.tie_word_embeddings=false", "study=modes-it"]
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    root = tmp_path_factory.mktemp("modes")
+    uri = f"sqlite:///{root}/mlflow.db"
+    first = run_hostsweep([*COMMON, "modes=[eager,graph,spec-ngram,fp8]", "workload=[random,repeat]",
+                           f"tracking.uri={uri}", f"hydra.run.dir={root}/run1"], cwd=root, timeout=1200)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
+    second = run_hostsweep([*COMMON, "tp=[1,2]", f"tracking.uri={uri}", f"hydra.run.dir={root}/run2"],
+                           cwd=root, timeout=900)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
+    mlflow.set_tracking_uri(uri)
+    runs = mlflow.search_runs(experiment_names=["hostsweep-modes-it"])
+    parents = runs[runs["tags.mlflow.parentRunId"].isna()].sort_values("start_time")
+    return {"root": root, "runs": runs, "cells": runs[runs["tags.mlflow.parentRunId"].notna()],
+            "parents": parents, "first": first, "second": second}
+
+
+def cell(cells: pd.DataFrame, mode: str, workload: str = "random", tp: str = "1") -> pd.Series:
+    rows = cells[(cells["params.mode"] == mode) & (cells["params.workload"] == workload) & (cells["params.tp"] == tp)]
+    assert len(rows) == 1, rows[["params.mode", "params.workload", "params.tp", "status"]]
+    return rows.iloc[0]
+
+
+def test_eager_and_the_compiled_path_are_measured_and_recorded_as_such(study):
+    cells = study["cells"]
+    eager, graph = cell(cells, "eager"), cell(cells, "graph")
+    assert eager["status"] == graph["status"] == "FINISHED"
+    assert eager["tags.compilation_mode"] == "NONE"
+    assert graph["tags.compilation_mode"] == "DYNAMO_TRACE_ONCE"  # the CPU build's torch.compile path
+    assert graph["tags.cudagraph_mode"] == "NONE" and graph["tags.cudagraph_capture_sizes"] == "none"
+    assert json.loads(graph["params.engine_args"]) == {"enforce_eager": False}
+    for run in (eager, graph):
+        assert 0 < run["metrics.device_ms"] < run["metrics.step_ms"] and run["metrics.kernels_per_step"] > 0
+    print(f"eager {eager['metrics.step_ms']:.3f} ms/step, compiled {graph['metrics.step_ms']:.3f} ms/step")
+
+
+def test_fp8_on_the_cpu_is_a_skipped_cell_with_its_reason(study):
+    fp8 = study["cells"][study["cells"]["params.mode"] == "fp8"]
+    assert len(fp8) == 2 and set(fp8["status"]) == {"KILLED"}
+    assert set(fp8["tags.skipped"]) == {"true"}
+    assert set(fp8["tags.skip_reason"]) == {"mode fp8 needs CUDA compute capability >= 8.9; sku cpu has no GPU"}
+    assert "SKIPPED" in study["first"].stdout
+
+
+def test_speculation_accepts_more_on_repeat_and_the_per_token_speedup_follows(study):
+    cells = study["cells"]
+    random_spec, repeat_spec = cell(cells, "spec-ngram", "random"), cell(cells, "spec-ngram", "repeat")
+    speedup = {w: cell(cells, "eager", w)["metrics.step_ms"] / cell(cells, "spec-ngram", w)["metrics.step_ms"]
+               for w in ("random", "repeat")}
+    print(f"acceptance random {random_spec['metrics.spec_acceptance_rate']:.2f} "
+          f"({random_spec['metrics.spec_tokens_per_cycle']:.2f} tokens/cycle), repeat "
+          f"{repeat_spec['metrics.spec_acceptance_rate']:.2f} ({repeat_spec['metrics.spec_tokens_per_cycle']:.2f}); "
+          f"per-token speedup random {speedup['random']:.2f}x, repeat {speedup['repeat']:.2f}x")
+    assert repeat_spec["metrics.spec_tokens_per_cycle"] > random_spec["metrics.spec_tokens_per_cycle"]
+    assert repeat_spec["metrics.spec_acceptance_rate"] > random_spec["metrics.spec_acceptance_rate"]
+    assert speedup["repeat"] > speedup["random"]
+    # the same text reached both engines of a workload
+    assert cell(cells, "eager", "repeat")["tags.prompt_digest"] == repeat_spec["tags.prompt_digest"]
+
+
+def test_mode_comparisons_land_on_the_sweeps_parent_run(study, tmp_path):
+    parent = study["parents"].iloc[0]
+    for name in ("graph_vs_eager/mean_reduction", "graph_vs_eager/peak_speedup", "spec-ngram_vs_eager/repeat/speedup",
+                 "spec-ngram_vs_eager/random/acceptance_rate", "spec-ngram_vs_eager/repeat/host_cycle_ms"):
+        assert pd.notna(parent[f"metrics.{name}"]), name
+    path = mlflow.artifacts.download_artifacts(run_id=parent["run_id"], artifact_path="study/graph_vs_eager.csv",
+                                               dst_path=str(tmp_path))
+    table = pd.read_csv(path)
+    assert set(table["workload"]) == {"random", "repeat"} and table["reduction"].notna().all()
+
+
+def test_tp2_runs_two_ranks_records_their_all_reduce_and_resumes_tp1(study):
+    cells = study["cells"]
+    tp2 = cell(cells, "eager", tp="2")
+    assert tp2["status"] == "FINISHED" and tp2["tags.allreduce_backend"].startswith("CpuCommunicator/")
+    assert "resumed" in study["second"].stdout  # the TP-1 cell was FINISHED by sweep 1
+    parent = study["parents"].iloc[1]
+    floor = {tp: parent[f"metrics.tp_floor/cpu/tiny-llama/eager/tp{tp}/host_ms"] for tp in (1, 2)}
+    assert all(pd.notna(v) for v in floor.values())
+    print(f"all-reduce: {tp2['tags.allreduce_backend']}; host floor TP-1 {floor[1]:.3f} ms, TP-2 {floor[2]:.3f} ms")
