@@ -22,6 +22,9 @@ HEARTBEAT_TAG = "heartbeat"
 OWNER_TAG = "owner"
 PARENT_TAG = "mlflow.parentRunId"
 KILLED_REASON_TAG = "killed_reason"
+# Parent runs of the sweeps running in this process (a multirun runs several in turn): a
+# sweep of this process that is not in here has ended, whatever its heartbeat says.
+LIVE_HERE: set[str] = set()
 
 
 def this_owner() -> str:
@@ -29,8 +32,10 @@ def this_owner() -> str:
     return f"{hostname()}:{os.getpid()}:{psutil.Process().create_time():.0f}"
 
 
-def owner_gone(owner: str) -> Optional[str]:
-    """Why the process named by an owner tag is certainly gone (same host only), or None."""
+def owner_gone(owner: str, sweep_run_id: str = "") -> Optional[str]:
+    """Why the sweep named by an owner tag is certainly gone (same host only), or None."""
+    if owner == this_owner():
+        return None if sweep_run_id in LIVE_HERE else "its sweep ended in this process without closing it"
     host, _, rest = owner.partition(":")
     pid, _, started = rest.partition(":")
     if host != hostname() or not pid.isdigit():
@@ -61,7 +66,7 @@ def sweep_stale(sweep: Optional[RunView], now: float, stale_after_s: float) -> O
     beat = sweep.tags.get(HEARTBEAT_TAG)
     if beat is None:
         return "its sweep never sent a heartbeat (an earlier hostsweep, or it died at once)"
-    gone = owner_gone(sweep.tags.get(OWNER_TAG, ""))
+    gone = owner_gone(sweep.tags.get(OWNER_TAG, ""), sweep.run_id)
     if gone:
         return gone
     age = now - float(beat)

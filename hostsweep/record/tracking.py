@@ -22,7 +22,8 @@ from mlflow.tracking import MlflowClient
 
 from hostsweep.measure.results import CellResult, cell_metrics, logged_row, split_tags
 from hostsweep.record.claims import (
-    HEARTBEAT_TAG, KILLED_REASON_TAG, OWNER_TAG, PARENT_TAG, RunView, claim_winner, stale_reason, this_owner,
+    HEARTBEAT_TAG, KILLED_REASON_TAG, LIVE_HERE, OWNER_TAG, PARENT_TAG, RunView, claim_winner, stale_reason,
+    this_owner,
 )
 
 log = logging.getLogger(__name__)
@@ -220,6 +221,7 @@ class SweepTracker:
         tags = {**tags, HEARTBEAT_TAG: f"{time.time():.0f}", OWNER_TAG: this_owner()}
         run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
         self.parent_run_id = run.info.run_id
+        LIVE_HERE.add(self.parent_run_id)
         self.client.log_batch(self.parent_run_id, params=[Param(k, str(v)) for k, v in params.items()])
         self.client.log_text(self.parent_run_id, config_yaml, "config.yaml")
         return self.parent_run_id
@@ -264,6 +266,10 @@ class SweepTracker:
                 for name, data in result.traces.items():
                     (Path(folder) / name).write_bytes(data)
                 self.client.log_artifacts(run_id, folder, "traces")
+
+    def end(self) -> None:
+        """This sweep measures no more (its runs may stay RUNNING if MLflow is down)."""
+        LIVE_HERE.discard(self.parent_run_id or "")
 
     def finish_sweep(self, status: str, metrics: dict[str, float]) -> None:
         if self.parent_run_id is None:

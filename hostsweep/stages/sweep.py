@@ -179,6 +179,7 @@ def close_records(tracker: SweepTracker, recorder: SweepRecorder, journal: Journ
     count of measured cells MLflow did not take (they stay in the journal)."""
     interrupted = status == "KILLED"
     unlogged = recorder.close(INTERRUPTED_DRAIN_S if interrupted else outage_s)
+    tracker.end()
     down = recorder.uploader.failure() or (unlogged and "MLflow did not answer")
     if not down:
         try:
