@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from hostsweep.config.options import check_group_overrides
 from hostsweep.config.redact import redact
 from hostsweep.config.schema import ConfigError, register_configs
+from hostsweep.stages import signals
 
 register_configs()
 # Run directories are named by time and pid (conf/config.yaml), so two sweeps started in
@@ -27,12 +28,6 @@ OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
 # Worst exit code over the jobs of this process: a multirun (-m) runs several sweeps
 # in one process, so a job must not exit before the others have run.
 _exit_codes: list[int] = [0]
-_signal_received: list[int] = []
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    _signal_received.append(signum)
-    raise KeyboardInterrupt
 
 
 def _redacting_records() -> None:
@@ -84,7 +79,7 @@ def _sweep(cfg: DictConfig) -> None:
         print(f"hostsweep: error: {exc}", file=sys.stderr)
         _exit_codes.append(2)
     except KeyboardInterrupt:
-        signum = _signal_received[-1] if _signal_received else signal.SIGINT
+        signum = signals.received() or signal.SIGINT
         print(f"hostsweep: interrupted by {signal.Signals(signum).name}: its runs are marked KILLED; measured cells "
               f"are kept in {run_dir}; rerun the same command to resume", file=sys.stderr)
         sys.exit(128 + signum)
@@ -92,8 +87,7 @@ def _sweep(cfg: DictConfig) -> None:
 
 def main() -> None:
     _redacting_records()
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, _interrupt)
+    signals.install()
     try:
         check_group_overrides(sys.argv[1:])
         check_output_dir(sys.argv[1:])

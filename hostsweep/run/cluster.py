@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import tempfile
 from collections import Counter
@@ -95,6 +96,17 @@ def connect(address: str | None, confine_daemons: bool = False, idle_daemons: bo
 
     if ray.is_initialized():
         return False
+    # ray.init replaces the driver's SIGTERM handler with sys.exit; the program's own
+    # (stop like Ctrl-C, __main__) must stay.
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        return _init(ray, address, confine_daemons, idle_daemons)
+    finally:
+        if sigterm is not None:
+            signal.signal(signal.SIGTERM, sigterm)
+
+
+def _init(ray, address: str | None, confine_daemons: bool, idle_daemons: bool) -> bool:  # noqa: ANN001
     if address:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
         return False

@@ -32,6 +32,7 @@ from hostsweep.run.dispatch import Dispatcher, WorkerBackend
 from hostsweep.run.faults import FaultPolicy
 from hostsweep.run.progress import ProgressReporter
 from hostsweep.stages.preflight import preflight
+from hostsweep.stages import signals
 from hostsweep.stages.recording import SweepRecorder, upload_orphans
 
 log = logging.getLogger(__name__)
@@ -152,8 +153,12 @@ def _sweep(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, b
     table = CellTable(run_dir / cfg.output.cells_file, resumed)
     recorder = SweepRecorder(tracker, journal, table, claims, {**driver_tags(), PARENT_TAG: tracker.parent_run_id or ""},
                              len(cells), cfg.tracking.outage_s, cfg.tracking.heartbeat_s)
+    def should_stop() -> Optional[str]:
+        signals.check()  # a stop signal whose KeyboardInterrupt was swallowed on the way
+        return recorder.should_stop()
+
     dispatcher = Dispatcher(cells, options, recorder.on_result, backend, FaultPolicy.of(cfg.faults),
-                            ProgressReporter(len(cells)), recorder.should_stop)
+                            ProgressReporter(len(cells)), should_stop)
     status, stop = "KILLED", "sweep interrupted"
     try:
         dispatcher.run()
