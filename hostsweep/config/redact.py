@@ -7,8 +7,6 @@ through `redact`, which keeps the user name and hides the password.
 from __future__ import annotations
 
 import re
-from typing import Iterable
-from urllib.parse import urlsplit
 
 HIDDEN = "***"
 # scheme://userinfo@host: the userinfo is what is hidden (its password part, or all of a token)
@@ -23,20 +21,3 @@ def _hide(userinfo: str) -> str:
 def redact(text: str) -> str:
     """`text` with the credentials of every URI in it hidden: user:pw@ -> user:***@."""
     return _USERINFO.sub(lambda m: f"{m['scheme']}{_hide(m['userinfo'])}@", text)
-
-
-def secrets_in(texts: Iterable[str]) -> list[str]:
-    """The credential strings (userinfo) of the URIs in `texts`, longest first: what must
-    never appear in a file written from them."""
-    found = set()
-    for text in texts:
-        for match in _USERINFO.finditer(text):
-            found.add(match["userinfo"])
-    return sorted(found, key=len, reverse=True)
-
-
-def has_credentials(uri: str) -> bool:
-    try:
-        return bool(urlsplit(uri).username or urlsplit(uri).password)
-    except ValueError:
-        return False
