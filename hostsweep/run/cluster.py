@@ -106,9 +106,21 @@ def connect(address: str | None, confine_daemons: bool = False, idle_daemons: bo
             signal.signal(signal.SIGTERM, sigterm)
 
 
+def _join(ray, address: str) -> None:  # noqa: ANN001
+    """ray.init(address), its failure (after its own retries) as one line."""
+    try:
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+    except (ConnectionError, RuntimeError) as exc:
+        cause = f"{exc}; {exc.__cause__}" if exc.__cause__ else str(exc)
+        hint = (" (the cluster wants a token: set RAY_AUTH_MODE=token, with the token in ~/.ray/auth_token "
+                "or RAY_AUTH_TOKEN)") if "auth" in cause.lower() else ""
+        raise ConfigError(f"ray.address={address}: could not join the cluster: "
+                          f"{str(exc).strip().splitlines()[0]}{hint}") from None
+
+
 def _init(ray, address: str | None, confine_daemons: bool, idle_daemons: bool) -> bool:  # noqa: ANN001
     if address:
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+        _join(ray, address)
         return False
     # Ray runs workers at niceness 15 by default; the engines they start inherit it.
     os.environ.setdefault("RAY_worker_niceness", "0")
@@ -123,7 +135,9 @@ def _init(ray, address: str | None, confine_daemons: bool, idle_daemons: bool) -
     before = set(descendant_pids(os.getpid()))  # not Ray's: e.g. an engine started here
     _loopback_only()
     try:
-        ray.init(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+        # "local": always a new cluster. Without an address ray.init joins the cluster named
+        # by RAY_ADDRESS or /tmp/ray/ray_current_cluster (hanging if that one is dead).
+        ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
     finally:
         os.sched_setaffinity(0, cores)
     if idle_daemons:

@@ -147,3 +147,28 @@ def test_tracking_that_dies_stops_measuring_cleanly_keeps_every_measured_cell_an
     parent = [r for r in client.search_runs([client.get_experiment_by_name("hostsweep-outage").experiment_id])
               if "cell_key" not in r.data.tags and r.data.tags.get("run_dir") == str(first_dir)][0]
     assert parent.info.status == "KILLED" and "marked KILLED by a later sweep" in parent.data.tags[KILLED_REASON_TAG]
+
+
+def test_credentials_in_the_tracking_uri_are_in_no_file_line_or_run(server, tmp_path):
+    """http://user:password@host reaches MLflow, and nothing printed, logged or saved."""
+    from tests.conftest import run_hostsweep
+
+    secret = "s3cret-pw"
+    host = server.uri.split("://", 1)[1]
+    proc = run_hostsweep(["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=2", "measure.warmups=0",
+                          "ctx=[16]", "batch=[1]", "split.enabled=false", "study=secrets",
+                          f"tracking.uri=http://alice:{secret}@{host}", f"hydra.run.dir={tmp_path}/run"],
+                         cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert secret not in proc.stdout + proc.stderr and "alice:***@" in proc.stdout
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path
+    client = MlflowClient(server.uri)
+    experiment = client.get_experiment_by_name("hostsweep-secrets")
+    for run in client.search_runs([experiment.experiment_id]):
+        assert secret not in str(run.data.params) + str(run.data.tags)
+        if "cell_key" not in run.data.tags:
+            config = client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path / "dl"))
+            text = Path(config).read_text()
+            assert secret not in text and "alice:***@" in text
