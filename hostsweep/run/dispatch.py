@@ -198,6 +198,10 @@ class Dispatcher:
                 self._watch()
             if self.progress:
                 self.progress.update(self.done, {})
+        except BaseException:  # interrupted: kill the engines now rather than wait for their cells
+            for spec in list(self.workers):
+                self._replace_worker(spec)
+            raise
         finally:
             self.backend.close(list(self.workers.values()))
             self.workers.clear()

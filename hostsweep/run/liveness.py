@@ -5,11 +5,13 @@ engine's client may log "engine core exited unexpectedly" and then block in gene
 forever, so the worker cannot wait for an error: it records the engine's processes right
 after the engine starts and answers `fault()` from another thread. Its direct children
 are waited on with WNOWAIT (the status is read, the process left for vLLM to reap), which
-gives the exit code or signal; deeper processes are only seen to be gone.
+gives the exit code or signal; when vLLM reaps first, the exit code comes from the
+multiprocessing handle that started the process. Deeper processes are only seen to be gone.
 """
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
 import threading
@@ -71,6 +73,9 @@ class EngineWatch:
     def __init__(self, processes: list[psutil.Process]) -> None:
         self.processes = {p.pid: (p, _label(p)) for p in processes}
         self.exits: dict[int, str] = {}
+        # The handles multiprocessing keeps of the children it started (vLLM's EngineCore):
+        # their exitcode survives the reaping that races the waiters below.
+        self.handles = {child.pid: child for child in multiprocessing.active_children() if child.pid in self.processes}
         self.closing = False
         own = os.getpid()
         for proc in processes:
@@ -81,8 +86,7 @@ class EngineWatch:
     def _wait(self, pid: int) -> None:
         try:
             info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-        except ChildProcessError:  # reaped by someone else first
-            self.exits[pid] = "exited"
+        except ChildProcessError:  # reaped by someone else first: _exitcode may still know
             return
         if info is not None:
             self.exits[pid] = describe_exit(info.si_code, info.si_status)
@@ -103,8 +107,16 @@ class EngineWatch:
                 continue
             if pid not in self.exits:
                 time.sleep(0.2)  # a direct child's waiter may be about to record its status
-            return f"{name} (pid {pid}) {self.exits.get(pid, 'is gone')}"
+            return f"{name} (pid {pid}) {self.exits.get(pid) or self._exitcode(pid) or 'is gone'}"
         return None
+
+    def _exitcode(self, pid: int) -> Optional[str]:
+        """How a child multiprocessing started ended, from its handle (negative: a signal)."""
+        handle = self.handles.get(pid)
+        code = handle.exitcode if handle is not None else None
+        if code is None:
+            return None
+        return describe_exit(os.CLD_KILLED, -code) if code < 0 else describe_exit(os.CLD_EXITED, code)
 
     def kill(self) -> None:
         """SIGKILL whatever is left of the engine (the worker is being replaced)."""

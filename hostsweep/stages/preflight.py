@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import re
 import socket
@@ -17,11 +18,15 @@ from pathlib import Path
 from typing import IO, Optional
 from urllib.parse import urlsplit
 
+import psutil
+
 from hostsweep.config.machine import local_sku_name
 from hostsweep.config.resolve import Study
 from hostsweep.config.schema import ConfigError
 from hostsweep.record.store import check_store, check_writable_folder
 from hostsweep.run.cluster import check_address_answers
+
+log = logging.getLogger(__name__)
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 HUB_TIMEOUT_S = 3.0
@@ -92,9 +97,44 @@ def check_local_gpus(study: Study) -> None:
                 "with ray.address=auto or ray.address=ray://<head>:10001")
 
 
+def kill_leftovers(previous: dict) -> int:
+    """Kill the Ray processes a killed sweep left running (its driver cannot stop them after
+    kill -9; Ray's own take minutes to notice). Only processes still matching the pid and
+    start time recorded in the lock are touched. Returns how many were killed."""
+    killed = 0
+    for pid, started in previous.get("daemons", []):
+        try:
+            proc = psutil.Process(pid)
+            if f"{proc.create_time():.2f}" == started:
+                proc.kill()
+                killed += 1
+        except psutil.Error:
+            pass
+    return killed
+
+
+def record_cluster(lock: Optional[IO[str]], pids: list[int]) -> None:
+    """Note the local cluster's processes in the machine lock, for kill_leftovers."""
+    if lock is None:
+        return
+    daemons = []
+    for pid in pids:
+        try:
+            daemons.append([pid, f"{psutil.Process(pid).create_time():.2f}"])
+        except psutil.Error:
+            pass
+    lock.seek(0)
+    info = json.loads(lock.read() or "{}")
+    lock.seek(0)
+    lock.truncate()
+    lock.write(json.dumps({**info, "daemons": daemons}))
+    lock.flush()
+
+
 def lock_machine(study: Study, run_dir: Path) -> Optional[IO[str]]:
     """The machine-wide lock of a local-cluster sweep (held until the returned file is
-    closed, or the process dies); ConfigError naming the sweep that holds it."""
+    closed, or the process dies); ConfigError naming the sweep that holds it. Processes
+    a killed previous holder left are killed."""
     cfg = study.config
     if cfg.ray.address or not cfg.ray.exclusive:
         return None
@@ -110,6 +150,14 @@ def lock_machine(study: Study, run_dir: Path) -> Optional[IO[str]]:
             f"another sweep (pid {info.get('pid', '?')}, study {info.get('study', '?')}, run dir "
             f"{info.get('run_dir', '?')}) is measuring on this machine; wait for it, or set ray.exclusive=false "
             "to measure beside it (both sweeps' timings would suffer)") from None
+    handle.seek(0)
+    try:
+        previous = json.loads(handle.read() or "{}")
+    except ValueError:
+        previous = {}
+    killed = kill_leftovers(previous)
+    if killed:
+        log.warning("killed %d Ray process(es) left running by a killed sweep (pid %s)", killed, previous.get("pid"))
     handle.seek(0)
     handle.truncate()
     handle.write(json.dumps({"pid": os.getpid(), "study": cfg.study, "run_dir": str(run_dir)}))

@@ -11,15 +11,18 @@ this sweep asks for) and the rest are claimed, so a concurrent sweep skips them.
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
 from hostsweep.config.grid import Cell, build_cells, group_by_engine
 from hostsweep.config.redact import redact
 from hostsweep.config.resolve import Study, resolve
+from hostsweep.config.schema import ConfigError
 from hostsweep.measure.results import MeasureOptions, missing_parts
 from hostsweep.record.celltable import CellTable
 from hostsweep.record.claims import PARENT_TAG
@@ -31,7 +34,8 @@ from hostsweep.run import cluster
 from hostsweep.run.dispatch import Dispatcher, WorkerBackend
 from hostsweep.run.faults import FaultPolicy
 from hostsweep.run.progress import ProgressReporter
-from hostsweep.stages.preflight import preflight
+from hostsweep.run.hygiene import descendant_pids
+from hostsweep.stages.preflight import preflight, record_cluster
 from hostsweep.stages import signals
 from hostsweep.stages.recording import SweepRecorder, upload_orphans
 
@@ -115,6 +119,18 @@ def claim_cells(tracker: SweepTracker, cells: list[Cell], stale_after_s: float) 
     return [c for c in cells if c.key in mine], mine
 
 
+@contextmanager
+def tracking_answers(uri: str) -> Iterator[None]:
+    """MLflow failing while the sweep sets up (before anything is measured): one line."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - MlflowException, requests, sqlalchemy...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"tracking.uri={redact(uri)} failed before anything was measured: {redact(first)}") from None
+
+
 def run(raw_cfg: DictConfig, run_dir: Path, backend: Optional[WorkerBackend] = None) -> int:
     """Run the sweep the config describes; return the process exit code. `backend`: where
     workers run (default: Ray, a local cluster unless ray.address is set)."""
@@ -127,6 +143,8 @@ def run(raw_cfg: DictConfig, run_dir: Path, backend: Optional[WorkerBackend] = N
         if backend is not None:
             return _sweep(study, raw_cfg, grid, run_dir, backend)
         started_here = cluster.connect(cfg.ray.address, cfg.ray.confine_daemons, cfg.ray.idle_daemons)
+        if started_here:
+            record_cluster(machine_lock, descendant_pids(os.getpid()))
         try:
             cluster.check_feasible(group_by_engine(grid), cluster.live_nodes())
             from hostsweep.run.backend import RayBackend
@@ -142,13 +160,14 @@ def run(raw_cfg: DictConfig, run_dir: Path, backend: Optional[WorkerBackend] = N
 def _sweep(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, backend: WorkerBackend) -> int:
     cfg = study.config
     options = MeasureOptions.of(cfg)
-    tracker = SweepTracker(cfg.tracking.uri, experiment_name(study))
-    pending = pending_folder(Path(cfg.output.pending_dir), cfg.tracking.uri, tracker.experiment)
-    tidy_experiment(tracker, study, pending)
-    cells, resumed = skip_finished(grid, tracker, options) if cfg.resume else (grid, [])
-    tracker.start_sweep(sweep_run_name(study, run_dir), redact(OmegaConf.to_yaml(raw_cfg)),
-                        sweep_params(study, cells), {**driver_tags(), "run_dir": str(run_dir)})
-    cells, claims = claim_cells(tracker, cells, cfg.tracking.stale_after_s)
+    with tracking_answers(cfg.tracking.uri):
+        tracker = SweepTracker(cfg.tracking.uri, experiment_name(study))
+        pending = pending_folder(Path(cfg.output.pending_dir), cfg.tracking.uri, tracker.experiment)
+        tidy_experiment(tracker, study, pending)
+        cells, resumed = skip_finished(grid, tracker, options) if cfg.resume else (grid, [])
+        tracker.start_sweep(sweep_run_name(study, run_dir), redact(OmegaConf.to_yaml(raw_cfg)),
+                            sweep_params(study, cells), {**driver_tags(), "run_dir": str(run_dir)})
+        cells, claims = claim_cells(tracker, cells, cfg.tracking.stale_after_s)
     journal = Journal.create(run_dir / JOURNAL_FILE, pending)
     table = CellTable(run_dir / cfg.output.cells_file, resumed)
     recorder = SweepRecorder(tracker, journal, table, claims, {**driver_tags(), PARENT_TAG: tracker.parent_run_id or ""},

@@ -168,3 +168,18 @@ def test_the_derived_timeout_grows_with_the_work_of_the_cell():
     lin = options("linearity.enabled=true", "linearity.T=[8,16,32]", "linearity.reps=2")
     assert decode_steps(cell, lin) == 32 + 2 * (9 + 17 + 33)
     assert FaultPolicy(cell_timeout_s=42.0).timeout_for(cell, lin) == 42.0
+
+
+def test_an_interrupt_kills_the_workers_at_once_instead_of_waiting_for_their_cells(tmp_path):
+    grid = cells(*FOUR)
+
+    def interrupt_at_second(cell, seen=[]):
+        seen.append(cell)
+        if len(seen) == 2:
+            raise KeyboardInterrupt
+
+    backend = FakeBackend(tmp_path, on_measure=interrupt_at_second)
+    results = []
+    with pytest.raises(KeyboardInterrupt):
+        Dispatcher(grid, options(), results.append, backend, POLICY).run()
+    assert len(results) == 1 and all(w.released for w in backend.workers) and backend.closed == []

@@ -135,3 +135,16 @@ def test_scratch_folders_of_dead_workers_are_removed_and_live_ones_kept(tmp_path
         (folder / "models").mkdir(parents=True)
     assert remove_stale_scratch(tmp_path) == [stale]
     assert live.is_dir() and not stale.exists()
+
+
+def test_an_engine_process_reaped_by_its_starter_before_the_watch_looks_still_reports_its_signal():
+    """vLLM joins its dead EngineCore as soon as it notices: the status then comes from the
+    multiprocessing handle, whichever of the two reads it first."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
+    child.start()
+    watch = EngineWatch([psutil.Process(child.pid)])
+    child.kill()
+    child.join()  # reaped, as vLLM's shutdown does
+    assert f"(pid {child.pid}) killed by signal 9 (SIGKILL)" in wait_for(watch.fault)
