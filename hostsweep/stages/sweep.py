@@ -160,18 +160,23 @@ def run(raw_cfg: DictConfig, run_dir: Path, backend: Optional[WorkerBackend] = N
 def _sweep(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, backend: WorkerBackend) -> int:
     cfg = study.config
     options = MeasureOptions.of(cfg)
-    with tracking_answers(cfg.tracking.uri):
-        tracker = SweepTracker(cfg.tracking.uri, experiment_name(study))
-        pending = pending_folder(Path(cfg.output.pending_dir), cfg.tracking.uri, tracker.experiment)
-        tidy_experiment(tracker, study, pending)
-        cells, resumed = skip_finished(grid, tracker, options) if cfg.resume else (grid, [])
-        tracker.start_sweep(sweep_run_name(study, run_dir), redact(OmegaConf.to_yaml(raw_cfg)),
-                            sweep_params(study, cells), {**driver_tags(), "run_dir": str(run_dir)})
-        cells, claims = claim_cells(tracker, cells, cfg.tracking.stale_after_s)
-    journal = Journal.create(run_dir / JOURNAL_FILE, pending)
+    pending = pending_folder(Path(cfg.output.pending_dir), cfg.tracking.uri, experiment_name(study))
+    journal = Journal.create(run_dir / JOURNAL_FILE, pending)  # refuses a run dir another sweep uses
+    try:
+        with tracking_answers(cfg.tracking.uri):
+            tracker = SweepTracker(cfg.tracking.uri, experiment_name(study))
+            tidy_experiment(tracker, study, pending)
+            cells, resumed = skip_finished(grid, tracker, options) if cfg.resume else (grid, [])
+            tracker.start_sweep(sweep_run_name(study, run_dir), redact(OmegaConf.to_yaml(raw_cfg)),
+                                sweep_params(study, cells), {**driver_tags(), "run_dir": str(run_dir)})
+            cells, claims = claim_cells(tracker, cells, cfg.tracking.stale_after_s)
+    except BaseException:
+        journal.close()
+        raise
     table = CellTable(run_dir / cfg.output.cells_file, resumed)
     recorder = SweepRecorder(tracker, journal, table, claims, {**driver_tags(), PARENT_TAG: tracker.parent_run_id or ""},
                              len(cells), cfg.tracking.outage_s, cfg.tracking.heartbeat_s)
+
     def should_stop() -> Optional[str]:
         signals.check()  # a stop signal whose KeyboardInterrupt was swallowed on the way
         return recorder.should_stop()
