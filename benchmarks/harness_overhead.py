@@ -103,7 +103,7 @@ def main() -> None:
         return plain.measure(cell, options).measurement.step_ms
 
     no_ray_before = [measure_plain() for _ in range(args.bracket)]
-    started = connect(None, cfg.ray.confine_daemons, cfg.ray.idle_daemons)
+    started = connect(None, study.config.ray.confine_daemons, study.config.ray.idle_daemons)
     worker = new_worker(cell.engine)
     actor = worker.actor
     actor_host = ray.get(actor.host_info.remote())  # waits for the actor's engine
@@ -128,7 +128,8 @@ def main() -> None:
     plain.close()
 
     rng = np.random.default_rng(0)
-    print(f"cell {cell.key}; confine_daemons={cfg.ray.confine_daemons} idle_daemons={cfg.ray.idle_daemons}; "
+    ray_cfg = study.config.ray
+    print(f"cell {cell.key}; confine_daemons={ray_cfg.confine_daemons} idle_daemons={ray_cfg.idle_daemons}; "
           f"{args.rounds} rounds, "
           f"{2 * args.bracket} no-Ray bracket rounds, {time.perf_counter() - started_at:.0f} s")
     print(f"actor host info {actor_host}")

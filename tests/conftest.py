@@ -27,10 +27,10 @@ def compose_typed(overrides: list[str]) -> Study:
     return resolve(compose_raw(overrides))
 
 
-def run_hostsweep(args: list[str], cwd: Path, timeout: float = 120,
-                  pythonpath: Optional[Path] = None) -> subprocess.CompletedProcess:
-    """`python -m hostsweep ARGS` in `cwd`; `pythonpath` is put first on PYTHONPATH."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def run_hostsweep(args: list[str], cwd: Path, timeout: float = 120, pythonpath: Optional[Path] = None,
+                  env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """`python -m hostsweep ARGS` in `cwd`; `pythonpath` is put first on PYTHONPATH, `env` added."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     if pythonpath is not None:
         env["PYTHONPATH"] = f"{pythonpath}{os.pathsep}{env.get('PYTHONPATH', '')}"
     return subprocess.run([sys.executable, "-m", "hostsweep", *args], cwd=cwd, env=env,

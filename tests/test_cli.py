@@ -1,6 +1,11 @@
-"""The command line: bad input exits non-zero with one line, before Ray or vLLM start."""
+"""The command line: bad input, and a world that cannot host the sweep, exit 2 with one
+line within seconds, before Ray or vLLM start (both are made unimportable here)."""
 from __future__ import annotations
 
+import fcntl
+import json
+import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -47,3 +52,70 @@ def test_cfg_job_prints_the_composed_config(tmp_path):
     proc = run_hostsweep(["+sku=h200", "tp=4", "--cfg", "job"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "accelerator_type: H200" in proc.stdout and "tp: 4" in proc.stdout
+
+
+def assert_refused(proc, needle: str, elapsed: float) -> str:
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("hostsweep: error:") and needle in lines[0], lines[0]
+    assert elapsed < 30, f"took {elapsed:.0f} s"
+    return lines[0]
+
+
+# Each row is a world the sweep cannot run in; the message names what to do about it.
+PREFLIGHT = [
+    (["ray.address=127.0.0.1:1"], "ray.address=127.0.0.1:1: nothing answers at 127.0.0.1:1"),
+    (["ray.address=auto"], "no Ray cluster was started on this machine"),
+    (["tracking.uri=http://127.0.0.1:9"], "tracking.uri=http://127.0.0.1:9 does not answer"),
+    (["tracking.uri=file:///tmp/mlruns"], "is not a supported store (MLflow >= 3.13 refuses the file store)"),
+    (["model=checkpoint", "model.path=/nonexistent"], "model.path=/nonexistent does not exist"),
+    (["model=checkpoint", "model.path=meta-llama/Llama-3.2-1B"], "is a hub id and this machine has no hub access"),
+    (["hydra.run.dir=/proc/x"], "hydra.run.dir=/proc/x: cannot write there"),
+    (["study=../../x"], "study='../../x' is not allowed"),
+    (["study=a/b"], "study='a/b' is not allowed"),
+    (["tracking.stale_after_s=10"], "tracking.stale_after_s=10.0 must exceed"),
+    (["faults.cell_timeout_s=0"], "faults.cell_timeout_s must be positive"),
+]
+
+
+@pytest.mark.parametrize("args,needle", PREFLIGHT, ids=lambda v: v[0] if isinstance(v, list) else None)
+def test_a_world_that_cannot_host_the_sweep_is_refused_in_seconds_before_ray_starts(args, needle, tmp_path,
+                                                                                      poisoned_path):
+    env = {"TMPDIR": str(tmp_path), "HF_ENDPOINT": "http://127.0.0.1:9", "RAY_ADDRESS": ""}
+    started = time.monotonic()
+    proc = run_hostsweep(["+sku=cpu", *args], tmp_path, pythonpath=poisoned_path, env=env)
+    assert_refused(proc, needle, time.monotonic() - started)
+    assert not (tmp_path / "outputs" / "mlflow.db").exists()
+
+
+def test_a_gpu_sku_without_a_cluster_on_a_machine_without_that_gpu_is_refused_before_ray(tmp_path, poisoned_path):
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this machine has GPUs")
+    started = time.monotonic()
+    proc = run_hostsweep(["+sku=h200", "tp=4", "model=llama-3.1-8b"], tmp_path, pythonpath=poisoned_path)
+    line = assert_refused(proc, "sku=h200 needs H200 GPUs but this machine has none", time.monotonic() - started)
+    assert "ray.address" in line
+
+
+def test_credentials_in_the_tracking_uri_never_reach_the_console(tmp_path, poisoned_path):
+    proc = run_hostsweep(["+sku=cpu", "tracking.uri=http://alice:s3cret@127.0.0.1:9"], tmp_path,
+                         pythonpath=poisoned_path)
+    line = assert_refused(proc, "tracking.uri=http://alice:***@127.0.0.1:9 does not answer", 0)
+    assert "s3cret" not in proc.stderr + proc.stdout
+    hydra_files = "".join(p.read_text() for p in (tmp_path / "outputs").rglob("*.yaml"))
+    assert "alice:***@" in hydra_files and "s3cret" not in hydra_files  # Hydra's saved overrides too
+    assert line
+
+
+def test_a_second_sweep_on_this_machine_is_refused_while_the_first_measures(tmp_path, poisoned_path):
+    lock = (tmp_path / "hostsweep-local-cluster.lock").open("a+")
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as the first sweep holds it
+    lock.write(json.dumps({"pid": 4711, "study": "default", "run_dir": "outputs/x"}))
+    lock.flush()
+    try:
+        proc = run_hostsweep(["+sku=cpu"], tmp_path, pythonpath=poisoned_path, env={"TMPDIR": str(tmp_path)})
+    finally:
+        lock.close()
+    line = assert_refused(proc, "another sweep (pid 4711, study default", 0)
+    assert "ray.exclusive=false" in line

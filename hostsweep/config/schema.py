@@ -143,12 +143,21 @@ class RayConfig:
     # Local cluster only: Ray's daemons run under SCHED_IDLE; the raylet only where its
     # workers may leave that policy (cluster.connect).
     idle_daemons: bool = True
+    # Local cluster only: refuse to start while another sweep measures on this machine's
+    # cores (two engines on one core change what both measure).
+    exclusive: bool = True
 
 
 @dataclass
 class FaultsConfig:
-    cell_timeout_s: Optional[float] = None  # a cell running longer is FAILED and its worker replaced
-    max_retries: int = 1  # retries of a cell whose worker died mid-measurement
+    # A cell running longer (from when its engine is ready) is failed, its worker replaced
+    # and the cell retried. None: derived from the cell's work, timeout_base_s +
+    # timeout_per_step_s x every decode step it runs (run/faults.py), never off.
+    cell_timeout_s: Optional[float] = None
+    timeout_base_s: float = 600.0
+    timeout_per_step_s: float = 0.25
+    engine_start_timeout_s: float = 1800.0  # an engine not ready by then fails its cells
+    max_retries: int = 1  # retries of a cell whose worker, engine or time ran out mid-measurement
 
 
 @dataclass
@@ -194,11 +203,21 @@ DEFAULT_TRACKING_URI = "sqlite:///outputs/mlflow.db"
 class TrackingConfig:
     uri: str = DEFAULT_TRACKING_URI
     experiment: Optional[str] = None
+    # Measuring goes on while MLflow is down for up to outage_s; then the sweep stops and
+    # the run directory's journal keeps what was measured for the next run to upload.
+    outage_s: float = 120.0
+    heartbeat_s: float = 30.0  # the sweep's parent run is touched this often
+    # A RUNNING run whose sweep has not touched it for this long is stale: its cells may be
+    # claimed by another sweep, and it is marked KILLED. More than outage_s + heartbeat_s.
+    stale_after_s: float = 300.0
 
 
 @dataclass
 class OutputConfig:
     cells_file: str = "cells.csv"
+    # Pointers to run-directory journals holding cells MLflow does not have yet; the next
+    # sweep of the same experiment uploads them (record/journal.py). Relative to the cwd.
+    pending_dir: str = "outputs/pending"
 
 
 @dataclass

@@ -5,13 +5,21 @@ what is allowed, so the CLI can print it as one line.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Collection, Iterable
+from urllib.parse import urlsplit
 
 from hostsweep.config.engine_args import check_engine_args, unsupported_reason, user_engine_args
+from hostsweep.config.redact import redact
 from hostsweep.config.schema import (
     DTYPES, ENGINES, LOAD_FORMATS, MODEL_SOURCES, TP_EXECUTORS, WORKLOADS, ConfigError, ModeConfig, SkuConfig,
     SweepConfig,
 )
+
+# A study names an experiment and a folder under the artifact root: one path component.
+NAME_PATTERN = re.compile(r"[A-Za-z0-9._-]+")
+# Tracking stores MLflow serves, by URI scheme (the file store is refused by MLflow >= 3.13).
+TRACKING_SCHEMES = ("sqlite", "http", "https", "postgresql", "mysql", "mssql", "databricks")
 
 
 def positive_ints(field_name: str, value: Any) -> list[int]:
@@ -132,6 +140,40 @@ def check_capabilities(cfg: SweepConfig, sku: SkuConfig, modes: tuple[ModeConfig
         )
 
 
+def check_name(field_name: str, value: str) -> None:
+    """A study or experiment name: letters, digits, '.', '_' and '-', not '.' or '..'."""
+    if not NAME_PATTERN.fullmatch(value) or set(value) == {"."}:
+        raise ConfigError(f"{field_name}={value!r} is not allowed; use letters, digits, '.', '_' and '-' "
+                          "(one folder name: it names the MLflow experiment and its artifact folder)")
+
+
+def check_tracking_uri(uri: str) -> None:
+    """A store MLflow serves: a database URI or a server, never the refused file store."""
+    scheme = urlsplit(uri).scheme.split("+")[0].lower()  # e.g. postgresql+psycopg2
+    if scheme not in TRACKING_SCHEMES:
+        hint = " (MLflow >= 3.13 refuses the file store)" if scheme in ("", "file") else ""
+        raise ConfigError(f"tracking.uri={redact(uri)} is not a supported store{hint}; "
+                          f"use sqlite:///path/mlflow.db or http://host:port (allowed schemes: {', '.join(TRACKING_SCHEMES)})")
+
+
+def check_faults_and_tracking(cfg: SweepConfig) -> None:
+    f, t = cfg.faults, cfg.tracking
+    if f.max_retries < 0:
+        raise ConfigError(f"faults.max_retries must be >= 0, got {f.max_retries}")
+    if f.cell_timeout_s is not None and f.cell_timeout_s <= 0:
+        raise ConfigError(f"faults.cell_timeout_s must be positive, or null for a timeout derived from each cell's work, "
+                          f"got {f.cell_timeout_s}")
+    for name in ("timeout_base_s", "timeout_per_step_s", "engine_start_timeout_s"):
+        if getattr(f, name) <= 0:
+            raise ConfigError(f"faults.{name} must be positive, got {getattr(f, name)}")
+    for name in ("outage_s", "heartbeat_s"):
+        if getattr(t, name) <= 0:
+            raise ConfigError(f"tracking.{name} must be positive, got {getattr(t, name)}")
+    if t.stale_after_s <= t.outage_s + t.heartbeat_s:
+        raise ConfigError(f"tracking.stale_after_s={t.stale_after_s} must exceed tracking.outage_s + tracking.heartbeat_s "
+                          f"({t.outage_s + t.heartbeat_s}): a sweep waiting out an outage would look dead")
+
+
 def validate(cfg: SweepConfig, skus: Iterable[SkuConfig], modes: tuple[ModeConfig, ...],
              longest_generate: tuple[int, str], engine_fields: Collection[str]) -> None:
     """Check a config whose tp/batch/ctx/workload lists are already normalized (config.resolve)."""
@@ -149,13 +191,14 @@ def validate(cfg: SweepConfig, skus: Iterable[SkuConfig], modes: tuple[ModeConfi
         raise ConfigError(f"workload=repeat grows each prompt from its first tokens: ctx must be >= 2, got {min(cfg.ctx)}")
     if not 0.0 < cfg.report.crossover_threshold < 1.0:
         raise ConfigError(f"report.crossover_threshold must be in (0, 1), got {cfg.report.crossover_threshold}")
+    check_name("study", cfg.study)
+    if cfg.tracking.experiment is not None:
+        check_name("tracking.experiment", cfg.tracking.experiment)
+    check_tracking_uri(cfg.tracking.uri)
     check_measure(cfg)
     check_split(cfg)
     check_modes(cfg, modes, engine_fields)
-    if cfg.faults.max_retries < 0:
-        raise ConfigError(f"faults.max_retries must be >= 0, got {cfg.faults.max_retries}")
-    if cfg.faults.cell_timeout_s is not None and cfg.faults.cell_timeout_s <= 0:
-        raise ConfigError(f"faults.cell_timeout_s must be positive or null, got {cfg.faults.cell_timeout_s}")
+    check_faults_and_tracking(cfg)
     for sku in skus:
         check_tp(cfg, sku)
         check_capabilities(cfg, sku, modes)

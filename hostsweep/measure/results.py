@@ -59,6 +59,8 @@ class CellResult:
     traces: dict[str, bytes] = field(default_factory=dict)  # file name -> gzipped trace
     thread_states: Optional[pd.DataFrame] = None  # py-spy view of the engine process tree
     spec: Optional[SpecResult] = None  # acceptance and cycles of a speculative engine
+    attempt: int = 1  # 1 + the times this cell was lost (worker or engine died, timed out) and retried
+    retry_reasons: tuple[str, ...] = ()  # why each earlier attempt was lost
 
 
 def skipped_result(key: str, params: dict[str, object], reason: str) -> CellResult:
@@ -104,6 +106,22 @@ def split_tags(result: CellResult) -> dict[str, str]:
     if result.split is None:
         return {}
     return dict(zip(SPLIT_TAGS, (result.split.kernel_source, result.split.regime)))
+
+
+# The optional analyses a cell may carry, each proven by a metric only it produces.
+PART_METRICS = {"split": "device_ms", "linearity": "r2_wall", "pyspy": "pyspy_idle_frac"}
+
+
+def requested_parts(options: MeasureOptions) -> set[str]:
+    """The optional analyses a sweep with these options asks of every cell."""
+    asked = {"split": options.split.enabled, "linearity": bool(options.linearity_T),
+             "pyspy": options.pyspy_seconds > 0}
+    return {part for part, on in asked.items() if on}
+
+
+def missing_parts(options: MeasureOptions, metrics: dict[str, float]) -> list[str]:
+    """What a finished cell (its logged metrics) lacks of what these options ask for."""
+    return sorted(part for part in requested_parts(options) if PART_METRICS[part] not in metrics)
 
 
 def cell_row(result: CellResult, run_id: str) -> dict[str, object]:

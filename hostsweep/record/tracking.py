@@ -9,16 +9,22 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import tempfile
+import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 import mlflow
 import pandas as pd
-from mlflow.entities import Metric, Param
+from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from hostsweep.measure.results import CellResult, cell_metrics, logged_row, split_tags
+from hostsweep.record.claims import (
+    HEARTBEAT_TAG, KILLED_REASON_TAG, LIVE_HERE, OWNER_TAG, PARENT_TAG, RunView, claim_winner, stale_reason,
+    this_owner,
+)
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +35,29 @@ def local_artifact_root(tracking_uri: str) -> Optional[Path]:
     if not tracking_uri.startswith(prefix):
         return None
     return Path(tracking_uri[len(prefix):]).resolve().parent / "mlartifacts"
+
+
+# Each MLflow HTTP call fails within seconds instead of retrying for ~4 min (MLflow's
+# defaults: 7 retries, backoff factor 2, 120 s timeout); the uploader does the waiting.
+# MLflow's own "View run at <uri>" lines would print the URI, credentials and all.
+CLIENT_ENV = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+}
+RUNNING = "attributes.status = 'RUNNING'"
+JOURNAL_TAG = "journal_entry"  # the run-directory journal entry a cell run was logged from
+
+
+def bounded_requests() -> None:
+    for key, value in CLIENT_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def cell_run_name(params: dict[str, object]) -> str:
+    return "/".join(str(params[k]) for k in ("sku", "model", "mode")) + \
+        f"/tp{params['tp']}/b{params['batch']}/ctx{params['ctx']}"
 
 
 def prepare_store(tracking_uri: str) -> None:
@@ -70,8 +99,10 @@ class SweepTracker:
     """Records one sweep: the parent run, then a child run per cell as it arrives."""
 
     def __init__(self, tracking_uri: str, experiment: str) -> None:
+        bounded_requests()
         prepare_store(tracking_uri)
         self.tracking_uri = tracking_uri
+        self.experiment = experiment
         self.client = MlflowClient(tracking_uri)
         self.experiment_id = self._experiment_id(experiment)
         self.parent_run_id: Optional[str] = None
@@ -84,46 +115,136 @@ class SweepTracker:
         location = (root / name).as_uri() if root is not None else None
         return self.client.create_experiment(name, artifact_location=location)
 
+    def finished_runs(self) -> dict[str, list[dict[str, object]]]:
+        """FINISHED cell runs of this experiment by cell key, newest first, each as the
+        cell-table row it had when measured (report.cell_row's columns)."""
+        rows: dict[str, list[dict[str, object]]] = {}
+        for run in sorted(self._search("attributes.status = 'FINISHED'"), key=lambda r: -r.info.start_time):
+            tags = run.data.tags
+            if "cell_key" in tags:
+                rows.setdefault(tags["cell_key"], []).append(
+                    logged_row(run.data.params, run.data.metrics, tags, run.info.run_id))
+        return rows
+
     def finished_cells(self) -> dict[str, dict[str, object]]:
-        """FINISHED cell runs of this experiment by cell key (what a resumed sweep skips),
-        each as the cell-table row it had when measured (report.cell_row's columns)."""
-        rows: dict[str, dict[str, object]] = {}
-        page_token = None
+        """The newest FINISHED run of each cell key (what a resumed sweep may skip)."""
+        return {key: runs[0] for key, runs in self.finished_runs().items()}
+
+    def upload(self, result: CellResult, tags: dict[str, str], run_id: Optional[str], entry: str) -> str:
+        """Log a journal entry an earlier sweep could not: into the run that claimed it
+        unless that run is gone, and only once (the entry id is tagged on the run)."""
+        if run_id is not None:
+            try:
+                run = self.client.get_run(run_id)
+            except Exception:  # noqa: BLE001 - not in this store (any more)
+                run = None
+            if run is not None and run.data.tags.get(JOURNAL_TAG) == entry and run.info.status != "RUNNING":
+                return run_id
+            if run is None or run.info.lifecycle_stage == "deleted":
+                run_id = None
+        return self.log_cell(result, {**tags, JOURNAL_TAG: entry}, run_id)
+
+    def _search(self, filter_string: str) -> list:
+        runs, token = [], None
         while True:
-            page = self.client.search_runs([self.experiment_id], "attributes.status = 'FINISHED'",
-                                           max_results=5000, page_token=page_token)
-            for run in page:
-                tags = run.data.tags
-                if "cell_key" in tags:
-                    rows[tags["cell_key"]] = logged_row(run.data.params, run.data.metrics, tags, run.info.run_id)
-            page_token = page.token
-            if not page_token:
-                return rows
+            page = self.client.search_runs([self.experiment_id], filter_string, max_results=5000, page_token=token)
+            runs.extend(page)
+            token = page.token
+            if not token:
+                return runs
+
+    def running_runs(self) -> tuple[list[RunView], dict[str, RunView]]:
+        """The RUNNING runs of the experiment, and every run they name as parent, by id."""
+        views = [RunView(r.info.run_id, r.info.status, r.data.tags, r.info.start_time) for r in self._search(RUNNING)]
+        known = {v.run_id: v for v in views}
+        for parent_id in {v.tags[PARENT_TAG] for v in views if PARENT_TAG in v.tags} - set(known):
+            try:
+                r = self.client.get_run(parent_id)
+                known[parent_id] = RunView(parent_id, r.info.status, r.data.tags, r.info.start_time)
+            except Exception:  # noqa: BLE001 - a deleted parent: its children are stale
+                pass
+        return views, known
+
+    def reap_stale(self, stale_after_s: float) -> list[tuple[str, str]]:
+        """Mark KILLED, with the reason as a tag, every RUNNING run whose sweep is gone."""
+        views, known = self.running_runs()
+        now, reaped = time.time(), []
+        for view in views:
+            reason = stale_reason(view, known, now, stale_after_s)
+            if reason:
+                self.client.set_tag(view.run_id, KILLED_REASON_TAG, f"marked KILLED by a later sweep: {reason}")
+                self.client.set_terminated(view.run_id, status="KILLED")
+                reaped.append((view.run_id, reason))
+        return reaped
+
+    def live_claims(self, stale_after_s: float) -> dict[str, list[RunView]]:
+        """RUNNING cell runs of live sweeps (claims), by cell key."""
+        views, known = self.running_runs()
+        now, claims = time.time(), {}
+        for view in views:
+            if "cell_key" in view.tags and not stale_reason(view, known, now, stale_after_s):
+                claims.setdefault(view.tags["cell_key"], []).append(view)
+        return claims
+
+    def claim(self, cells: dict[str, dict[str, object]], stale_after_s: float) -> tuple[dict[str, str], dict[str, str]]:
+        """Claim each cell (key -> params) not claimed by another live sweep with a RUNNING
+        child run. Returns (key -> my run id, key -> the other sweep's parent run id)."""
+        taken = self.live_claims(stale_after_s)
+        mine: dict[str, str] = {}
+        for key, params in cells.items():
+            if key in taken:
+                continue
+            tags = {PARENT_TAG: self.parent_run_id or "", "cell_key": key}
+            mine[key] = self.client.create_run(self.experiment_id, run_name=cell_run_name(params), tags=tags).info.run_id
+        # Two sweeps may claim one cell at once: every sweep keeps the earliest claim only.
+        others: dict[str, str] = {}
+        for key, claims in self.live_claims(stale_after_s).items():
+            winner = claim_winner(claims)
+            if winner.tags.get(PARENT_TAG) != self.parent_run_id:
+                others[key] = winner.tags.get(PARENT_TAG, "?")
+                if key in mine:
+                    self.client.delete_run(mine.pop(key))
+        return mine, others
+
+    def release(self, run_ids: Iterable[str], reason: str) -> None:
+        """End claims this sweep will not measure: KILLED, with why."""
+        for run_id in run_ids:
+            self.client.set_tag(run_id, KILLED_REASON_TAG, reason)
+            self.client.set_terminated(run_id, status="KILLED")
+
+    def heartbeat(self) -> None:
+        if self.parent_run_id is not None:
+            self.client.set_tag(self.parent_run_id, HEARTBEAT_TAG, f"{time.time():.0f}")
 
     def start_sweep(self, run_name: str, config_yaml: str, params: dict[str, object],
                     tags: dict[str, str]) -> str:
+        tags = {**tags, HEARTBEAT_TAG: f"{time.time():.0f}", OWNER_TAG: this_owner()}
         run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
         self.parent_run_id = run.info.run_id
+        LIVE_HERE.add(self.parent_run_id)
         self.client.log_batch(self.parent_run_id, params=[Param(k, str(v)) for k, v in params.items()])
         self.client.log_text(self.parent_run_id, config_yaml, "config.yaml")
         return self.parent_run_id
 
-    def log_cell(self, result: CellResult, tags: dict[str, str]) -> str:
-        """One child run for one cell, terminated with the cell's status."""
+    def log_cell(self, result: CellResult, tags: dict[str, str], run_id: Optional[str] = None) -> str:
+        """A cell's child run (the one that claimed it, else a new one), terminated with the
+        cell's status. Logging again into the same run is harmless: a retry after a failed
+        call, or a later sweep uploading a journal."""
         all_tags = {
-            "mlflow.parentRunId": self.parent_run_id or "",
+            PARENT_TAG: self.parent_run_id or "",
             "cell_key": result.key,
             **result.host,
             **split_tags(result),
+            "attempt": str(result.attempt),
             **tags,
         }
-        name = "/".join(str(result.params[k]) for k in ("sku", "model", "mode")) + \
-            f"/tp{result.params['tp']}/b{result.params['batch']}/ctx{result.params['ctx']}"
-        run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
-        run_id = run.info.run_id
+        if result.retry_reasons:
+            all_tags["retry_reasons"] = " | ".join(result.retry_reasons)[:5000]
+        if run_id is None:
+            run_id = self.client.create_run(self.experiment_id, run_name=cell_run_name(result.params)).info.run_id
         metrics = [Metric(k, v, 0, 0) for k, v in cell_metrics(result).items() if math.isfinite(v)]
-        self.client.log_batch(run_id, metrics=metrics,
-                              params=[Param(k, str(v)) for k, v in result.params.items()])
+        self.client.log_batch(run_id, metrics=metrics, params=[Param(k, str(v)) for k, v in result.params.items()],
+                              tags=[RunTag(k, str(v)) for k, v in all_tags.items()])
         if result.measurement is not None:
             self.client.log_text(run_id, timings_table(result), "raw_timings.csv")
         self._log_analysis(run_id, result)
@@ -163,6 +284,10 @@ class SweepTracker:
                 for name, data in result.traces.items():
                     (Path(folder) / name).write_bytes(data)
                 self.client.log_artifacts(run_id, folder, "traces")
+
+    def end(self) -> None:
+        """This sweep measures no more (its runs may stay RUNNING if MLflow is down)."""
+        LIVE_HERE.discard(self.parent_run_id or "")
 
     def finish_sweep(self, status: str, metrics: dict[str, float]) -> None:
         if self.parent_run_id is None:

@@ -1,5 +1,8 @@
 """Worker actors: where each goes (a CPU node, a GPU of its SKU, or a TP-k placement
-group), starting and releasing them, and closing their engines at the end."""
+group), starting and releasing them, and closing their engines at the end.
+
+Each actor has a second thread, the "watch" concurrency group, so the driver can ask
+whether its engine is alive (and have it killed) while a cell blocks the main one."""
 from __future__ import annotations
 
 import logging
@@ -12,6 +15,13 @@ from hostsweep.run.placement import placement_bundles
 from hostsweep.run.worker import SweepWorker
 
 log = logging.getLogger(__name__)
+
+# The concurrency group of the worker methods that must answer while a cell runs
+# (engine_health, abort); cells run one at a time in the default group.
+WATCH_GROUP = "watch"
+# Seconds a worker gets to kill its engine and remove its scratch folder before its
+# process is killed (then vLLM's processes notice their parent is gone and exit).
+ABORT_TIMEOUT_S = 10.0
 
 
 def cpu_engine_cpus(nodes: list[NodeInventory]) -> int:
@@ -40,11 +50,17 @@ class WorkerHandle:
     placement_group: Optional[Any] = None
 
 
-def release_worker(worker: WorkerHandle) -> None:
-    """Kill a worker and free its placement group, if it has one."""
+def release_worker(worker: WorkerHandle, engine_started: bool = True) -> None:
+    """Kill a worker (its engine first, where it answers) and free its placement group.
+    A worker still starting its engine cannot answer until it has: it is killed at once."""
     import ray
     from ray.util.placement_group import remove_placement_group
 
+    if engine_started:
+        try:
+            ray.get(worker.actor.abort.options(concurrency_group=WATCH_GROUP).remote(), timeout=ABORT_TIMEOUT_S)
+        except ray.exceptions.RayError:  # already dead, or wedged (GetTimeoutError is a RayError)
+            pass
     ray.kill(worker.actor)
     if worker.placement_group is not None:
         remove_placement_group(worker.placement_group)
@@ -56,7 +72,7 @@ def new_worker(spec: EngineSpec) -> WorkerHandle:
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    remote_worker = ray.remote(SweepWorker)
+    remote_worker = ray.remote(concurrency_groups={WATCH_GROUP: 1})(SweepWorker)
     if spec.accelerator_type is not None and spec.tp > 1:
         # k one-GPU bundles on one node; the worker sits in bundle 0 holding none of them
         # and hands them to vLLM's ranks (placement.py).

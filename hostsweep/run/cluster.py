@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import socket
+import tempfile
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable
 
 from hostsweep.config.grid import EngineSpec
@@ -33,11 +37,55 @@ class NodeInventory:
     accelerator_types: tuple[str, ...]
 
 
+# Ray's own record of the cluster `ray start` last started here (what address=auto joins).
+RAY_CURRENT_CLUSTER = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+CONNECT_TIMEOUT_S = 3.0
+
+
+def resolve_address(address: str) -> tuple[str, int]:
+    """host and port behind ray.address: `auto` (RAY_ADDRESS, else the cluster `ray start`
+    last started here), `ray://host:port` or `host:port`; ConfigError if there is none."""
+    given = address
+    if address == "auto":
+        address = os.environ.get("RAY_ADDRESS") or \
+            (RAY_CURRENT_CLUSTER.read_text().strip() if RAY_CURRENT_CLUSTER.is_file() else "")
+        if not address:
+            raise ConfigError("ray.address=auto but no Ray cluster was started on this machine (`ray start --head`, "
+                              "or `ray up ray_cluster.yaml` then run on the head) and RAY_ADDRESS is unset")
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"ray.address={given} is not host:port, ray://host:port or auto")
+    return host.strip("[]"), int(port)
+
+
+def check_address_answers(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """ConfigError within timeout_s unless something listens at ray.address (Ray itself
+    would retry 'Failed to connect to GCS' for minutes)."""
+    host, port = resolve_address(address)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"ray.address={address}: nothing answers at {host}:{port} within {timeout_s:.0f} s "
+                          f"({exc.strerror or exc}); is the cluster up?") from None
+
+
+def _loopback_only() -> None:
+    """Make a local cluster listen on 127.0.0.1 only. Ray binds its servers to the node IP
+    and replaces 127.0.0.1 by the routable one unless clusters are "disabled", the mode
+    it uses on macOS/Windows; the flag is read at import and by the daemons it starts."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import ray._private.ray_constants as ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
 def connect(address: str | None, confine_daemons: bool = False, idle_daemons: bool = False) -> bool:
     """Join the cluster at `address`, or start a local one; True if we started it.
 
-    Local cluster only, so Ray's own processes take as little as possible from the
-    engines measured beside them:
+    A local cluster listens on loopback only, with no dashboard. Local cluster only, so
+    Ray's own processes take as little as possible from the engines measured beside them:
     confine_daemons: Ray's daemons start pinned to the last core, away from the cores vLLM
     binds its compute threads to; workers get every core back (WORKER_AFFINITY_ENV)
     before their engine starts.
@@ -48,8 +96,31 @@ def connect(address: str | None, confine_daemons: bool = False, idle_daemons: bo
 
     if ray.is_initialized():
         return False
-    if address:
+    # ray.init replaces the driver's SIGTERM handler with sys.exit; the program's own
+    # (stop like Ctrl-C, __main__) must stay.
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        return _init(ray, address, confine_daemons, idle_daemons)
+    finally:
+        if sigterm is not None:
+            signal.signal(signal.SIGTERM, sigterm)
+
+
+def _join(ray, address: str) -> None:  # noqa: ANN001
+    """ray.init(address), its failure (after its own retries) as one line."""
+    try:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+    except (ConnectionError, RuntimeError) as exc:
+        cause = f"{exc}; {exc.__cause__}" if exc.__cause__ else str(exc)
+        hint = (" (the cluster wants a token: set RAY_AUTH_MODE=token, with the token in ~/.ray/auth_token "
+                "or RAY_AUTH_TOKEN)") if "auth" in cause.lower() else ""
+        raise ConfigError(f"ray.address={address}: could not join the cluster: "
+                          f"{str(exc).strip().splitlines()[0]}{hint}") from None
+
+
+def _init(ray, address: str | None, confine_daemons: bool, idle_daemons: bool) -> bool:  # noqa: ANN001
+    if address:
+        _join(ray, address)
         return False
     # Ray runs workers at niceness 15 by default; the engines they start inherit it.
     os.environ.setdefault("RAY_worker_niceness", "0")
@@ -62,10 +133,10 @@ def connect(address: str | None, confine_daemons: bool = False, idle_daemons: bo
         os.environ[WORKER_AFFINITY_ENV] = ",".join(map(str, cores))
         os.sched_setaffinity(0, cores[-1:])  # the daemons ray.init starts inherit this
     before = set(descendant_pids(os.getpid()))  # not Ray's: e.g. an engine started here
+    _loopback_only()
     try:
-        # address="local": always a new cluster. Without it ray.init joins the last cluster a
-        # `ray start` on this machine recorded (another user's, or one already gone: then it
-        # waits on a dead GCS).
+        # "local": always a new cluster. Without an address ray.init joins the cluster named
+        # by RAY_ADDRESS or /tmp/ray/ray_current_cluster (hanging if that one is dead).
         ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
     finally:
         os.sched_setaffinity(0, cores)

@@ -1,35 +1,62 @@
-"""Dispatch cells to worker actors and stream results back, surviving faults.
+"""Dispatch cells to workers and stream results back, surviving faults.
 
-One actor per engine spec, fed one cell at a time (so the driver knows what each worker
+One worker per engine spec, fed one cell at a time (so the driver knows what each worker
 is measuring and for how long). Results are handed to `on_result` as each cell ends:
 - a cell that raises inside the worker comes back FAILED with its reason;
-- a cell running past `cell_timeout_s` is FAILED, its actor killed and replaced;
-- a worker that dies (killed process, lost node) is replaced and its unfinished cell
-  retried up to `max_retries` times; a worker whose engine cannot start fails the rest
-  of its spec's cells with that reason instead of retrying forever.
-A cell is reported exactly once.
+- a worker lost mid-cell (its process killed, its node gone, its engine process dead)
+  or a cell past its timeout: the worker is replaced and the cell retried up to
+  `max_retries` times, each attempt's reason kept with the result;
+- a worker whose engine cannot start (or does not within engine_start_timeout_s) fails
+  its spec's cells with that reason instead of retrying forever;
+- `should_stop` (e.g. tracking down too long) ends the sweep cleanly: cells in flight
+  are abandoned, not reported, and the workers released.
+A cell is reported at most once. The state machine talks to workers only through a
+WorkerBackend: Ray's (run/backend.py) in a sweep, an in-process fake in tests.
 """
 from __future__ import annotations
 
 import logging
-import time
-from collections import Counter, deque
-from dataclasses import dataclass
-from typing import Callable, Optional
+from collections import Counter, defaultdict, deque
+from dataclasses import replace
+from typing import Callable, Optional, Protocol
 
-from hostsweep.run.actors import WorkerHandle, new_worker, release_worker, stop_workers
 from hostsweep.config.grid import Cell, EngineSpec, group_by_engine
-from hostsweep.run.progress import ProgressReporter
 from hostsweep.measure.results import CellResult, MeasureOptions
+from hostsweep.run.faults import CallFailed, FaultPolicy, Outcome, WorkerLost
+from hostsweep.run.progress import ProgressReporter
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class FaultPolicy:
-    cell_timeout_s: Optional[float] = None
-    max_retries: int = 1
-    poll_s: float = 2.0
+class WorkerBackend(Protocol):
+    """Where workers run. Handles are opaque to the dispatcher."""
+
+    def now(self) -> float:
+        """Seconds on a monotonic clock."""
+
+    def start(self, spec: EngineSpec) -> object:
+        """A new worker; its engine starts in the background."""
+
+    def submit(self, worker: object, cell: Cell, options: MeasureOptions) -> object:
+        """Ask the worker to measure a cell; a pending handle."""
+
+    def wait(self, pending: list[object], timeout_s: float) -> list[object]:
+        """The pending handles that are done, waiting up to timeout_s for the first."""
+
+    def outcome(self, pending: object) -> Outcome:
+        """What a done handle brought back."""
+
+    def started(self, worker: object) -> bool:
+        """Whether the worker's engine is up (or its start has failed)."""
+
+    def engine_fault(self, worker: object) -> Optional[str]:
+        """Why the worker's engine is dead, or None while it is alive (or not yet known)."""
+
+    def release(self, worker: object) -> None:
+        """Kill the worker and its engine now; free what it holds."""
+
+    def close(self, workers: list[object]) -> None:
+        """Close engines cleanly, then release the workers."""
 
 
 def failed_result(cell: Cell, reason: str) -> CellResult:
@@ -38,122 +65,152 @@ def failed_result(cell: Cell, reason: str) -> CellResult:
 
 class Dispatcher:
     def __init__(self, cells: list[Cell], options: MeasureOptions, on_result: Callable[[CellResult], None],
-                 policy: FaultPolicy = FaultPolicy(), progress: Optional[ProgressReporter] = None,
-                 worker_factory: Callable[[EngineSpec], WorkerHandle] = new_worker) -> None:
+                 backend: WorkerBackend, policy: FaultPolicy = FaultPolicy(),
+                 progress: Optional[ProgressReporter] = None,
+                 should_stop: Callable[[], Optional[str]] = lambda: None) -> None:
         self.queues = {spec: deque(group) for spec, group in group_by_engine(cells).items()}
         self.options, self.on_result, self.policy = options, on_result, policy
-        self.progress = progress
-        self.worker_factory = worker_factory
-        self.actors: dict[EngineSpec, WorkerHandle] = {}
-        # When each actor's engine finished starting: cell timeouts count from then, not
-        # from submission, so a slow engine start is not charged to its first cell.
-        self.ready_refs: dict[EngineSpec, object] = {}
+        self.backend, self.progress, self.should_stop = backend, progress, should_stop
+        self.workers: dict[EngineSpec, object] = {}
+        self.started_at: dict[EngineSpec, float] = {}
+        # When each worker's engine was ready: cell timeouts count from then, so a slow
+        # engine start is not charged to its first cell.
         self.ready_at: dict[EngineSpec, float] = {}
         self.inflight: dict[object, tuple[EngineSpec, Cell, float]] = {}
-        self.attempts: Counter = Counter()
+        self.attempts: Counter = Counter()  # lost attempts per cell key
+        self.reasons: dict[str, list[str]] = defaultdict(list)
         self.done = 0
+        self.stopped: Optional[str] = None  # why the sweep stopped early, if it did
 
-    def _report(self, result: CellResult) -> None:
+    def _report(self, result: CellResult, lost_last: bool = False) -> None:
+        """Hand a cell's final result on, with its attempts: the lost ones, plus the one that
+        produced this result unless it was lost too (retries exhausted)."""
         self.done += 1
-        self.on_result(result)
+        key = result.key
+        attempt = self.attempts[key] + (0 if lost_last else 1)
+        self.on_result(replace(result, attempt=attempt, retry_reasons=tuple(self.reasons[key])))
 
     def _submit_next(self, spec: EngineSpec) -> None:
-        if not self.queues[spec]:
+        if not self.queues[spec] and not self.stopped:
             self._retire(spec)
+        if not self.queues[spec] or self.stopped:
             return
-        if spec not in self.actors:
-            self.actors[spec] = self.worker_factory(spec)
-            self.ready_refs[spec] = self.actors[spec].actor.host_info.remote()
+        if spec not in self.workers:
+            self.workers[spec] = self.backend.start(spec)
+            self.started_at[spec] = self.backend.now()
             self.ready_at.pop(spec, None)
         cell = self.queues[spec].popleft()
-        ref = self.actors[spec].actor.measure.remote(cell, self.options)
-        self.inflight[ref] = (spec, cell, time.monotonic())
+        pending = self.backend.submit(self.workers[spec], cell, self.options)
+        self.inflight[pending] = (spec, cell, self.backend.now())
 
     def _retire(self, spec: EngineSpec) -> None:
         """Close the engine of a spec with no cells left, so its resources go to the next
         spec's worker (a CPU worker holds a whole node: two specs there run in turn)."""
-        if spec in self.actors and not any(s == spec for s, _, _ in self.inflight.values()):
-            stop_workers([self.actors.pop(spec)])
-            self.ready_refs.pop(spec, None)
+        if spec in self.workers and not any(s == spec for s, _, _ in self.inflight.values()):
+            self.backend.close([self.workers.pop(spec)])
             self.ready_at.pop(spec, None)
 
-    def _replace_actor(self, spec: EngineSpec) -> None:
-        worker = self.actors.pop(spec, None)
-        self.ready_refs.pop(spec, None)
+    def _replace_worker(self, spec: EngineSpec) -> None:
+        worker = self.workers.pop(spec, None)
         self.ready_at.pop(spec, None)
         if worker is not None:
-            release_worker(worker)
+            self.backend.release(worker)
 
-    def _on_actor_died(self, spec: EngineSpec, cell: Cell, exc: Exception) -> None:
-        self._replace_actor(spec)
-        if getattr(exc, "actor_init_failed", False):  # the engine cannot start: retrying repeats it
-            reason = f"worker for {spec.label} failed to start: {exc}"
-            for doomed in [cell, *self.queues[spec]]:
-                self._report(failed_result(doomed, reason))
-            self.queues[spec].clear()
-            return
+    def _retry_or_fail(self, spec: EngineSpec, cell: Cell, reason: str) -> None:
         self.attempts[cell.key] += 1
-        if self.attempts[cell.key] <= self.policy.max_retries:
-            log.warning("worker for %s died during %s; retrying (%d/%d)", spec.label, cell.key,
-                        self.attempts[cell.key], self.policy.max_retries)
+        self.reasons[cell.key].append(reason)
+        tries = self.attempts[cell.key]
+        if tries <= self.policy.max_retries:
+            log.warning("%s: %s; retrying on a new worker (retry %d of %d)", cell.key, reason, tries,
+                        self.policy.max_retries)
             self.queues[spec].appendleft(cell)
         else:
-            self._report(failed_result(cell, f"worker died {self.attempts[cell.key]} times: {exc}"))
+            self._report(failed_result(cell, f"{reason} (attempt {tries} of {self.policy.max_retries + 1}, "
+                                             "faults.max_retries exhausted)"), lost_last=True)
 
-    def _collect(self, ref: object) -> None:
-        import ray
+    def _fail_spec(self, spec: EngineSpec, cell: Cell, reason: str) -> None:
+        """The engine cannot start: retrying repeats it, so every cell of the spec fails."""
+        for doomed in [cell, *self.queues[spec]]:
+            self._report(failed_result(doomed, reason))
+        self.queues[spec].clear()
 
-        spec, cell, _ = self.inflight.pop(ref)
-        try:
-            result = ray.get(ref)
-        except ray.exceptions.RayActorError as exc:
-            self._on_actor_died(spec, cell, exc)
-        except ray.exceptions.RayError as exc:
-            self._report(failed_result(cell, f"{type(exc).__name__}: {exc}"))
-        else:
-            self._report(result)
+    def _lose(self, pending: object, reason: str) -> None:
+        """The worker measuring `pending` is lost (or gave up): replace it, retry the cell."""
+        spec, cell, _ = self.inflight.pop(pending)
+        self._replace_worker(spec)
+        self._retry_or_fail(spec, cell, reason)
         self._submit_next(spec)
 
-    def _note_ready_workers(self) -> None:
-        import ray
-
-        for spec, ref in list(self.ready_refs.items()):
-            if ray.wait([ref], timeout=0)[0]:
-                self.ready_at[spec] = time.monotonic()
-                del self.ready_refs[spec]
-
-    def _expire_timeouts(self) -> None:
-        limit = self.policy.cell_timeout_s
-        if limit is None:
+    def _collect(self, pending: object) -> None:
+        spec, cell, _ = self.inflight[pending]
+        outcome = self.backend.outcome(pending)
+        if isinstance(outcome, WorkerLost) and outcome.at_start:
+            del self.inflight[pending]
+            self._replace_worker(spec)
+            self._fail_spec(spec, cell, f"worker for {spec.label} failed to start: {outcome.reason}")
+        elif isinstance(outcome, WorkerLost):
+            self._lose(pending, outcome.reason)
             return
-        self._note_ready_workers()
-        now = time.monotonic()
-        for ref, (spec, cell, submitted) in list(self.inflight.items()):
+        else:
+            del self.inflight[pending]
+            if isinstance(outcome, CallFailed):
+                self._report(failed_result(cell, outcome.reason))
+            else:
+                self._report(outcome)
+        self._submit_next(spec)
+
+    def _watch(self) -> None:
+        """Engine starts, engine deaths and timeouts of the cells in flight."""
+        now = self.backend.now()
+        for pending, (spec, cell, submitted) in list(self.inflight.items()):
+            worker = self.workers[spec]
             if spec not in self.ready_at:
-                continue  # engine still starting
-            if now - max(submitted, self.ready_at[spec]) > limit:
-                del self.inflight[ref]
-                self._replace_actor(spec)  # the only way to stop a running actor task
-                self._report(failed_result(cell, f"timed out after {limit:.0f} s"))
-                self._submit_next(spec)
+                if self.backend.started(worker):
+                    self.ready_at[spec] = now
+                elif now - self.started_at[spec] > self.policy.engine_start_timeout_s:
+                    del self.inflight[pending]
+                    self._replace_worker(spec)
+                    self._fail_spec(spec, cell, f"worker for {spec.label} failed to start: engine not ready after "
+                                                f"{self.policy.engine_start_timeout_s:.0f} s (faults.engine_start_timeout_s)")
+                continue
+            fault = self.backend.engine_fault(worker)
+            limit = self.policy.timeout_for(cell, self.options)
+            if fault is not None:
+                self._lose(pending, f"engine died: {fault}")
+            elif now - max(submitted, self.ready_at[spec]) > limit:
+                self._lose(pending, f"timed out after {limit:.0f} s (faults.cell_timeout_s)")
 
     def _current(self) -> dict[str, str]:
         return {spec.label: f"b{cell.batch} ctx{cell.ctx}" for spec, cell, _ in self.inflight.values()}
 
-    def run(self) -> None:
-        import ray
+    def _stop(self, reason: str) -> None:
+        self.stopped = reason
+        log.error("stopping the sweep: %s; %d cell(s) in flight abandoned", reason, len(self.inflight))
+        self.inflight.clear()
+        for spec in list(self.workers):
+            self._replace_worker(spec)
 
+    def run(self) -> None:
         try:
             for spec in self.queues:
                 self._submit_next(spec)
             while self.inflight:
                 if self.progress:
                     self.progress.update(self.done, self._current())
-                done, _ = ray.wait(list(self.inflight), num_returns=1, timeout=self.policy.poll_s)
-                for ref in done:
-                    self._collect(ref)
-                self._expire_timeouts()
+                reason = self.should_stop()
+                if reason:
+                    self._stop(reason)
+                    break
+                for pending in self.backend.wait(list(self.inflight), self.policy.poll_s):
+                    if pending in self.inflight:
+                        self._collect(pending)
+                self._watch()
             if self.progress:
                 self.progress.update(self.done, {})
+        except BaseException:  # interrupted: kill the engines now rather than wait for their cells
+            for spec in list(self.workers):
+                self._replace_worker(spec)
+            raise
         finally:
-            stop_workers(list(self.actors.values()))
+            self.backend.close(list(self.workers.values()))
+            self.workers.clear()

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 from typing import Iterable
 
 import psutil
@@ -110,3 +114,24 @@ def descendant_pids(pid: int) -> list[int]:
         return [child.pid for child in psutil.Process(pid).children(recursive=True)]
     except psutil.Error:
         return []
+
+
+SCRATCH_PREFIX = "hostsweep-"
+
+
+def new_scratch_folder() -> Path:
+    """A worker's scratch folder in the node's temp dir, named for the worker's pid so a
+    later worker can tell a dead one's leftovers (remove_stale_scratch)."""
+    return Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
+
+
+def remove_stale_scratch(root: Path | None = None) -> list[Path]:
+    """Remove scratch folders of workers that are gone (killed before they could clean up)."""
+    root = root or Path(tempfile.gettempdir())
+    removed = []
+    for folder in root.glob(f"{SCRATCH_PREFIX}*"):
+        match = re.match(rf"{SCRATCH_PREFIX}(\d+)-", folder.name)
+        if folder.is_dir() and match and not psutil.pid_exists(int(match.group(1))):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed

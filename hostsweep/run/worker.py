@@ -1,12 +1,14 @@
 """The worker: owns one started engine and measures every cell of its engine spec.
 
-A plain class, so it runs in-process in tests; cluster.py wraps it as a Ray actor.
+A plain class, so it runs in-process in tests; actors.py wraps it as a Ray actor whose
+watch thread answers engine_health and abort while a cell runs. A cell whose engine
+died raises EngineDied (the driver retries it elsewhere) instead of coming back FAILED.
 """
 from __future__ import annotations
 
 import logging
 import os
-import tempfile
+import shutil
 import time
 import traceback
 from pathlib import Path
@@ -20,7 +22,12 @@ from hostsweep.config.machine import hostname
 from hostsweep.measure.protocol import own_text_seeds, prompt_digest, random_prompts, run_protocol, summarize
 from hostsweep.measure.results import CellResult, MeasureOptions
 from hostsweep.measure.speculative import spec_summary
-from hostsweep.run.hygiene import release_ray_thread_limits, restore_affinity, restore_priority, restore_scheduler
+from hostsweep.run.faults import EngineDied
+from hostsweep.run.hygiene import (
+    descendant_pids, new_scratch_folder, release_ray_thread_limits, remove_stale_scratch, restore_affinity,
+    restore_priority, restore_scheduler,
+)
+from hostsweep.run.liveness import EngineWatch, engine_processes
 from hostsweep.run.placement import hand_gpus_to_ranks
 from hostsweep.run.pyspy import record_thread_states
 from hostsweep.measure.split import LinearityResult, SplitResult, device_split, linearity
@@ -54,14 +61,23 @@ class SweepWorker:
         scheduler = restore_scheduler()
         restore_affinity()
         self.spec = spec
-        # On a remote node the driver's folders do not exist: default to a local temp dir.
-        folder = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="hostsweep-"))
+        # On a remote node the driver's folders do not exist: default to a local temp dir,
+        # removed when this worker ends (or by the next worker, if this one is killed).
+        remove_stale_scratch()
+        self.scratch = None if workdir else new_scratch_folder()
+        folder = Path(workdir) if workdir else self.scratch
         tp_gpus = None
         if spec.accelerator_type is not None and spec.tp > 1:
             tp_gpus = hand_gpus_to_ranks(spec.tp_executor, os.environ)
+        before = descendant_pids(os.getpid())
         started = time.perf_counter()
-        self.engine: Engine = start_engine(spec, folder)
+        try:
+            self.engine: Engine = start_engine(spec, folder)
+        except BaseException:
+            self._remove_scratch()
+            raise
         engine_start_s = time.perf_counter() - started
+        self.watch = EngineWatch(engine_processes(os.getpid(), before))
         self._profile_count = 0
         self._spec_log: list[list[dict]] = []  # per-request speculation counts of T-token generates
         self.host = {
@@ -77,6 +93,20 @@ class SweepWorker:
 
     def host_info(self) -> dict[str, str]:
         return dict(self.host)
+
+    def engine_health(self) -> Optional[str]:
+        """Why the engine is dead (which process, exit code or signal), or None."""
+        return self.watch.fault()
+
+    def abort(self) -> None:
+        """Kill the engine's processes and drop the scratch folder: the driver is about to
+        kill this worker, which would leave both behind."""
+        self.watch.kill()
+        self._remove_scratch()
+
+    def _remove_scratch(self) -> None:
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     def _timed_generate(self, prompts: list[list[int]]):
         def timed(tokens: int) -> float:
@@ -148,6 +178,9 @@ class SweepWorker:
         """Run the differencing protocol on one cell; failures become FAILED results."""
         start = time.perf_counter()
         keep: Optional[dict[str, bytes]] = {} if options.split.keep_traces else None
+        dead = self.watch.fault()
+        if dead is not None:
+            raise EngineDied(dead)
         try:
             prompts = self.prompts(cell)
             self._spec_log = []
@@ -161,6 +194,9 @@ class SweepWorker:
                                           lambda: self._timed_generate(prompts)(cell.T)) \
                 if options.pyspy_seconds > 0 else None
         except Exception as exc:  # the sweep goes on; the reason is recorded with the cell
+            dead = self.watch.fault()
+            if dead is not None:  # not the cell's fault: a new engine should measure it
+                raise EngineDied(dead) from exc
             log.error("cell %s failed: %s", cell.key, exc)
             reason = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"
             return CellResult(cell.key, cell.params(), "FAILED", None, reason, self.host_info(),
@@ -170,4 +206,8 @@ class SweepWorker:
                           time.perf_counter() - start, split, lin, keep or {}, states, spec)
 
     def close(self) -> None:
-        self.engine.close()
+        self.watch.closing = True
+        try:
+            self.engine.close()
+        finally:
+            self._remove_scratch()

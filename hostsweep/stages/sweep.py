@@ -1,32 +1,52 @@
-"""One sweep end to end: validate, plan, check the cluster, measure, record, print.
+"""One sweep end to end: validate, preflight, plan, check the cluster, claim, measure,
+record, print.
 
-Order matters: everything that can reject the input runs before Ray starts, and the
-cluster is checked before any actor is created, so bad input costs seconds.
+Order matters: everything that can reject the input runs before Ray starts (resolve,
+then preflight), and the cluster is checked before any actor is created, so bad input
+costs seconds. Before measuring, the study's experiment is put in order: cells an
+earlier sweep measured but never logged are uploaded from its journal, RUNNING runs of
+dead sweeps are marked KILLED, finished cells are skipped (if they measured everything
+this sweep asks for) and the rest are claimed, so a concurrent sweep skips them.
 """
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
 from hostsweep.config.grid import Cell, build_cells, group_by_engine, runnable
+from hostsweep.config.redact import redact
 from hostsweep.config.resolve import Study, resolve
-from hostsweep.config.schema import SweepConfig
+from hostsweep.config.schema import ConfigError
 from hostsweep.config.vllm_fields import ENGINE_ARG_FIELDS
 from hostsweep.engines.vllm_engine import engine_arg_fields
-from hostsweep.measure.results import CellResult, MeasureOptions, cell_row, skipped_result
+from hostsweep.measure.results import MeasureOptions, missing_parts, skipped_result
 from hostsweep.record.celltable import CellTable
+from hostsweep.record.claims import PARENT_TAG
+from hostsweep.record.journal import JOURNAL_FILE, Journal, pending_folder
 from hostsweep.record.provenance import driver_tags
 from hostsweep.record.tracking import SweepTracker
 from hostsweep.report.modes import cell_frame, mode_pairs, study_summary
 from hostsweep.report.tables import format_table
 from hostsweep.run import cluster
-from hostsweep.run.dispatch import Dispatcher, FaultPolicy
+from hostsweep.run.dispatch import Dispatcher, WorkerBackend
+from hostsweep.run.faults import FaultPolicy
 from hostsweep.run.progress import ProgressReporter
+from hostsweep.run.hygiene import descendant_pids
+from hostsweep.stages.preflight import preflight, record_cluster
+from hostsweep.stages import signals
+from hostsweep.stages.recording import SweepRecorder, upload_orphans
 
 log = logging.getLogger(__name__)
+
+# Seconds MLflow gets to take the queued cells at the end: a normal end waits out a short
+# outage (up to tracking.outage_s), an interrupted one does not keep the user waiting.
+INTERRUPTED_DRAIN_S = 10.0
 
 
 def experiment_name(study: Study) -> str:
@@ -34,7 +54,7 @@ def experiment_name(study: Study) -> str:
 
 
 def sweep_run_name(study: Study, run_dir: Path) -> str:
-    """e.g. 'keystone-cpu: cpu/small-llama/eager @ 18-10-29/1' (multirun jobs end in /N)."""
+    """e.g. 'keystone-cpu: cpu/small-llama/eager @ 18-10-29-4711/1' (multirun jobs end in /N)."""
     cfg = study.config
     skus = "+".join(s.name for s in study.skus)
     modes = "+".join(m.name for m in study.modes)
@@ -52,92 +72,176 @@ def sweep_params(study: Study, cells: list[Cell]) -> dict[str, object]:
     }
 
 
-def measure_and_record(cfg: SweepConfig, cells: list[Cell], tracker: SweepTracker,
-                       table: CellTable) -> None:
-    """Dispatch the cells; log each result to MLflow and the table as it arrives."""
-    tags = driver_tags()
-    total = len(cells)
-
-    def on_result(result: CellResult) -> None:
-        run_id = tracker.log_cell(result, tags)
-        table.append(cell_row(result, run_id))
-        step = f"{result.measurement.step_ms:.3f} ms/step" if result.measurement else result.status
-        if result.split is not None:
-            step += f", device {result.split.device_ms:.3f} ms, host {result.split.host_frac:.0%}"
-        log.info("[%d/%d] %s: %s", len(table.rows), total, result.key, step)
-
-    for cell in cells:  # a mode the SKU cannot run: recorded with its reason, never dispatched
-        if cell.skip is not None:
-            on_result(skipped_result(cell.key, cell.params(), cell.skip))
-    policy = FaultPolicy(cfg.faults.cell_timeout_s, cfg.faults.max_retries)
-    to_run = runnable(cells)
-    Dispatcher(to_run, MeasureOptions.of(cfg), on_result, policy, ProgressReporter(len(to_run))).run()
-
-
 def record_study_summary(study: Study, rows: list[dict[str, object]], tracker: SweepTracker) -> None:
     """Mode comparisons and the TP floor over the whole study, on the parent run."""
     pairs = mode_pairs((m.name, m.baseline, m.engine_args) for m in study.modes)
     try:
         tables, metrics = study_summary(cell_frame(rows), pairs, study.config.report.crossover_threshold)
-    except (KeyError, ValueError) as exc:  # a summary must never cost the measurements
-        log.warning("study summary skipped: %s", exc)
-        return
-    if tables or metrics:
-        tracker.log_study_summary(tables, metrics)
-        log.info("study summary: %s", ", ".join(f"{k}={v:.3g}" for k, v in sorted(metrics.items())))
+        if tables or metrics:
+            tracker.log_study_summary(tables, metrics)
+            log.info("study summary: %s", ", ".join(f"{k}={v:.3g}" for k, v in sorted(metrics.items())))
+    except Exception as exc:  # noqa: BLE001 - a summary must never cost the measurements
+        log.warning("study summary skipped: %s", redact(str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
 
 
 def where_results_are(tracker: SweepTracker, table: CellTable) -> str:
     # The interpreter that ran the sweep has mlflow, whether or not its venv is activated.
-    ui = f"{sys.executable} -m mlflow ui --backend-store-uri {tracker.tracking_uri} --port 5000"
+    uri = redact(tracker.tracking_uri)
+    ui = f"{sys.executable} -m mlflow ui --backend-store-uri {uri} --port 5000"
     return (
         f"cell table: {table.path}\n"
-        f"MLflow: experiment {tracker.experiment_id}, parent run {tracker.parent_run_id} "
-        f"in {tracker.tracking_uri}\n"
+        f"MLflow: experiment {tracker.experiment_id}, parent run {tracker.parent_run_id} in {uri}\n"
         f"open the UI: {ui}\n"
         f"  then browse {tracker.runs_table_url()}"
     )
 
 
-def skip_finished(cells: list[Cell], tracker: SweepTracker) -> tuple[list[Cell], list[dict[str, object]]]:
-    """The cells still to measure, and the table rows of those an earlier run FINISHED."""
-    finished = tracker.finished_cells()
-    remaining = [c for c in cells if c.key not in finished]
-    if len(remaining) < len(cells):
+def skip_finished(cells: list[Cell], tracker: SweepTracker,
+                  options: MeasureOptions) -> tuple[list[Cell], list[dict[str, object]]]:
+    """The cells still to measure, and the table rows of those an earlier run FINISHED with
+    everything this sweep asks for (split, linearity, py-spy); the others are measured again."""
+    finished = tracker.finished_runs()
+    remaining, resumed = [], []
+    for cell in cells:
+        runs = finished.get(cell.key, [])
+        complete = [row for row in runs if not missing_parts(options, row)]  # type: ignore[arg-type]
+        if complete:
+            resumed.append(complete[0])
+            continue
+        if runs:
+            lacks = ", ".join(missing_parts(options, runs[0]))  # type: ignore[arg-type]
+            log.info("%s: its FINISHED run %s has no %s, which this sweep asks for: measuring it again",
+                     cell.key, runs[0]["mlflow_run_id"], lacks)
+        remaining.append(cell)
+    if resumed:
         log.info("resuming: %d of %d cells already FINISHED in experiment %s are skipped "
-                 "(resume=false measures them again)", len(cells) - len(remaining), len(cells),
-                 tracker.experiment_id)
-    return remaining, [finished[c.key] for c in cells if c.key in finished]
+                 "(resume=false measures them again)", len(resumed), len(cells), tracker.experiment_id)
+    return remaining, resumed
 
 
-def run(raw_cfg: DictConfig, run_dir: Path) -> int:
-    """Run the sweep the config describes; return the process exit code."""
+def tidy_experiment(tracker: SweepTracker, study: Study, pending: Path) -> None:
+    """Upload what earlier sweeps measured but never logged; mark their dead runs KILLED."""
+    uploaded = upload_orphans(tracker, pending)
+    if uploaded:
+        log.warning("uploaded %d cell(s) an earlier sweep measured while MLflow was down", uploaded)
+    for run_id, reason in tracker.reap_stale(study.config.tracking.stale_after_s):
+        log.warning("run %s was left RUNNING and is marked KILLED: %s", run_id, reason)
+
+
+def claim_cells(tracker: SweepTracker, cells: list[Cell], stale_after_s: float) -> tuple[list[Cell], dict[str, str]]:
+    """Claim the cells to measure; those another live sweep holds are left to it."""
+    mine, others = tracker.claim({c.key: c.params() for c in cells}, stale_after_s)
+    for key, parent in others.items():
+        log.warning("%s is being measured by another sweep (run %s): skipped", key, parent)
+    return [c for c in cells if c.key in mine], mine
+
+
+@contextmanager
+def tracking_answers(uri: str) -> Iterator[None]:
+    """MLflow failing while the sweep sets up (before anything is measured): one line."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - MlflowException, requests, sqlalchemy...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"tracking.uri={redact(uri)} failed before anything was measured: {redact(first)}") from None
+
+
+def run(raw_cfg: DictConfig, run_dir: Path, backend: Optional[WorkerBackend] = None) -> int:
+    """Run the sweep the config describes; return the process exit code. `backend`: where
+    workers run (default: Ray, a local cluster unless ray.address is set)."""
     # Raises ConfigError on bad input, before Ray starts; engine_args are checked against the
     # installed vLLM's EngineArgs where the driver has vLLM, else the shipped snapshot.
     study = resolve(raw_cfg, engine_arg_fields() or ENGINE_ARG_FIELDS)
     cfg = study.config
-    grid = build_cells(study)
-    log.info("%d cells on %d engine(s)", len(grid), len(group_by_engine(runnable(grid))))
-    started_here = cluster.connect(cfg.ray.address, cfg.ray.confine_daemons, cfg.ray.idle_daemons)
+    machine_lock = preflight(study, run_dir)  # ConfigError if the world says no, still before Ray
     try:
-        cluster.check_feasible(group_by_engine(runnable(grid)), cluster.live_nodes())
-        tracker = SweepTracker(cfg.tracking.uri, experiment_name(study))
-        cells, resumed = skip_finished(grid, tracker) if cfg.resume else (grid, [])
-        tracker.start_sweep(sweep_run_name(study, run_dir), OmegaConf.to_yaml(raw_cfg), sweep_params(study, cells),
-                            {**driver_tags(), "run_dir": str(run_dir)})
-        table = CellTable(run_dir / cfg.output.cells_file, resumed)
-        status = "KILLED"
+        grid = build_cells(study)
+        log.info("%d cells on %d engine(s)", len(grid), len(group_by_engine(runnable(grid))))
+        if backend is not None:
+            return _sweep(study, raw_cfg, grid, run_dir, backend)
+        started_here = cluster.connect(cfg.ray.address, cfg.ray.confine_daemons, cfg.ray.idle_daemons)
+        if started_here:
+            record_cluster(machine_lock, descendant_pids(os.getpid()))
         try:
-            measure_and_record(cfg, cells, tracker, table)
-            record_study_summary(study, table.study_rows(grid), tracker)
-            failed = sum(r["status"] not in ("FINISHED", "SKIPPED") for r in table.rows)
-            status = "FINISHED" if failed == 0 else "FAILED"
+            cluster.check_feasible(group_by_engine(runnable(grid)), cluster.live_nodes())
+            from hostsweep.run.backend import RayBackend
+
+            return _sweep(study, raw_cfg, grid, run_dir, RayBackend())
         finally:
-            tracker.finish_sweep(status, {"cells_done": float(len(table.rows))})
+            cluster.disconnect(started_here)
     finally:
-        cluster.disconnect(started_here)
+        if machine_lock is not None:
+            machine_lock.close()
+
+
+def _sweep(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, backend: WorkerBackend) -> int:
+    cfg = study.config
+    options = MeasureOptions.of(cfg)
+    pending = pending_folder(Path(cfg.output.pending_dir), cfg.tracking.uri, experiment_name(study))
+    journal = Journal.create(run_dir / JOURNAL_FILE, pending)  # refuses a run dir another sweep uses
+    try:
+        with tracking_answers(cfg.tracking.uri):
+            tracker = SweepTracker(cfg.tracking.uri, experiment_name(study))
+            tidy_experiment(tracker, study, pending)
+            cells, resumed = skip_finished(grid, tracker, options) if cfg.resume else (grid, [])
+            tracker.start_sweep(sweep_run_name(study, run_dir), redact(OmegaConf.to_yaml(raw_cfg)),
+                                sweep_params(study, cells), {**driver_tags(), "run_dir": str(run_dir)})
+            cells, claims = claim_cells(tracker, cells, cfg.tracking.stale_after_s)
+    except BaseException:
+        journal.close()
+        raise
+    table = CellTable(run_dir / cfg.output.cells_file, resumed)
+    recorder = SweepRecorder(tracker, journal, table, claims, {**driver_tags(), PARENT_TAG: tracker.parent_run_id or ""},
+                             len(cells), cfg.tracking.outage_s, cfg.tracking.heartbeat_s)
+
+    def should_stop() -> Optional[str]:
+        signals.check()  # a stop signal whose KeyboardInterrupt was swallowed on the way
+        return recorder.should_stop()
+
+    for cell in cells:  # a mode the SKU cannot run: recorded with its reason, never dispatched
+        if cell.skip is not None:
+            recorder.on_result(skipped_result(cell.key, cell.params(), cell.skip))
+    to_run = runnable(cells)
+    dispatcher = Dispatcher(to_run, options, recorder.on_result, backend, FaultPolicy.of(cfg.faults),
+                            ProgressReporter(len(to_run)), should_stop)
+    status, stop = "KILLED", "sweep interrupted"
+    try:
+        dispatcher.run()
+        stop = dispatcher.stopped
+        if not stop:
+            record_study_summary(study, table.study_rows(grid), tracker)
+        failed = sum(r["status"] not in ("FINISHED", "SKIPPED") for r in table.rows)
+        status = "FAILED" if failed or stop else "FINISHED"
+    finally:
+        unlogged = close_records(tracker, recorder, journal, claims, status, stop, cfg.tracking.outage_s)
     print(format_table(table.study_rows(grid)))
     if table.resumed:
         print(f"({len(table.resumed)} of these cells were FINISHED by earlier runs: `resumed` in {table.path.name})")
     print(where_results_are(tracker, table))
-    return 0 if status == "FINISHED" else 1
+    if unlogged or stop:
+        print(f"hostsweep: stopped early: {stop or 'MLflow did not take every cell'}; {unlogged} measured cell(s) are "
+              f"kept in {journal.path} for MLflow: rerun the same command to upload them and measure the rest",
+              file=sys.stderr)
+    return 0 if status == "FINISHED" and not unlogged else 1
+
+
+def close_records(tracker: SweepTracker, recorder: SweepRecorder, journal: Journal, claims: dict[str, str],
+                  status: str, stop: Optional[str], outage_s: float) -> int:
+    """Drain the MLflow queue, end the claims of unmeasured cells and the parent run; the
+    count of measured cells MLflow did not take (they stay in the journal)."""
+    interrupted = status == "KILLED"
+    unlogged = recorder.close(INTERRUPTED_DRAIN_S if interrupted else outage_s)
+    tracker.end()
+    down = recorder.uploader.failure() or (unlogged and "MLflow did not answer")
+    if not down:
+        try:
+            measured = {row["cell_key"] for row in recorder.table.rows}
+            tracker.release([run_id for key, run_id in claims.items() if key not in measured],
+                            f"not measured: {stop or 'sweep interrupted'}")
+            tracker.finish_sweep(status, {"cells_done": float(len(recorder.table.rows))})
+        except Exception as exc:  # noqa: BLE001 - the journal and cells.csv have every measured cell
+            log.error("could not close the sweep's MLflow runs: %s", redact(str(exc).splitlines()[0]))
+    left = journal.close()
+    return left

@@ -13,7 +13,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from hostsweep.stages import sweep
 from hostsweep.run.actors import new_worker, release_worker
 from hostsweep.run.cluster import InfeasiblePlan, check_feasible, live_nodes
-from hostsweep.run.dispatch import Dispatcher, FaultPolicy
+from hostsweep.run.backend import RayBackend
+from hostsweep.run.dispatch import Dispatcher
+from hostsweep.run.faults import FaultPolicy
+from hostsweep.stages.recording import SweepRecorder
 from hostsweep.config.grid import build_cells, group_by_engine
 from hostsweep.measure.results import MeasureOptions
 from tests.conftest import compose_raw, compose_typed
@@ -53,7 +56,7 @@ def run(cells, policy=FaultPolicy(), on_result=None):
         if on_result:
             on_result(result)
 
-    dispatcher = Dispatcher(cells, quick_options(), collect, policy)
+    dispatcher = Dispatcher(cells, quick_options(), collect, RayBackend(), policy)
     dispatcher.run()
     return results, dispatcher
 
@@ -105,10 +108,10 @@ def test_killing_a_worker_mid_sweep_still_measures_every_cell_once(cluster):
     def record_and_kill_once(result):
         results.append(result)
         if len(results) == 1:
-            (worker,) = dispatcher.actors.values()
+            (worker,) = dispatcher.workers.values()
             ray.kill(worker.actor)  # the next cell goes to a dead worker and must be retried elsewhere
 
-    dispatcher = Dispatcher(cells, quick_options(), record_and_kill_once,
+    dispatcher = Dispatcher(cells, quick_options(), record_and_kill_once, RayBackend(),
                             FaultPolicy(max_retries=2))
     dispatcher.run()
     assert Counter(r.key for r in results) == Counter(c.key for c in cells)
@@ -118,27 +121,28 @@ def test_killing_a_worker_mid_sweep_still_measures_every_cell_once(cluster):
 
 def test_a_cell_past_its_timeout_fails_and_the_sweep_goes_on(cluster):
     slow = cells_for("+sku=h200", "model=llama-3.1-8b", "batch=[1,2]", "measure.T=400")
-    results, _ = run(slow, FaultPolicy(cell_timeout_s=0.5, poll_s=0.2))
+    results, _ = run(slow, FaultPolicy(cell_timeout_s=0.5, max_retries=0, poll_s=0.2))
     assert len(results) == 2
     assert all(r.status == "FAILED" and "timed out" in r.error for r in results)
 
 
 def test_rerun_after_an_interrupted_sweep_measures_only_missing_cells(cluster, tmp_path, monkeypatch):
     args = ["+sku=h100", "model=llama-3.1-8b", *FAST, "batch=[1,2,3]", "split.enabled=false",
-            f"tracking.uri=sqlite:///{tmp_path}/m.db", "study=resume"]
+            f"tracking.uri=sqlite:///{tmp_path}/m.db", "study=resume", "ray.address=auto"]
+    monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)  # preflight finds the test cluster
     calls = []
-    original = sweep.SweepTracker.log_cell
+    original = SweepRecorder.on_result
 
-    def crash_on_third(self, result, tags):
+    def crash_on_third(self, result):
         calls.append(result.key)
         if len(calls) == 3:
-            raise KeyboardInterrupt  # the driver dies while the third cell is being recorded
-        return original(self, result, tags)
+            raise KeyboardInterrupt  # the driver is interrupted as the third cell comes back
+        return original(self, result)
 
-    monkeypatch.setattr(sweep.SweepTracker, "log_cell", crash_on_third)
+    monkeypatch.setattr(SweepRecorder, "on_result", crash_on_third)
     with pytest.raises(KeyboardInterrupt):
         sweep.run(compose_raw(args), tmp_path / "first")
-    monkeypatch.setattr(sweep.SweepTracker, "log_cell", original)
+    monkeypatch.setattr(SweepRecorder, "on_result", original)
 
     assert sweep.run(compose_raw(args), tmp_path / "second") == 0
     import pandas as pd

@@ -6,6 +6,14 @@ One sweep (one engine start) serves every test in this module.
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import mlflow
@@ -124,10 +132,34 @@ def test_cell_table_lands_in_the_run_directory_and_stdout(sweep):
 
 
 def test_infeasible_sku_fails_fast_naming_what_the_cluster_has(tmp_path):
-    proc = run_hostsweep(["+sku=h200", "tp=4", "model=llama-3.1-8b",
-                          f"tracking.uri=sqlite:///{tmp_path}/m.db", f"hydra.run.dir={tmp_path}/run"],
-                         cwd=tmp_path, timeout=120)
-    assert proc.returncode == 2
+    """A GPU SKU on a cluster without it: the cluster's inventory is named. (Without
+    ray.address, preflight refuses it before any cluster starts: tests/test_cli.py.)"""
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this machine has GPUs")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # --block: the head lives as long as this process group, which the test ends itself; its
+    # own temp dir keeps it out of /tmp/ray/ray_current_cluster, which other Ray users read.
+    temp_dir = tempfile.mkdtemp(prefix="hsray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
+                             "--num-cpus=1", "--include-dashboard=false", f"--temp-dir={temp_dir}"],
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.5)
+        proc = run_hostsweep(["+sku=h200", "tp=4", "model=llama-3.1-8b", f"ray.address=127.0.0.1:{port}",
+                              f"tracking.uri=sqlite:///{tmp_path}/m.db", f"hydra.run.dir={tmp_path}/run"],
+                             cwd=tmp_path, timeout=120, env={"RAY_AUTH_MODE": "token"})  # `ray start` turns tokens on
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        head.wait(timeout=60)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("hostsweep: error: sku=h200 tp=4 needs accelerator_type H200")
     assert "the cluster has: CPU-only (1 node)" in last

@@ -23,3 +23,9 @@ def test_head_is_cpu_only_and_gpu_workers_install_the_gpu_extra():
     assert "GPU" not in head["resources"]
     assert any("[gpu]" in command for command in CLUSTER["worker_setup_commands"])
     assert all("RAY_worker_niceness=0" in c for c in CLUSTER["worker_start_ray_commands"] if "ray start" in c)
+
+
+def test_the_dashboard_and_its_jobs_api_listen_on_the_heads_loopback_only():
+    starts = [c for c in CLUSTER["head_start_ray_commands"] if "ray start" in c]
+    assert starts and all("--dashboard-host=127.0.0.1" in c for c in starts)
+    assert "0.0.0.0" not in (Path(__file__).resolve().parents[2] / "ray_cluster.yaml").read_text()

@@ -1,0 +1,160 @@
+"""The run directory's journal: every measured cell, written before MLflow hears of it.
+
+`journal.jsonl` is append-only JSON lines: a "measured" entry holds everything needed to
+log the cell to MLflow again (its result, tags and the MLflow run that claims it); a
+"logged" entry follows once MLflow has it. While its sweep runs the journal is locked
+(flock, released by the kernel even on kill -9). A pointer under the pending folder
+names every journal that may hold unlogged cells, so the next sweep of the same
+experiment (or the same store) finds and uploads them before it measures anything.
+"""
+from __future__ import annotations
+
+import base64
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import threading
+import uuid
+from dataclasses import asdict
+from io import StringIO
+from pathlib import Path
+from typing import IO, Iterator, Optional
+
+import pandas as pd
+
+from hostsweep.config.schema import ConfigError
+from hostsweep.measure.protocol import CellMeasurement, RepTiming
+from hostsweep.measure.results import CellResult
+from hostsweep.measure.speculative import SpecResult
+from hostsweep.measure.split import LinearityResult, SplitResult
+
+log = logging.getLogger(__name__)
+
+JOURNAL_FILE = "journal.jsonl"
+
+
+def encode_result(result: CellResult) -> dict[str, object]:
+    """A CellResult as JSON-ready data (traces base64, thread states as a split frame)."""
+    data = asdict(result)
+    data["traces"] = {name: base64.b64encode(blob).decode() for name, blob in result.traces.items()}
+    data["thread_states"] = None if result.thread_states is None else result.thread_states.to_json(orient="split")
+    return data
+
+
+def decode_result(data: dict) -> CellResult:
+    """The CellResult encode_result wrote."""
+    m = data["measurement"]
+    measurement = None if m is None else CellMeasurement(**{**m, "reps": tuple(RepTiming(**r) for r in m["reps"])})
+    sp = data["split"]
+    split = None if sp is None else SplitResult(**{**sp, "per_rank_device_ms": tuple(sp["per_rank_device_ms"]),
+                                                   "top_ops": tuple(tuple(op) for op in sp["top_ops"])})
+    lin = data["linearity"]
+    linearity = None if lin is None else LinearityResult(**{**lin, **{k: tuple(lin[k]) for k in
+                                                                       ("tokens", "wall_ms", "kernel_ms")}})
+    states = data["thread_states"]
+    spec = data.get("spec")
+    return CellResult(
+        data["key"], data["params"], data["status"], measurement, data["error"], data["host"], data["duration_s"],
+        split, linearity, {name: base64.b64decode(blob) for name, blob in data["traces"].items()},
+        None if states is None else pd.read_json(StringIO(states), orient="split"),
+        spec=None if spec is None else SpecResult(**spec),
+        attempt=data.get("attempt", 1), retry_reasons=tuple(data.get("retry_reasons", ())),
+    )
+
+
+def pending_folder(root: Path, tracking_uri: str, experiment: str) -> Path:
+    """Where pointers to journals with unlogged cells of one experiment in one store live."""
+    store = hashlib.sha1(tracking_uri.encode()).hexdigest()[:10]
+    return root / f"{experiment}-{store}"
+
+
+def read_entries(path: Path) -> list[dict]:
+    """The journal's entries; a line cut short by a crash mid-write is skipped."""
+    entries = []
+    for line in path.read_text().splitlines():
+        try:
+            entries.append(json.loads(line))
+        except json.JSONDecodeError:
+            log.warning("%s: skipping a truncated line", path)
+    return entries
+
+
+def unlogged(entries: list[dict]) -> list[dict]:
+    """The "measured" entries no "logged" entry follows."""
+    logged = {e["entry"] for e in entries if e["event"] == "logged"}
+    return [e for e in entries if e["event"] == "measured" and e["entry"] not in logged]
+
+
+def _lock(handle: IO[str]) -> bool:
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+class Journal:
+    """A locked journal file: this sweep's own (`Journal.create`), or one an earlier sweep
+    left with unlogged cells (`Journal.orphans`), being uploaded."""
+
+    def __init__(self, path: Path, handle: IO[str], pointer: Path) -> None:
+        self.path, self.handle, self.pointer = path, handle, pointer
+        self.lock = threading.Lock()  # measured (driver loop) and logged (uploader) interleave
+
+    @classmethod
+    def create(cls, path: Path, pending: Path) -> "Journal":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = path.open("a+")
+        if not _lock(handle):
+            handle.close()
+            raise ConfigError(f"hydra.run.dir={path.parent} is in use by another running sweep; "
+                              "give each sweep its own run directory")
+        pending.mkdir(parents=True, exist_ok=True)
+        pointer = pending / f"{uuid.uuid4().hex}.json"
+        pointer.write_text(json.dumps({"journal": str(path.resolve()), "pid": os.getpid()}))
+        return cls(path, handle, pointer)
+
+    @classmethod
+    def orphans(cls, pending: Path) -> Iterator["Journal"]:
+        """Each journal under `pending` that no live sweep holds; stale pointers removed."""
+        for pointer in sorted(pending.glob("*.json")) if pending.is_dir() else []:
+            try:
+                path = Path(json.loads(pointer.read_text())["journal"])
+            except (OSError, ValueError, KeyError):
+                continue
+            if not path.is_file():
+                pointer.unlink(missing_ok=True)
+                continue
+            handle = path.open("a+")
+            if not _lock(handle):  # its sweep is still running
+                handle.close()
+                continue
+            yield cls(path, handle, pointer)
+
+    def _append(self, entry: dict) -> None:
+        with self.lock:
+            self.handle.write(json.dumps(entry) + "\n")
+            self.handle.flush()
+            os.fsync(self.handle.fileno())  # measured means kept: on disk before MLflow is asked
+
+    def measured(self, result: CellResult, run_id: Optional[str], tags: dict[str, str]) -> str:
+        entry = uuid.uuid4().hex
+        self._append({"event": "measured", "entry": entry, "run_id": run_id, "tags": tags,
+                      "result": encode_result(result)})
+        return entry
+
+    def logged(self, entry: str, run_id: str) -> None:
+        self._append({"event": "logged", "entry": entry, "run_id": run_id})
+
+    def unlogged(self) -> list[dict]:
+        return unlogged(read_entries(self.path))
+
+    def close(self) -> int:
+        """Unlock; drop the pointer when MLflow has every cell. Returns the unlogged count."""
+        left = len(self.unlogged())
+        if left == 0:
+            self.pointer.unlink(missing_ok=True)
+        self.handle.close()
+        return left

@@ -1,0 +1,83 @@
+"""Does the tracking store answer? Checked in seconds, before Ray starts, without MLflow
+(whose client retries a dead server for about four minutes)."""
+from __future__ import annotations
+
+import base64
+import socket
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from hostsweep.config.redact import redact
+from hostsweep.config.schema import ConfigError
+
+TIMEOUT_S = 5.0
+DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_writable_folder(path: Path, what: str) -> None:
+    """ConfigError unless `path` is (or can be made) a folder this process may write in:
+    its nearest existing ancestor takes a temporary file (access() would say yes to root)."""
+    existing = _nearest_existing(path.absolute())
+    if not existing.is_dir():
+        raise ConfigError(f"{what}={path}: cannot write there ({existing} is not a folder)")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{what}={path}: cannot write there ({existing}: {exc.strerror or exc})") from None
+
+
+def _check_server(uri: str, timeout_s: float) -> None:
+    """MLflow's /health must answer 200 OK (any other answer is not an MLflow server)."""
+    parts = urlsplit(uri)
+    bare = urlunsplit((parts.scheme, parts.hostname + (f":{parts.port}" if parts.port else ""),
+                       parts.path.rstrip("/") + "/health", "", ""))
+    request = urllib.request.Request(bare)
+    if parts.username:
+        token = base64.b64encode(f"{parts.username}:{parts.password or ''}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            body = response.read(100).decode(errors="replace").strip()
+            status = response.status
+    except urllib.error.HTTPError as exc:
+        status, body = exc.code, ""
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise ConfigError(f"tracking.uri={redact(uri)} does not answer within {timeout_s:.0f} s ({reason}); "
+                          "is the MLflow server up?") from None
+    if status != 200 or body != "OK":
+        raise ConfigError(f"tracking.uri={redact(uri)} answered /health with {status} {body[:40]!r}, "
+                          "not an MLflow server's 200 OK")
+
+
+def _check_database(uri: str, scheme: str, timeout_s: float) -> None:
+    parts = urlsplit(uri)
+    host, port = parts.hostname or "localhost", parts.port or DEFAULT_PORTS[scheme]
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"tracking.uri={redact(uri)}: nothing answers at {host}:{port} within "
+                          f"{timeout_s:.0f} s ({exc.strerror or exc})") from None
+
+
+def check_store(uri: str, timeout_s: float = TIMEOUT_S) -> None:
+    """ConfigError (one line) unless the store answers: a server's /health, a database's
+    port, a sqlite file's folder writable. (config.validation checked the scheme.)"""
+    scheme = urlsplit(uri).scheme.split("+")[0].lower()
+    if scheme in ("http", "https"):
+        _check_server(uri, timeout_s)
+    elif scheme == "sqlite":
+        check_writable_folder(Path(uri[len("sqlite:///"):]).parent, "tracking.uri (sqlite folder)")
+    elif scheme in DEFAULT_PORTS:
+        _check_database(uri, scheme, timeout_s)

@@ -1,0 +1,104 @@
+"""MLflow logging in a background thread, so measuring goes on while tracking is slow or down.
+
+Cells are logged in the order they were measured (each is already in the journal). A
+failed call is retried with backoff; when MLflow has refused everything for longer than
+`outage_s` the uploader gives up and `failure()` says why, which stops the sweep (the
+journal keeps the cells for the next run). While idle it touches the sweep's heartbeat,
+so other sweeps can tell this one is alive.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable, Generic, Optional, TypeVar
+
+from hostsweep.config.redact import redact
+
+log = logging.getLogger(__name__)
+
+Item = TypeVar("Item")
+MAX_BACKOFF_S = 15.0
+
+
+class BackgroundLogger(Generic[Item]):
+    def __init__(self, deliver: Callable[[Item], None], heartbeat: Callable[[], None], outage_s: float,
+                 heartbeat_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.deliver, self.heartbeat = deliver, heartbeat
+        self.outage_s, self.heartbeat_s, self.clock = outage_s, heartbeat_s, clock
+        self.items: "queue.Queue[Item]" = queue.Queue()
+        self.wake = threading.Event()  # set to cut a backoff short (closing)
+        self.closing = False
+        self.down_since: Optional[float] = None
+        self._failure: Optional[str] = None
+        self.last_beat = clock()
+        self.submitted = self.delivered = 0
+        self.thread = threading.Thread(target=self._loop, name="mlflow-logger", daemon=True)
+        self.thread.start()
+
+    def submit(self, item: Item) -> None:
+        self.submitted += 1
+        self.items.put(item)
+
+    def failure(self) -> Optional[str]:
+        """Why logging gave up (tracking down longer than outage_s), or None."""
+        return self._failure
+
+    def pending(self) -> int:
+        """Items submitted that MLflow has not taken (yet)."""
+        return self.submitted - self.delivered
+
+    def _attempt(self, call: Callable[[], None], what: str) -> bool:
+        """Run `call`, retrying with backoff until it works or the outage outlasts outage_s."""
+        delay = 1.0
+        while not self._failure:
+            try:
+                call()
+            except Exception as exc:  # noqa: BLE001 - any refusal is retried the same way
+                now = self.clock()
+                if self.down_since is None:
+                    self.down_since = now
+                    log.warning("MLflow did not take %s (%s); retrying for up to %.0f s while measuring goes on",
+                                what, redact(str(exc).splitlines()[0] if str(exc) else type(exc).__name__),
+                                self.outage_s)
+                if now - self.down_since >= self.outage_s:
+                    self._failure = (f"MLflow has not answered for {now - self.down_since:.0f} s "
+                                     f"(tracking.outage_s={self.outage_s:.0f}): "
+                                     f"{redact(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)}")
+                    return False
+                if self.closing and now - self.down_since >= min(self.outage_s, 10.0):
+                    return False  # closing: the journal keeps it, no point waiting the full outage
+                self.wake.wait(min(delay, self.outage_s - (now - self.down_since)))
+                delay = min(2 * delay, MAX_BACKOFF_S)
+                continue
+            if self.down_since is not None:
+                log.warning("MLflow answers again after %.0f s", self.clock() - self.down_since)
+            self.down_since = None
+            return True
+        return False
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                item = self.items.get(timeout=min(1.0, self.heartbeat_s))
+            except queue.Empty:
+                if self.closing:
+                    return
+                if self.clock() - self.last_beat >= self.heartbeat_s and not self._failure:
+                    self._attempt(self.heartbeat, "the heartbeat")
+                    self.last_beat = self.clock()
+                continue
+            if not self._failure and self._attempt(lambda: self.deliver(item), "a measured cell"):
+                self.delivered += 1
+
+    def close(self, timeout_s: float) -> int:
+        """Deliver what is queued (within timeout_s), stop the thread; returns how many
+        items MLflow did not get (they are in the journal)."""
+        deadline = self.clock() + timeout_s
+        while self.pending() and not self._failure and self.clock() < deadline and self.thread.is_alive():
+            time.sleep(0.05)
+        self.closing = True
+        self.wake.set()
+        self.thread.join(timeout=max(1.0, deadline - self.clock()) + 15)
+        return self.pending()

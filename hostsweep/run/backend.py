@@ -1,0 +1,108 @@
+"""Ray as the dispatcher's worker backend: worker actors, their cells as object refs, and
+their engines' health asked on the actors' watch thread without blocking the driver."""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from hostsweep.config.grid import Cell, EngineSpec
+from hostsweep.measure.results import MeasureOptions
+from hostsweep.run.actors import WATCH_GROUP, WorkerHandle, new_worker, release_worker, stop_workers
+from hostsweep.run.faults import CallFailed, EngineDied, Outcome, WorkerLost
+
+
+def _engine_died(exc: BaseException) -> Optional[EngineDied]:
+    """The EngineDied a worker raised, unwrapped from Ray's task error."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, EngineDied) else None
+
+
+class RayBackend:
+    """Workers as Ray actors (run/actors.py); pending cells as object refs."""
+
+    def __init__(self) -> None:
+        self.ready_refs: dict[int, object] = {}
+        self.health_refs: dict[int, object] = {}
+        self.ready: set[int] = set()
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def start(self, spec: EngineSpec) -> WorkerHandle:
+        worker = new_worker(spec)
+        # host_info answers once the constructor (the engine start) has finished.
+        self.ready_refs[id(worker)] = worker.actor.host_info.remote()
+        return worker
+
+    def submit(self, worker: WorkerHandle, cell: Cell, options: MeasureOptions) -> object:
+        return worker.actor.measure.remote(cell, options)
+
+    def wait(self, pending: list[object], timeout_s: float) -> list[object]:
+        import ray
+
+        done, _ = ray.wait(pending, num_returns=1, timeout=timeout_s)
+        return done
+
+    def outcome(self, pending: object) -> Outcome:
+        import ray
+
+        try:
+            return ray.get(pending)
+        except ray.exceptions.RayActorError as exc:
+            return WorkerLost(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+                              at_start=bool(getattr(exc, "actor_init_failed", False)))
+        except ray.exceptions.RayError as exc:
+            died = _engine_died(exc)
+            if died is not None:
+                return WorkerLost(f"engine died: {died}")
+            return CallFailed(f"{type(exc).__name__}: {exc}")
+
+    def started(self, worker: WorkerHandle) -> bool:
+        import ray
+
+        key = id(worker)
+        if key in self.ready:
+            return True
+        ref = self.ready_refs.get(key)
+        if ref is not None and ray.wait([ref], timeout=0)[0]:
+            self.ready.add(key)
+            del self.ready_refs[key]
+            return True
+        return False
+
+    def engine_fault(self, worker: WorkerHandle) -> Optional[str]:
+        """Asked on the actor's watch thread; the answer is read at the next poll, so a
+        wedged worker never blocks the driver."""
+        import ray
+
+        key = id(worker)
+        ref = self.health_refs.get(key)
+        if ref is None:
+            self.health_refs[key] = worker.actor.engine_health.options(concurrency_group=WATCH_GROUP).remote()
+            return None
+        if not ray.wait([ref], timeout=0)[0]:
+            return None
+        del self.health_refs[key]
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayError:
+            return None  # the worker itself died: its cell's ref says so
+
+    def _forget(self, worker: WorkerHandle) -> bool:
+        key = id(worker)
+        self.ready_refs.pop(key, None)
+        self.health_refs.pop(key, None)
+        started = key in self.ready
+        self.ready.discard(key)
+        return started
+
+    def release(self, worker: WorkerHandle) -> None:
+        release_worker(worker, engine_started=self._forget(worker))
+
+    def close(self, workers: list[WorkerHandle]) -> None:
+        started = [w for w in workers if self.started(w) and self._forget(w)]
+        stop_workers(started)
+        for worker in workers:
+            if not any(worker is s for s in started):
+                self._forget(worker)
+                release_worker(worker, engine_started=False)

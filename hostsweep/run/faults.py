@@ -1,0 +1,75 @@
+"""What can go wrong with a cell besides its own error, and how long a cell may take.
+
+The dispatcher's vocabulary: a worker hands back a CellResult, or its worker was lost
+(process killed, node gone, engine dead), or Ray could not run the call. The per-cell
+timeout is derived from the work a cell does, so it is never off and never tight.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from hostsweep.config.grid import Cell
+from hostsweep.config.schema import FaultsConfig
+from hostsweep.measure.results import CellResult, MeasureOptions
+
+
+class EngineDied(RuntimeError):
+    """Raised by a worker whose engine process is gone: the cell is retried on a new worker."""
+
+
+@dataclass(frozen=True)
+class WorkerLost:
+    """The worker can measure no more: its process died, its node was lost, its engine died.
+    `at_start`: it never got its engine running, so retrying would fail the same way."""
+
+    reason: str
+    at_start: bool = False
+
+
+@dataclass(frozen=True)
+class CallFailed:
+    """Ray could not run or return the call (not a worker death): the cell fails."""
+
+    reason: str
+
+
+Outcome = Union[CellResult, WorkerLost, CallFailed]
+
+
+def decode_steps(cell: Cell, options: MeasureOptions) -> int:
+    """Every decode step the worker runs for a cell (a generate of t tokens is t steps, plus
+    one for its prefill): the timed pairs, the profiled pairs, the linearity sweep."""
+    pair = 1 + cell.T + 2  # T=1 and T generates, each with its prefill
+    steps = (cell.warmups + cell.reps) * pair
+    if options.split.enabled:
+        steps += options.split.reps * pair
+    lin_T = options.linearity_T
+    if lin_T:
+        per_t = options.linearity.reps + (1 if options.split.enabled else 0)
+        steps += per_t * sum(t + 1 for t in lin_T)
+    return steps
+
+
+@dataclass(frozen=True)
+class FaultPolicy:
+    """How long cells and engine starts may take, and how often a lost cell is retried."""
+
+    cell_timeout_s: Optional[float] = None  # None: derived from the cell (timeout_for)
+    timeout_base_s: float = 600.0
+    timeout_per_step_s: float = 0.25
+    engine_start_timeout_s: float = 1800.0
+    max_retries: int = 1
+    poll_s: float = 2.0
+
+    @classmethod
+    def of(cls, faults: FaultsConfig, poll_s: float = 2.0) -> "FaultPolicy":
+        return cls(faults.cell_timeout_s, faults.timeout_base_s, faults.timeout_per_step_s,
+                   faults.engine_start_timeout_s, faults.max_retries, poll_s)
+
+    def timeout_for(self, cell: Cell, options: MeasureOptions) -> float:
+        """Seconds a cell may run once its engine is ready: the configured value, or a
+        base plus a generous allowance per decode step (py-spy's sampling time on top)."""
+        if self.cell_timeout_s is not None:
+            return self.cell_timeout_s
+        return self.timeout_base_s + self.timeout_per_step_s * decode_steps(cell, options) + 3 * options.pyspy_seconds

@@ -1,0 +1,82 @@
+"""Where a measured cell goes, in order: the journal (fsynced), cells.csv, then MLflow from a
+background thread. Measured means kept: a cell MLflow never hears of is in the journal
+and the table, and the next sweep of the study uploads it (`upload_orphans`)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from hostsweep.measure.results import CellResult, cell_row
+from hostsweep.record.celltable import CellTable
+from hostsweep.record.journal import Journal, decode_result
+from hostsweep.record.tracking import JOURNAL_TAG, SweepTracker
+from hostsweep.record.uploader import BackgroundLogger
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Measured:
+    entry: str
+    result: CellResult
+    run_id: Optional[str]
+    tags: dict[str, str]
+
+
+def describe(result: CellResult) -> str:
+    step = f"{result.measurement.step_ms:.3f} ms/step" if result.measurement else result.status
+    if result.split is not None:
+        step += f", device {result.split.device_ms:.3f} ms, host {result.split.host_frac:.0%}"
+    if result.attempt > 1:
+        step += f" (attempt {result.attempt})"
+    return step
+
+
+class SweepRecorder:
+    """Receives each cell's final result from the dispatcher and records it."""
+
+    def __init__(self, tracker: SweepTracker, journal: Journal, table: CellTable, claims: dict[str, str],
+                 tags: dict[str, str], total: int, outage_s: float, heartbeat_s: float) -> None:
+        self.tracker, self.journal, self.table, self.claims = tracker, journal, table, claims
+        self.tags, self.total = tags, total
+        self.logged: set[str] = set()  # cell keys MLflow has
+        self.uploader: BackgroundLogger[Measured] = BackgroundLogger(self._deliver, tracker.heartbeat,
+                                                                     outage_s, heartbeat_s)
+
+    def on_result(self, result: CellResult) -> None:
+        run_id = self.claims.get(result.key)
+        entry = self.journal.measured(result, run_id, self.tags)
+        self.table.append(cell_row(result, run_id or ""))
+        self.uploader.submit(Measured(entry, result, run_id, self.tags))
+        log.info("[%d/%d] %s: %s", len(self.table.rows), self.total, result.key, describe(result))
+
+    def _deliver(self, item: Measured) -> None:
+        run_id = self.tracker.log_cell(item.result, {**item.tags, JOURNAL_TAG: item.entry}, item.run_id)
+        self.journal.logged(item.entry, run_id)
+        self.logged.add(item.result.key)
+
+    def should_stop(self) -> Optional[str]:
+        return self.uploader.failure()
+
+    def close(self, timeout_s: float) -> int:
+        """Let MLflow take what is queued (within timeout_s); the count it did not take."""
+        return self.uploader.close(timeout_s)
+
+
+def upload_orphans(tracker: SweepTracker, pending: Path) -> int:
+    """Log the cells earlier sweeps measured but MLflow never got (their journals' unlogged
+    entries); returns how many. A journal still held by a running sweep is left alone."""
+    uploaded = 0
+    for journal in Journal.orphans(pending):
+        try:
+            for entry in journal.unlogged():
+                result = decode_result(entry["result"])
+                run_id = tracker.upload(result, entry["tags"], entry["run_id"], entry["entry"])
+                journal.logged(entry["entry"], run_id)
+                uploaded += 1
+                log.info("uploaded %s from %s (measured by an earlier sweep, never logged)", result.key, journal.path)
+        finally:
+            journal.close()
+    return uploaded

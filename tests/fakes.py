@@ -1,0 +1,130 @@
+"""A hand-written worker backend for the dispatcher: workers in-process, on a fake clock.
+
+Each worker is a real SweepWorker over the fake engine (so results are real CellResults),
+but time is simulated: an engine takes `start_s` to start and a cell `cell_s` to measure,
+and `wait` jumps the clock to the next event. Faults are scripted per cell key, one
+fate per attempt, so a test states exactly what happens and when:
+
+    "ok"            the cell is measured
+    "raises"        the cell's own code fails: a FAILED result
+    "worker-dies"   the worker process dies mid-cell (Ray: RayActorError)
+    "engine-dies"   the engine's EngineCore is killed mid-cell and generate blocks forever
+    "engine-raises" the engine dies and the worker sees it (EngineDied)
+    "hangs"         the cell never returns, the engine stays alive
+    "call-fails"    Ray cannot return the result
+Engines of specs in `start_fails` die while starting.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from hostsweep.config.grid import Cell, EngineSpec
+from hostsweep.measure.results import CellResult, MeasureOptions
+from hostsweep.run.faults import CallFailed, Outcome, WorkerLost
+from hostsweep.run.worker import SweepWorker
+
+ENGINE_KILLED = "VLLM::EngineCore (pid 4242) killed by signal 9 (SIGKILL)"
+
+
+@dataclass(eq=False)
+class FakeWorker:
+    spec: EngineSpec
+    number: int
+    ready_at: float
+    real: Optional[SweepWorker]
+    engine_dead_at: Optional[float] = None
+    released: bool = False
+
+
+@dataclass(eq=False)
+class FakePending:
+    worker: FakeWorker
+    cell: Cell
+    done_at: Optional[float]  # None: never returns
+    outcome: Optional[Outcome] = None
+
+
+@dataclass
+class FakeBackend:
+    workdir: Path
+    fates: dict[str, list[str]] = field(default_factory=dict)
+    start_fails: frozenset[str] = frozenset()  # spec labels whose engine cannot start
+    start_s: float = 5.0
+    cell_s: float = 1.0
+    clock: float = 0.0
+    workers: list[FakeWorker] = field(default_factory=list)
+    closed: list[FakeWorker] = field(default_factory=list)
+    measured: list[str] = field(default_factory=list)  # cell keys a worker really measured
+    on_measure: Optional[object] = None  # called with each cell as it is measured (for tests)
+
+    def __post_init__(self) -> None:
+        self._numbers = itertools.count(1)
+
+    def now(self) -> float:
+        return self.clock
+
+    def start(self, spec: EngineSpec) -> FakeWorker:
+        real = None if spec.label in self.start_fails else SweepWorker(spec, str(self.workdir))
+        worker = FakeWorker(spec, next(self._numbers), self.clock + self.start_s, real)
+        self.workers.append(worker)
+        return worker
+
+    def _fate(self, cell: Cell) -> str:
+        fates = self.fates.get(cell.key, [])
+        return fates.pop(0) if fates else "ok"
+
+    def submit(self, worker: FakeWorker, cell: Cell, options: MeasureOptions) -> FakePending:
+        begins = max(self.clock, worker.ready_at)
+        if worker.real is None:
+            return FakePending(worker, cell, worker.ready_at, WorkerLost("engine failed to start", at_start=True))
+        fate, midway = self._fate(cell), begins + self.cell_s / 2
+        if fate == "ok":
+            if callable(self.on_measure):
+                self.on_measure(cell)
+            self.measured.append(cell.key)
+            return FakePending(worker, cell, begins + self.cell_s, worker.real.measure(cell, options))
+        if fate == "raises":
+            return FakePending(worker, cell, begins + self.cell_s,
+                               CellResult(cell.key, cell.params(), "FAILED", None, "RuntimeError: boom"))
+        if fate == "worker-dies":
+            return FakePending(worker, cell, midway, WorkerLost("The actor died unexpectedly before finishing this task."))
+        if fate in ("engine-dies", "engine-raises"):
+            worker.engine_dead_at = midway
+            lost = WorkerLost(f"engine died: {ENGINE_KILLED}")
+            return FakePending(worker, cell, midway if fate == "engine-raises" else None, lost)
+        if fate == "hangs":
+            return FakePending(worker, cell, None)
+        if fate == "call-fails":
+            return FakePending(worker, cell, begins + self.cell_s, CallFailed("RaySystemError: object lost"))
+        raise ValueError(fate)
+
+    def wait(self, pending: list[FakePending], timeout_s: float) -> list[FakePending]:
+        times = [p.done_at for p in pending if p.done_at is not None and not p.worker.released]
+        soonest = min(times, default=None)
+        if soonest is not None and soonest <= self.clock + timeout_s:
+            self.clock = max(self.clock, soonest)
+            return [p for p in pending if p.done_at is not None and p.done_at <= self.clock]
+        self.clock += timeout_s
+        return []
+
+    def outcome(self, pending: FakePending) -> Outcome:
+        assert pending.outcome is not None
+        return pending.outcome
+
+    def started(self, worker: FakeWorker) -> bool:
+        return self.clock >= worker.ready_at
+
+    def engine_fault(self, worker: FakeWorker) -> Optional[str]:
+        dead = worker.engine_dead_at is not None and self.clock >= worker.engine_dead_at
+        return ENGINE_KILLED if dead else None
+
+    def release(self, worker: FakeWorker) -> None:
+        worker.released = True
+
+    def close(self, workers: list[FakeWorker]) -> None:
+        for worker in workers:
+            worker.released = True
+            self.closed.append(worker)

@@ -1,0 +1,185 @@
+"""The dispatcher's fault handling, with the fake backend on a fake clock (no Ray): every
+fault and what it costs, as cells expected / finished / duplicated / lost."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from hostsweep.config.grid import build_cells
+from hostsweep.measure.results import MeasureOptions
+from hostsweep.run.dispatch import Dispatcher
+from hostsweep.run.faults import FaultPolicy, decode_steps
+from tests.conftest import compose_typed
+from tests.fakes import ENGINE_KILLED, FakeBackend
+
+FAST = ["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=3", "measure.warmups=1", "ctx=[16]",
+        "split.enabled=false", "measure.bootstrap_resamples=200"]
+POLICY = FaultPolicy(cell_timeout_s=60.0, max_retries=1, poll_s=2.0)
+
+
+def cells(*overrides: str):
+    return build_cells(compose_typed([*FAST, *overrides]))
+
+
+def options(*overrides: str) -> MeasureOptions:
+    return MeasureOptions.of(compose_typed([*FAST, *overrides]).config)
+
+
+def dispatch(backend: FakeBackend, grid, policy: FaultPolicy = POLICY, should_stop=lambda: None):
+    results = []
+    dispatcher = Dispatcher(grid, options(), results.append, backend, policy, should_stop=should_stop)
+    dispatcher.run()
+    return results, dispatcher
+
+
+def tally(grid, results, backend) -> tuple[int, int, int, int]:
+    """(expected, finished, duplicated, lost)."""
+    reported, measured = Counter(r.key for r in results), Counter(backend.measured)
+    finished = {r.key for r in results if r.status == "FINISHED"}
+    duplicated = sum(1 for c in grid if reported[c.key] > 1 or measured[c.key] > 1)
+    lost = sum(1 for c in grid if reported[c.key] == 0)
+    return len(grid), len(finished), duplicated, lost
+
+
+FOUR = ("batch=[1,2,3,4]",)
+
+
+def test_a_clean_sweep_measures_every_cell_once_on_one_worker(tmp_path):
+    grid = cells(*FOUR)
+    backend = FakeBackend(tmp_path)
+    results, _ = dispatch(backend, grid)
+    assert tally(grid, results, backend) == (4, 4, 0, 0)
+    assert len(backend.workers) == 1 and all(r.attempt == 1 and not r.retry_reasons for r in results)
+
+
+@pytest.mark.parametrize("fate,reason", [
+    ("worker-dies", "actor died"),
+    ("engine-dies", f"engine died: {ENGINE_KILLED}"),  # generate blocks forever: only the watch sees it
+    ("engine-raises", f"engine died: {ENGINE_KILLED}"),
+    ("hangs", "timed out after 60 s"),
+])
+def test_a_cell_lost_mid_measurement_is_retried_on_a_new_worker_and_measured_once(tmp_path, fate, reason):
+    grid = cells(*FOUR)
+    backend = FakeBackend(tmp_path, fates={grid[1].key: [fate]})
+    results, dispatcher = dispatch(backend, grid)
+    assert tally(grid, results, backend) == (4, 4, 0, 0)
+    assert len(backend.workers) == 2 and backend.workers[0].released  # the lost worker was replaced
+    (retried,) = [r for r in results if r.key == grid[1].key]
+    assert retried.attempt == 2 and len(retried.retry_reasons) == 1 and reason in retried.retry_reasons[0]
+    assert all(r.attempt == 1 for r in results if r.key != grid[1].key)
+
+
+def test_a_dead_engine_is_noticed_within_two_polls_not_at_the_timeout(tmp_path):
+    grid = cells("batch=[1]")
+    backend = FakeBackend(tmp_path, fates={grid[0].key: ["engine-dies"]}, start_s=5.0, cell_s=10.0)
+    dispatch(backend, grid, FaultPolicy(cell_timeout_s=3600.0, poll_s=2.0))
+    died_at = 5.0 + 10.0 / 2
+    second = backend.workers[1]
+    assert second.ready_at - backend.start_s <= died_at + 2 * 2.0  # replaced within two polls of the death
+
+
+def test_a_cell_lost_on_every_attempt_fails_with_each_reason_and_the_rest_finish(tmp_path):
+    grid = cells(*FOUR)
+    backend = FakeBackend(tmp_path, fates={grid[2].key: ["engine-dies", "worker-dies"]})
+    results, _ = dispatch(backend, grid, FaultPolicy(cell_timeout_s=60.0, max_retries=1))
+    assert tally(grid, results, backend) == (4, 3, 0, 0)
+    (failed,) = [r for r in results if r.status == "FAILED"]
+    assert failed.key == grid[2].key and failed.attempt == 2
+    assert "engine died" in failed.retry_reasons[0] and "actor died" in failed.retry_reasons[1]
+    assert "attempt 2 of 2" in failed.error and "faults.max_retries" in failed.error
+
+
+def test_max_retries_zero_fails_a_lost_cell_at_once(tmp_path):
+    grid = cells(*FOUR)
+    backend = FakeBackend(tmp_path, fates={grid[0].key: ["worker-dies"]})
+    results, _ = dispatch(backend, grid, FaultPolicy(cell_timeout_s=60.0, max_retries=0))
+    assert tally(grid, results, backend) == (4, 3, 0, 0)
+
+
+@pytest.mark.parametrize("fate,needle", [("raises", "boom"), ("call-fails", "object lost")])
+def test_a_cell_that_fails_by_itself_is_failed_once_and_the_worker_kept(tmp_path, fate, needle):
+    grid = cells(*FOUR)
+    backend = FakeBackend(tmp_path, fates={grid[0].key: [fate]})
+    results, _ = dispatch(backend, grid)
+    assert tally(grid, results, backend) == (4, 3, 0, 0)
+    (failed,) = [r for r in results if r.status == "FAILED"]
+    assert needle in failed.error and failed.attempt == 1 and len(backend.workers) == 1
+
+
+def test_an_engine_that_cannot_start_fails_its_cells_once_and_other_engines_go_on(tmp_path):
+    grid = cells("batch=[1,2]", "tp=[1,2]")
+    broken = grid[0].engine.label
+    backend = FakeBackend(tmp_path, start_fails=frozenset({broken}))
+    results, _ = dispatch(backend, grid)
+    assert tally(grid, results, backend) == (4, 2, 0, 0)
+    assert all("failed to start" in r.error for r in results if r.status == "FAILED")
+    assert sum(w.spec.label == broken for w in backend.workers) == 1  # no retry loop
+
+
+def test_an_engine_not_ready_by_the_start_timeout_fails_its_cells(tmp_path):
+    grid = cells("batch=[1,2]")
+    backend = FakeBackend(tmp_path, start_s=500.0)
+    results, _ = dispatch(backend, grid, FaultPolicy(cell_timeout_s=60.0, engine_start_timeout_s=100.0))
+    assert tally(grid, results, backend) == (2, 0, 0, 0)
+    assert all("engine not ready after 100 s" in r.error for r in results)
+    assert backend.clock < 500.0
+
+
+def test_the_cell_timeout_counts_from_engine_ready_not_from_submission(tmp_path):
+    grid = cells("batch=[1]")
+    backend = FakeBackend(tmp_path, start_s=100.0, cell_s=30.0)
+    results, _ = dispatch(backend, grid, FaultPolicy(cell_timeout_s=50.0))
+    assert tally(grid, results, backend) == (1, 1, 0, 0)
+
+
+def test_workers_of_different_engines_measure_at_once(tmp_path):
+    grid = cells("batch=[1,2]", "tp=[1,2]")
+    backend = FakeBackend(tmp_path, start_s=5.0, cell_s=10.0)
+    results, _ = dispatch(backend, grid)
+    assert tally(grid, results, backend) == (4, 4, 0, 0)
+    assert backend.clock == pytest.approx(5.0 + 2 * 10.0)  # two engines in parallel, not 2 x 25 s
+
+
+def test_a_stop_request_abandons_cells_in_flight_and_measures_nothing_more(tmp_path):
+    """Tracking down too long: the sweep stops once the first cell is in; the rest are left
+    to the next sweep (not lost: never measured, so never reported)."""
+    grid = cells(*FOUR)
+    backend = FakeBackend(tmp_path)
+    results = []
+    dispatcher = Dispatcher(grid, options(), results.append, backend, POLICY,
+                            should_stop=lambda: "MLflow has not answered for 120 s" if results else None)
+    dispatcher.run()
+    assert dispatcher.stopped == "MLflow has not answered for 120 s"
+    assert tally(grid, results, backend)[:3] == (4, 1, 0)
+    assert len(backend.measured) <= 2  # at most the cell in flight was measured (and abandoned)
+    assert all(w.released for w in backend.workers)
+
+
+def test_the_derived_timeout_grows_with_the_work_of_the_cell():
+    (cell,) = cells("batch=[1]")
+    base = options()
+    policy = FaultPolicy(timeout_base_s=600.0, timeout_per_step_s=0.25)
+    # (warmups 1 + reps 3) pairs of a T=1 and a T=5 generate, each with a prefill step
+    assert decode_steps(cell, base) == 4 * (1 + 5 + 2)
+    assert policy.timeout_for(cell, base) == pytest.approx(600.0 + 0.25 * 32)
+    with_split = options("split.enabled=true", "split.reps=2")
+    assert decode_steps(cell, with_split) == 6 * 8
+    lin = options("linearity.enabled=true", "linearity.T=[8,16,32]", "linearity.reps=2")
+    assert decode_steps(cell, lin) == 32 + 2 * (9 + 17 + 33)
+    assert FaultPolicy(cell_timeout_s=42.0).timeout_for(cell, lin) == 42.0
+
+
+def test_an_interrupt_kills_the_workers_at_once_instead_of_waiting_for_their_cells(tmp_path):
+    grid = cells(*FOUR)
+
+    def interrupt_at_second(cell, seen=[]):
+        seen.append(cell)
+        if len(seen) == 2:
+            raise KeyboardInterrupt
+
+    backend = FakeBackend(tmp_path, on_measure=interrupt_at_second)
+    results = []
+    with pytest.raises(KeyboardInterrupt):
+        Dispatcher(grid, options(), results.append, backend, POLICY).run()
+    assert len(results) == 1 and all(w.released for w in backend.workers) and backend.closed == []

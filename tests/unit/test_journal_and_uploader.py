@@ -1,0 +1,179 @@
+"""The run directory's journal, the background MLflow logger, claim staleness and the
+redaction of credentials: the pieces that keep a measured cell from being lost."""
+from __future__ import annotations
+
+import time
+
+import pandas as pd
+import pytest
+
+from hostsweep.config.machine import hostname
+from hostsweep.config.redact import redact
+from hostsweep.config.schema import ConfigError
+from hostsweep.measure.protocol import CellMeasurement, RepTiming
+from hostsweep.measure.results import CellResult
+from hostsweep.measure.split import LinearityResult, SplitResult
+from hostsweep.record.claims import (
+    HEARTBEAT_TAG, LIVE_HERE, OWNER_TAG, PARENT_TAG, RunView, claim_winner, stale_reason, this_owner,
+)
+from hostsweep.measure.speculative import SpecResult
+from hostsweep.record.journal import Journal, decode_result, encode_result, read_entries, unlogged
+from hostsweep.record.uploader import BackgroundLogger
+
+RESULT = CellResult(
+    "cpu/tiny/eager/tp1/b2/ctx128/T33/abc", {"sku": "cpu", "batch": 2, "ctx": 128}, "FINISHED",
+    CellMeasurement(3.0, 2.9, 3.1, 10.5, 106.5, (RepTiming(0, True, 0.010, 0.106, 0.003),)), None,
+    {"hostname": "vm"}, 1.5,
+    SplitResult("cpu-ops", 1.25, 1.75, 0.58, 0.01, 0.0, 0.0, 3.5, 1.17, "host-bound", (1.25, 1.3), (("aten::mm", 1.0),)),
+    LinearityResult((8, 16, 32), (1.0, 2.0, 4.0), (), 0.999, float("nan"), 0.12, 0.121, 0.008),
+    {"p1_rank0.pt.trace.json.gz": b"\x1f\x8b\x00binary"},
+    pd.DataFrame({"process": ["EngineCore"], "samples": [10], "active_frac": [0.4]}),
+    spec=SpecResult(2, 0.5, 1.0, 8.0, 16.0, 8.0, 24.0, 1.33),
+    attempt=2, retry_reasons=("engine died: VLLM::EngineCore (pid 1) killed by signal 9 (SIGKILL)",),
+)
+
+
+def test_a_result_survives_the_journal_unchanged():
+    back = decode_result(encode_result(RESULT))
+    assert back.measurement == RESULT.measurement and back.split == RESULT.split
+    assert back.linearity.tokens == RESULT.linearity.tokens and back.linearity.r2_wall == RESULT.linearity.r2_wall
+    assert back.traces == RESULT.traces and back.attempt == 2 and back.retry_reasons == RESULT.retry_reasons
+    assert back.spec == RESULT.spec
+    pd.testing.assert_frame_equal(back.thread_states, RESULT.thread_states)
+
+
+def test_measured_entries_stay_unlogged_until_logged_and_a_torn_line_is_skipped(tmp_path):
+    journal = Journal.create(tmp_path / "run" / "journal.jsonl", tmp_path / "pending")
+    first = journal.measured(RESULT, "run-1", {"git_sha": "abc"})
+    second = journal.measured(RESULT, "run-2", {})
+    journal.logged(first, "run-1")
+    with (tmp_path / "run" / "journal.jsonl").open("a") as handle:
+        handle.write('{"event": "logged", "entry": "')  # a crash mid-write
+    assert [e["entry"] for e in unlogged(read_entries(journal.path))] == [second]
+    assert journal.close() == 1 and journal.pointer.is_file()  # left for the next sweep
+
+
+def test_a_journal_in_use_is_neither_reused_nor_uploaded_by_another_sweep(tmp_path):
+    journal = Journal.create(tmp_path / "run" / "journal.jsonl", tmp_path / "pending")
+    journal.measured(RESULT, None, {})
+    with pytest.raises(ConfigError, match="in use by another running sweep"):
+        Journal.create(tmp_path / "run" / "journal.jsonl", tmp_path / "pending")
+    assert list(Journal.orphans(tmp_path / "pending")) == []  # locked: its sweep still runs
+    journal.close()
+    (orphan,) = Journal.orphans(tmp_path / "pending")
+    (entry,) = orphan.unlogged()
+    orphan.logged(entry["entry"], "run-9")
+    orphan.close()
+    assert not list((tmp_path / "pending").glob("*.json"))  # every cell logged: pointer gone
+
+
+def test_a_completely_logged_journal_leaves_no_pointer(tmp_path):
+    journal = Journal.create(tmp_path / "run" / "journal.jsonl", tmp_path / "pending")
+    journal.logged(journal.measured(RESULT, None, {}), "run-1")
+    assert journal.close() == 0 and not journal.pointer.exists()
+
+
+class FlakyStore:
+    """Refuses the first `failures` calls, then takes everything."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures, self.taken, self.beats = failures, [], 0
+
+    def deliver(self, item) -> None:
+        if self.failures > 0:
+            self.failures -= 1
+            raise ConnectionError("Connection refused")
+        self.taken.append(item)
+
+    def heartbeat(self) -> None:
+        self.beats += 1
+
+
+def test_a_short_outage_delays_logging_but_loses_nothing_and_keeps_the_order():
+    store = FlakyStore(failures=2)
+    logger = BackgroundLogger(store.deliver, store.heartbeat, outage_s=30, heartbeat_s=60)
+    for item in range(5):
+        logger.submit(item)
+    assert logger.close(timeout_s=30) == 0
+    assert store.taken == [0, 1, 2, 3, 4] and logger.failure() is None
+
+
+def test_an_outage_longer_than_outage_s_gives_up_and_counts_what_mlflow_did_not_get():
+    store = FlakyStore(failures=10**6)
+    logger = BackgroundLogger(store.deliver, store.heartbeat, outage_s=1.0, heartbeat_s=60)
+    started = time.monotonic()
+    for item in range(3):
+        logger.submit(item)
+    while logger.failure() is None and time.monotonic() - started < 10:
+        time.sleep(0.05)
+    assert "MLflow has not answered for" in logger.failure() and "Connection refused" in logger.failure()
+    assert time.monotonic() - started < 5
+    assert logger.close(timeout_s=1) == 3 and store.taken == []
+
+
+def test_an_idle_logger_sends_heartbeats():
+    store = FlakyStore(failures=0)
+    logger = BackgroundLogger(store.deliver, store.heartbeat, outage_s=10, heartbeat_s=0.2)
+    time.sleep(1.0)
+    logger.close(timeout_s=1)
+    assert store.beats >= 2
+
+
+def sweep_run(run_id: str, status: str = "RUNNING", beat: float | None = None, owner: str = "elsewhere:1:0"):
+    tags = {OWNER_TAG: owner}
+    if beat is not None:
+        tags[HEARTBEAT_TAG] = f"{beat:.0f}"
+    return RunView(run_id, status, tags)
+
+
+@pytest.mark.parametrize("parent,reason", [
+    (sweep_run("p", beat=1000.0), None),
+    (sweep_run("p", beat=600.0), "no heartbeat for 400 s"),
+    (sweep_run("p"), "never sent a heartbeat"),
+    (sweep_run("p", status="FINISHED", beat=1000.0), "its sweep ended (FINISHED)"),
+    (sweep_run("p", beat=1000.0, owner=f"{hostname()}:999999999:0"), "(pid 999999999 on"),
+    (None, "its sweep's run is gone"),
+])
+def test_a_claim_is_stale_when_its_sweep_is(parent, reason):
+    claim = RunView("c", "RUNNING", {PARENT_TAG: "p", "cell_key": "k"})
+    runs = {"p": parent} if parent is not None else {}
+    got = stale_reason(claim, runs, now=1000.0, stale_after_s=300)
+    assert got == reason if reason is None else reason in got
+
+
+def test_a_sweep_of_this_process_is_live_only_while_it_runs():
+    parent = RunView("mine", "RUNNING", {OWNER_TAG: this_owner(), HEARTBEAT_TAG: f"{time.time():.0f}"})
+    LIVE_HERE.add("mine")
+    assert stale_reason(parent, {}, time.time(), 300) is None
+    LIVE_HERE.discard("mine")
+    assert "ended in this process" in stale_reason(parent, {}, time.time(), 300)
+
+
+def test_of_two_claims_on_one_cell_every_sweep_keeps_the_earliest():
+    late, early = RunView("b", "RUNNING", {}, start_time=2), RunView("z", "RUNNING", {}, start_time=1)
+    assert claim_winner([late, early]) is early and claim_winner([early, late]) is early
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("http://alice:s3cret@mlflow:5000", "http://alice:***@mlflow:5000"),
+    ("uri=https://token@host/x and sqlite:///a/b", "uri=https://***@host/x and sqlite:///a/b"),
+    ("postgresql+psycopg2://u:p@db:5432/mlflow", "postgresql+psycopg2://u:***@db:5432/mlflow"),
+    ("http://127.0.0.1:5000", "http://127.0.0.1:5000"),
+])
+def test_credentials_in_uris_are_hidden_and_nothing_else_changes(text, expected):
+    assert redact(text) == expected
+
+
+def test_log_records_are_redacted_once_the_cli_installs_its_factory():
+    import logging
+
+    from hostsweep.__main__ import _redacting_records
+
+    before = logging.getLogRecordFactory()
+    try:
+        _redacting_records()
+        record = logging.getLogger("x").makeRecord("x", logging.INFO, __file__, 1, "uri %s", ("http://u:pw@h",),
+                                                   None)
+        assert record.getMessage() == "uri http://u:***@h"
+    finally:
+        logging.setLogRecordFactory(before)

@@ -1,0 +1,149 @@
+"""The worker's watch over its engine's processes, and its scratch folder's lifetime."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from hostsweep.config.grid import build_cells
+from hostsweep.measure.results import MeasureOptions
+from hostsweep.run.faults import EngineDied
+from hostsweep.run.hygiene import remove_stale_scratch
+from hostsweep.run.liveness import EngineWatch, describe_exit, engine_processes
+from hostsweep.run.worker import SweepWorker
+from tests.conftest import compose_typed
+
+FAKE = ["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=2", "measure.warmups=0",
+        "split.enabled=false", "measure.bootstrap_resamples=200", "ctx=[16]", "batch=[1]"]
+
+
+def sleeper(script: str = "import time; time.sleep(60)") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", script])
+
+
+def wait_for(predicate, timeout: float = 5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    return predicate()
+
+
+@pytest.mark.parametrize("how,expected", [
+    (lambda p: p.send_signal(signal.SIGKILL), "killed by signal 9 (SIGKILL)"),
+    (lambda p: p.send_signal(signal.SIGTERM), "killed by signal 15 (SIGTERM)"),
+])
+def test_a_killed_engine_process_is_reported_with_its_signal(how, expected):
+    child = sleeper()
+    watch = EngineWatch([psutil.Process(child.pid)])
+    assert watch.fault() is None
+    how(child)
+    reason = wait_for(watch.fault)
+    assert reason is not None and f"(pid {child.pid}) {expected}" in reason
+    child.wait()
+
+
+def test_an_engine_process_that_exits_is_reported_with_its_code():
+    child = sleeper("import sys; sys.exit(3)")
+    watch = EngineWatch([psutil.Process(child.pid)])
+    assert "exited with code 3" in wait_for(watch.fault)
+    child.wait()
+
+
+def test_an_engine_closed_on_purpose_is_no_fault():
+    child = sleeper()
+    watch = EngineWatch([psutil.Process(child.pid)])
+    watch.kill()  # what abort does
+    child.wait()
+    assert watch.fault() is None
+
+
+def test_the_engine_is_what_started_after_the_snapshot_less_multiprocessing_helpers():
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    old = sleeper()
+    before.add(old.pid)
+    new = sleeper()
+    try:
+        assert [p.pid for p in engine_processes(os.getpid(), before)] == [new.pid]
+    finally:
+        for child in (old, new):
+            child.kill()
+            child.wait()
+
+
+def test_describe_exit_names_signals_and_codes():
+    assert describe_exit(os.CLD_KILLED, 9) == "killed by signal 9 (SIGKILL)"
+    assert describe_exit(os.CLD_EXITED, 1) == "exited with code 1"
+
+
+def worker_with_engine_child(tmp_path):
+    (cell,) = build_cells(compose_typed(FAKE))
+    worker = SweepWorker(cell.engine, str(tmp_path))
+    child = sleeper()
+    worker.watch = EngineWatch([psutil.Process(child.pid)])  # as if the engine had started it
+    return worker, cell, child
+
+
+def test_a_worker_whose_engine_died_raises_engine_died_instead_of_failing_the_cell(tmp_path):
+    worker, cell, child = worker_with_engine_child(tmp_path)
+    options = MeasureOptions.of(compose_typed(FAKE).config)
+    assert worker.measure(cell, options).status == "FINISHED"
+    child.kill()
+    wait_for(worker.engine_health)
+    with pytest.raises(EngineDied, match="SIGKILL"):
+        worker.measure(cell, options)
+    child.wait()
+
+
+def test_a_generate_that_fails_because_the_engine_died_raises_engine_died(tmp_path):
+    worker, cell, child = worker_with_engine_child(tmp_path)
+
+    def generate(prompts, tokens):
+        child.kill()
+        wait_for(lambda: psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE)
+        raise RuntimeError("EngineCore encountered an issue")
+
+    worker.engine.generate = generate
+    with pytest.raises(EngineDied, match="SIGKILL"):
+        worker.measure(cell, MeasureOptions.of(compose_typed(FAKE).config))
+    child.wait()
+
+
+def test_a_worker_removes_its_scratch_folder_when_closed_or_aborted(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    (cell,) = build_cells(compose_typed(FAKE))
+    for end in ("close", "abort"):
+        worker = SweepWorker(cell.engine)
+        assert worker.scratch.is_dir() and worker.scratch.name.startswith(f"hostsweep-{os.getpid()}-")
+        getattr(worker, end)()
+        assert not worker.scratch.exists(), end
+
+
+def test_scratch_folders_of_dead_workers_are_removed_and_live_ones_kept(tmp_path):
+    dead = sleeper("pass")
+    dead.wait()
+    stale, live = tmp_path / f"hostsweep-{dead.pid}-abc", tmp_path / f"hostsweep-{os.getpid()}-def"
+    for folder in (stale, live):
+        (folder / "models").mkdir(parents=True)
+    assert remove_stale_scratch(tmp_path) == [stale]
+    assert live.is_dir() and not stale.exists()
+
+
+def test_an_engine_process_reaped_by_its_starter_before_the_watch_looks_still_reports_its_signal():
+    """vLLM joins its dead EngineCore as soon as it notices: the status then comes from the
+    multiprocessing handle, whichever of the two reads it first."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
+    child.start()
+    watch = EngineWatch([psutil.Process(child.pid)])
+    child.kill()
+    child.join()  # reaped, as vLLM's shutdown does
+    assert f"(pid {child.pid}) killed by signal 9 (SIGKILL)" in wait_for(watch.fault)
