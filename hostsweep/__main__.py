@@ -1,7 +1,8 @@
 """The entry point: `python -m hostsweep [overrides]` or the `hostsweep` script.
 
 Examples: `python -m hostsweep` (the embedded default on this machine),
-`python -m hostsweep +sku=h200 tp=4 model=llama-3.1-8b`, `python -m hostsweep --cfg job`.
+`python -m hostsweep +sku=h200 tp=4 model=llama-3.1-8b`, `python -m hostsweep --cfg job`,
+`python -m hostsweep +experiment=generalize-cpu stage=all` (sweep, fit, compare, report).
 """
 import sys
 from pathlib import Path
@@ -22,10 +23,10 @@ _exit_codes: list[int] = [0]
 
 @hydra.main(version_base="1.3", config_path="pkg://hostsweep.conf", config_name="config")
 def _sweep(cfg: DictConfig) -> None:
-    from hostsweep.stages import sweep
+    from hostsweep.stages import stage_module
 
     try:
-        _exit_codes.append(sweep.run(cfg, Path(HydraConfig.get().runtime.output_dir)))
+        _exit_codes.append(stage_module(cfg).run(cfg, Path(HydraConfig.get().runtime.output_dir)))
     except ConfigError as exc:
         print(f"hostsweep: error: {exc}", file=sys.stderr)
         _exit_codes.append(2)

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from itertools import product
 
 from hostsweep.config.resolve import Study
-from hostsweep.config.schema import SkuConfig
+from hostsweep.config.schema import ModelConfig, SkuConfig
 
 
 @dataclass(frozen=True)
@@ -76,17 +76,19 @@ class Cell:
         }
 
 
-def engine_spec(study: Study, sku: SkuConfig, tp: int) -> EngineSpec:
-    """Size the engine to the largest cell it serves: longest context plus T, widest batch."""
+def engine_spec(study: Study, sku: SkuConfig, tp: int, model: ModelConfig | None = None) -> EngineSpec:
+    """The engine serving (sku, model, tp), sized to the largest cell it serves: longest
+    context plus T, widest batch."""
     cfg = study.config
-    shape = cfg.model.shape
+    model = model if model is not None else study.models[0]
+    shape = model.shape
     return EngineSpec(
         sku=sku.name,
         accelerator_type=sku.accelerator_type,
-        model=cfg.model.name,
-        model_source=cfg.model.source,
-        model_path=cfg.model.path,
-        load_format=cfg.model.load_format,
+        model=model.name,
+        model_source=model.source,
+        model_path=model.path,
+        load_format=model.load_format,
         shape_json=json.dumps(asdict(shape), sort_keys=True) if shape is not None else None,
         mode=cfg.mode.name,
         enforce_eager=cfg.mode.enforce_eager,
@@ -104,11 +106,11 @@ def engine_spec(study: Study, sku: SkuConfig, tp: int) -> EngineSpec:
 
 
 def build_cells(study: Study) -> list[Cell]:
-    """Every cell of the study, grouped by engine spec (SKU-major, then TP, batch, ctx)."""
+    """Every cell of the study, grouped by engine spec (SKU-major, then model, TP, batch, ctx)."""
     cfg, m = study.config, study.config.measure
     cells = []
-    for sku, tp in product(study.skus, cfg.tp):
-        spec = engine_spec(study, sku, tp)
+    for sku, model, tp in product(study.skus, study.models, cfg.tp):
+        spec = engine_spec(study, sku, tp, model)
         for batch, ctx in product(cfg.batch, cfg.ctx):
             cells.append(Cell(spec, batch, ctx, m.T, m.warmups, m.reps, m.seed))
     return cells

@@ -14,8 +14,8 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 
 from hostsweep.config.machine import cpu_flags, default_dtype, local_sku_name
-from hostsweep.config.options import check_option, load_sku
-from hostsweep.config.schema import ConfigError, ShapeConfig, SkuConfig, SweepConfig
+from hostsweep.config.options import check_option, load_model, load_sku
+from hostsweep.config.schema import ConfigError, ModelConfig, ShapeConfig, SkuConfig, SweepConfig
 from hostsweep.config.shapes import shape_from_hf_config
 from hostsweep.config.validation import positive_ints, validate
 
@@ -23,14 +23,20 @@ from hostsweep.config.validation import positive_ints, validate
 @dataclass(frozen=True)
 class Study:
     """A validated sweep config. `config.tp`, `.batch` and `.ctx` are sorted lists of
-    distinct positive ints; `skus` are the SKUs it spans, loaded."""
+    distinct positive ints; `skus` and `models` are the SKUs and models it spans, loaded."""
 
     config: SweepConfig
     skus: tuple[SkuConfig, ...]
+    models: tuple[ModelConfig, ...] = ()
 
     @property
     def name(self) -> str:
         return self.config.study
+
+    @property
+    def experiment(self) -> str:
+        """The study's MLflow experiment: tracking.experiment, or hostsweep-<study>."""
+        return self.config.tracking.experiment or f"hostsweep-{self.name}"
 
     def longest_generate(self) -> tuple[int, str]:
         """The most tokens any generate of a cell asks for, and the field that asks."""
@@ -47,6 +53,21 @@ def _skus(cfg: SweepConfig) -> tuple[SkuConfig, ...]:
             check_option("sku", name, " in skus")
         return tuple(load_sku(name) for name in dict.fromkeys(cfg.skus))
     return (cfg.sku if cfg.sku is not None else load_sku(local_sku_name()),)
+
+
+def _models(cfg: SweepConfig) -> tuple[ModelConfig, ...]:
+    """The `models` list when given (the one named like `model` keeps its overrides), else `model`;
+    a local checkpoint's shape filled in from its config.json."""
+    if cfg.models:
+        for name in cfg.models:
+            check_option("model", name, " in models")
+        models = tuple(cfg.model if name == cfg.model.name else load_model(name) for name in dict.fromkeys(cfg.models))
+    else:
+        models = (cfg.model,)
+    for model in models:
+        if model.source == "checkpoint" and model.shape is None:
+            model.shape = _checkpoint_shape(model.path)
+    return models
 
 
 def _checkpoint_shape(path: Optional[str]) -> Optional[ShapeConfig]:
@@ -67,8 +88,7 @@ def resolve(raw: DictConfig) -> Study:
     if cfg.engine.dtype == "auto":
         any_gpu = any(s.accelerator_type is not None for s in skus)
         cfg.engine.dtype = default_dtype(any_gpu, cpu_flags())
-    if cfg.model.source == "checkpoint" and cfg.model.shape is None:
-        cfg.model.shape = _checkpoint_shape(cfg.model.path)
-    study = Study(cfg, skus)
-    validate(cfg, skus, study.longest_generate())
+    models = _models(cfg)
+    study = Study(cfg, skus, models)
+    validate(cfg, skus, models, study.longest_generate())
     return study

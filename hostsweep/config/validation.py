@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from hostsweep.config.schema import (
-    DTYPES, ENGINES, LOAD_FORMATS, MODEL_SOURCES, TP_EXECUTORS, ConfigError, SkuConfig, SweepConfig,
+    DTYPES, ENGINES, LOAD_FORMATS, MODEL_SOURCES, STAGES, TP_EXECUTORS, ConfigError, ModelConfig, SkuConfig,
+    SweepConfig,
 )
 
 
@@ -64,16 +65,16 @@ def check_split(cfg: SweepConfig) -> None:
             raise ConfigError(f"linearity.reps must be >= 1, got {lin.reps}")
 
 
-def check_tp(cfg: SweepConfig, sku: SkuConfig) -> None:
+def check_tp(cfg: SweepConfig, sku: SkuConfig, model: ModelConfig) -> None:
     tps = cfg.tp
-    shape = cfg.model.shape
+    shape = model.shape
     if shape is not None:
         heads = shape.num_attention_heads
         for tp in tps:
             if heads % tp:
                 raise ConfigError(
                     f"tp={tp} does not divide the {heads} attention heads of model "
-                    f"{cfg.model.name}; allowed tp: {', '.join(map(str, _divisors(heads)))}"
+                    f"{model.name}; allowed tp: {', '.join(map(str, _divisors(heads)))}"
                 )
     if sku.gpus_per_node and max(tps) > sku.gpus_per_node:
         raise ConfigError(
@@ -82,15 +83,15 @@ def check_tp(cfg: SweepConfig, sku: SkuConfig) -> None:
         )
 
 
-def check_context(cfg: SweepConfig, longest_generate: tuple[int, str]) -> None:
-    shape = cfg.model.shape
+def check_context(cfg: SweepConfig, model: ModelConfig, longest_generate: tuple[int, str]) -> None:
+    shape = model.shape
     if shape is None:
         return
     longest, field_name = longest_generate
     limit = shape.max_position_embeddings - longest
     if max(cfg.ctx) > limit:
         raise ConfigError(
-            f"ctx={max(cfg.ctx)} plus {field_name}={longest} exceeds model {cfg.model.name}'s "
+            f"ctx={max(cfg.ctx)} plus {field_name}={longest} exceeds model {model.name}'s "
             f"max_position_embeddings={shape.max_position_embeddings}; allowed ctx <= {limit}"
         )
 
@@ -110,13 +111,17 @@ def check_capabilities(cfg: SweepConfig, sku: SkuConfig) -> None:
         )
 
 
-def validate(cfg: SweepConfig, skus: Iterable[SkuConfig], longest_generate: tuple[int, str]) -> None:
+def validate(cfg: SweepConfig, skus: Iterable[SkuConfig], models: Iterable[ModelConfig],
+             longest_generate: tuple[int, str]) -> None:
     """Check a config whose tp/batch/ctx lists are already normalized (config.resolve)."""
+    _check_choice("stage", cfg.stage, STAGES)
     _check_choice("engine.name", cfg.engine.name, ENGINES)
     _check_choice("engine.dtype", cfg.engine.dtype, DTYPES)
     _check_choice("engine.tp_executor", cfg.engine.tp_executor, TP_EXECUTORS)
-    _check_choice("model.source", cfg.model.source, MODEL_SOURCES)
-    _check_choice("model.load_format", cfg.model.load_format, LOAD_FORMATS)
+    models = list(models)
+    for model in models:
+        _check_choice("model.source", model.source, MODEL_SOURCES)
+        _check_choice("model.load_format", model.load_format, LOAD_FORMATS)
     check_measure(cfg)
     check_split(cfg)
     if cfg.faults.max_retries < 0:
@@ -124,6 +129,8 @@ def validate(cfg: SweepConfig, skus: Iterable[SkuConfig], longest_generate: tupl
     if cfg.faults.cell_timeout_s is not None and cfg.faults.cell_timeout_s <= 0:
         raise ConfigError(f"faults.cell_timeout_s must be positive or null, got {cfg.faults.cell_timeout_s}")
     for sku in skus:
-        check_tp(cfg, sku)
+        for model in models:
+            check_tp(cfg, sku, model)
         check_capabilities(cfg, sku)
-    check_context(cfg, longest_generate)
+    for model in models:
+        check_context(cfg, model, longest_generate)

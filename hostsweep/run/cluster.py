@@ -63,7 +63,10 @@ def connect(address: str | None, confine_daemons: bool = False, idle_daemons: bo
         os.sched_setaffinity(0, cores[-1:])  # the daemons ray.init starts inherit this
     before = set(descendant_pids(os.getpid()))  # not Ray's: e.g. an engine started here
     try:
-        ray.init(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+        # address="local": always a new cluster. Without it ray.init joins the cluster named in
+        # /tmp/ray/ray_current_cluster, which a `ray start` (or a test cluster) may have left
+        # behind long dead: the sweep then waits on its GCS forever.
+        ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
     finally:
         os.sched_setaffinity(0, cores)
     if idle_daemons:

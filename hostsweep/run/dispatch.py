@@ -104,6 +104,16 @@ class Dispatcher:
         else:
             self._report(result)
         self._submit_next(spec)
+        self._release_if_done(spec)
+
+    def _release_if_done(self, spec: EngineSpec) -> None:
+        """Close a worker whose cells are all done: a CPU worker holds a whole node, so the
+        next engine configuration cannot start until it is gone."""
+        if self.queues[spec] or spec not in self.actors or any(s == spec for s, _, _ in self.inflight.values()):
+            return
+        self.ready_refs.pop(spec, None)
+        self.ready_at.pop(spec, None)
+        stop_workers([self.actors.pop(spec)])
 
     def _note_ready_workers(self) -> None:
         import ray

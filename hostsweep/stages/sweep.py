@@ -6,7 +6,6 @@ cluster is checked before any actor is created, so bad input costs seconds.
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -17,7 +16,7 @@ from hostsweep.config.schema import SweepConfig
 from hostsweep.measure.results import CellResult, MeasureOptions, cell_row
 from hostsweep.record.celltable import CellTable
 from hostsweep.record.provenance import driver_tags
-from hostsweep.record.tracking import SweepTracker
+from hostsweep.record.tracking import SweepTracker, ui_command
 from hostsweep.report.tables import format_table
 from hostsweep.run import cluster
 from hostsweep.run.dispatch import Dispatcher, FaultPolicy
@@ -27,20 +26,20 @@ log = logging.getLogger(__name__)
 
 
 def experiment_name(study: Study) -> str:
-    return study.config.tracking.experiment or f"hostsweep-{study.name}"
+    return study.experiment
 
 
 def sweep_run_name(study: Study, run_dir: Path) -> str:
     """e.g. 'keystone-cpu: cpu/small-llama/eager @ 18-10-29/1' (multirun jobs end in /N)."""
     cfg = study.config
-    skus = "+".join(s.name for s in study.skus)
-    return f"{cfg.study}: {skus}/{cfg.model.name}/{cfg.mode.name} @ {run_dir.parent.name}/{run_dir.name}"
+    skus, models = "+".join(s.name for s in study.skus), "+".join(m.name for m in study.models)
+    return f"{cfg.study}: {skus}/{models}/{cfg.mode.name} @ {run_dir.parent.name}/{run_dir.name}"
 
 
 def sweep_params(study: Study, cells: list[Cell]) -> dict[str, object]:
     cfg = study.config
     return {
-        "study": cfg.study, "sku": ",".join(s.name for s in study.skus), "model": cfg.model.name,
+        "study": cfg.study, "sku": ",".join(s.name for s in study.skus), "model": ",".join(m.name for m in study.models),
         "mode": cfg.mode.name, "tp": sorted({c.engine.tp for c in cells}), "batch": sorted({c.batch for c in cells}),
         "ctx": sorted({c.ctx for c in cells}), "T": cfg.measure.T, "reps": cfg.measure.reps,
         "warmups": cfg.measure.warmups, "engine": cfg.engine.name, "n_cells": len(cells),
@@ -66,8 +65,7 @@ def measure_and_record(cfg: SweepConfig, cells: list[Cell], tracker: SweepTracke
 
 
 def where_results_are(tracker: SweepTracker, table: CellTable) -> str:
-    # The interpreter that ran the sweep has mlflow, whether or not its venv is activated.
-    ui = f"{sys.executable} -m mlflow ui --backend-store-uri {tracker.tracking_uri} --port 5000"
+    ui = ui_command(tracker.tracking_uri)
     return (
         f"cell table: {table.path}\n"
         f"MLflow: experiment {tracker.experiment_id}, parent run {tracker.parent_run_id} "
