@@ -2,7 +2,7 @@
 logged to MLflow beside the runs.
 
     python -m hostsweep +experiment=generalize-cpu stage=compare
-    python -m hostsweep +experiment=tp70b stage=compare calibration=seed002-h100 fit.train_sku=h100
+    python -m hostsweep +experiment=tp70b stage=compare calibration=seed002-h100
 
 Selects the cells (stages/select.py), fits them (stages/fit.py, logged to the models
 experiment) or reads a logged fit (compare.fit_run), builds the report and its figures

@@ -1,7 +1,7 @@
 """`stage=fit`: the TP model fitted on the study's cells, read back from MLflow.
 
     python -m hostsweep +experiment=generalize-cpu stage=fit
-    python -m hostsweep +experiment=tp70b stage=fit calibration=seed002-h100 fit.train_sku=h100
+    python -m hostsweep +experiment=tp70b stage=fit calibration=seed002-h100
 
 The cells of `fit.mode` are selected (select.*), the training selection checked, the
 fixed terms assembled (stages/terms.py), then `hostsweep.model.fit_command.fit_and_log`
@@ -13,8 +13,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
-
 from omegaconf import DictConfig
 
 from hostsweep.config.resolve import Study, resolve
@@ -74,10 +72,10 @@ def fit_selection(study: Study, selection: Selection, run_dir: Path) -> StudyFit
     return StudyFit(selection, fixed, outcome)
 
 
-def run(raw_cfg: DictConfig, run_dir: Path, keys: Optional[Iterable[str]] = None) -> int:
+def run(raw_cfg: DictConfig, run_dir: Path) -> int:
     quiet_mlflow()
     study = resolve(raw_cfg)
-    result = fit_selection(study, select_cells(study, keys), run_dir)
+    result = fit_selection(study, select_cells(study), run_dir)
     print(render(result.data))
     print(f"\nwrote {result.outcome.path} and {result.outcome.path.with_name('predictions.csv')}")
     print(f"logged model: runs:/{result.outcome.run_id}/model "

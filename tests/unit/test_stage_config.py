@@ -57,8 +57,10 @@ def test_stage_all_refuses_a_study_it_could_not_compare_before_sweeping(override
     assert needle in str(error.value) and "\n" not in str(error.value)
 
 
-def test_the_seed002_preset_needs_a_train_sku_and_takes_h_from_the_calibration():
+def test_the_seed002_preset_trains_on_h100_and_takes_h_from_the_calibration():
     with pytest.raises(ConfigError, match="fit.train_sku is required: the selection spans SKUs h100, h200"):
+        check_plan(compose_typed(["+experiment=tp70b", "fit.train_sku=null", "calibration=seed002-h100"]))
+    with pytest.raises(ConfigError, match="fit.host=cells fits H"):  # no TP-1 cells: H must come from a calibration
         check_plan(compose_typed(["+experiment=tp70b"]))
-    study = compose_typed(["+experiment=tp70b", "fit.train_sku=h100", "calibration=seed002-h100"])
-    assert len(check_plan(study)) == 48
+    study = compose_typed(["+experiment=tp70b", "calibration=seed002-h100"])
+    assert len(check_plan(study)) == 48 and study.config.fit.train_sku == "h100"
