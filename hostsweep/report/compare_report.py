@@ -34,6 +34,7 @@ class Context:
     command: str
     expected_skus: tuple[str, ...] = ()
     sources: list[dict[str, Any]] = field(default_factory=list)  # fixed terms: term, sku, value, source, run_id
+    warnings: list[str] = field(default_factory=list)  # about the fixed terms
 
 
 def _provenance(ctx: Context, cells: pd.DataFrame) -> list:
@@ -72,7 +73,8 @@ def _heldout(fit: dict[str, Any], pred: pd.DataFrame, groups: pd.DataFrame, form
                     Text(f"Model = form `{fit['options']['form']}`; baseline = g·T_cmp/k + T_ar (seed 002 Eq. 1). "
                          "MAPE in percent over each group's in-regime cells; *_in_ci counts predictions inside the "
                          "measured 95% CI.")]
-    blocks.append(Table(groups, digits=2) if len(groups) else Text("No held-out group: nothing to compare."))
+    shown = groups.drop(columns=["reason"]) if len(groups) else groups  # the reasons are in the verdict list
+    blocks.append(Table(shown, digits=2) if len(groups) else Text("No held-out group: nothing to compare."))
     if len(forms):
         wide = forms.pivot_table(index="form", columns=["sku", "tp"], values="mape").reset_index()
         wide.columns = ["form"] + [f"{s} TP-{k} MAPE" for s, k in wide.columns[1:]]
@@ -164,6 +166,6 @@ def build(ctx: Context, cells: pd.DataFrame, fit: dict[str, Any], folder: Path) 
                  _heldout(fit, pred, groups, forms, figures), _falsification(fit, pred),
                  _shrink(fit, pred, figures, resamples), _study_wide(cells, regime, figures, ctx), _cells(pred)):
         doc.add(*part)
-    if fit["warnings"]:
-        doc.add(Heading("Warnings"), Bullets(tuple(fit["warnings"])))
+    if fit["warnings"] or ctx.warnings:
+        doc.add(Heading("Warnings"), Bullets(tuple(ctx.warnings + fit["warnings"])))
     return doc, groups

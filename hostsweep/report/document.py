@@ -113,7 +113,8 @@ def _html_table(table: Table) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{_inline(v)}</td>" for v in row) + "</tr>" for row in rows)
     caption = f"<caption>{_inline(table.caption)}</caption>" if table.caption else ""
-    return f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return (f"<div class='wide'><table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+            "</div>")
 
 
 def _html_figure(figure: Figure) -> str:
@@ -126,7 +127,7 @@ STYLE = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em aut
 table{border-collapse:collapse;margin:.5em 0 1.2em;font-size:13px}th,td{border:1px solid #ccc;padding:3px 7px;
 text-align:right}th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}caption{caption-side:bottom;
 font-size:12px;color:#555;text-align:left}img{max-width:100%}figcaption{font-size:13px;color:#444}
-code{background:#f3f3f3;padding:0 3px}"""
+code{background:#f3f3f3;padding:0 3px}.wide{overflow-x:auto}"""
 
 
 def to_html(doc: Document) -> str:

@@ -45,13 +45,14 @@ def command_line() -> str:
     return " ".join(["python -m hostsweep", *overrides])
 
 
-def _fit(study: Study, selection: Selection, run_dir: Path) -> tuple[dict[str, Any], str, list[dict]]:
-    """(fit.json content, fit run id, fixed-term sources): fitted now, or compare.fit_run's."""
+def _fit(study: Study, selection: Selection, run_dir: Path) -> tuple[dict[str, Any], str, list[dict], list[str]]:
+    """(fit.json content, fit run id, where the fixed terms came from, warnings about them):
+    fitted now, or compare.fit_run's (its terms are in its fit.json and the run's params)."""
     run_id = study.config.compare.fit_run
     if run_id:
-        return json.loads(load_fit_json(study.config.tracking.uri, run_id)), run_id, []
+        return json.loads(load_fit_json(study.config.tracking.uri, run_id)), run_id, [], []
     result = fit_selection(study, selection, run_dir)
-    return result.data, result.outcome.run_id, result.fixed.sources
+    return result.data, result.outcome.run_id, result.fixed.sources, result.fixed.warnings
 
 
 def _params_and_metrics(fit: dict[str, Any], groups: pd.DataFrame, fit_run: str,
@@ -83,14 +84,14 @@ def compare_study(study: Study, run_dir: Path, keys: Optional[Iterable[str]] = N
     """Select, fit, report, log; returns the exit code."""
     cfg = study.config
     selection = select_cells(study, keys)
-    fit, fit_run, sources = _fit(study, selection, run_dir)
+    fit, fit_run, sources, warnings = _fit(study, selection, run_dir)
     folder = run_dir / "compare"
     report_run = ReportRun(cfg.tracking.uri, selection.experiment, f"compare-{study.name}",
                            {"study": study.name, "fit_run": fit_run, "run_dir": str(run_dir)})
     try:
         ctx = Context(study.name, selection.experiment, selection.experiment_id, cfg.tracking.uri, report_run.run_id,
                       fit_run, cfg.fit.models_experiment, datetime.now().strftime("%Y-%m-%d %H:%M:%S"), command_line(),
-                      tuple(s.name for s in study.skus), sources)
+                      tuple(s.name for s in study.skus), sources, warnings)
         doc, groups = build(ctx, selection.cells, fit, folder)
         (folder / "report.md").write_text(to_markdown(doc, folder))
         (folder / "report.html").write_text(to_html(doc))
@@ -102,13 +103,14 @@ def compare_study(study: Study, run_dir: Path, keys: Optional[Iterable[str]] = N
     except BaseException:
         report_run.finish("FAILED")
         raise
-    print(_summary(fit, groups, folder, report_run, cfg.tracking.uri, cfg.compare.ui_port))
+    print(_summary(fit, groups, folder, report_run, cfg.tracking.uri, cfg.compare.ui_port, warnings))
     return 0
 
 
 def _summary(fit: dict[str, Any], groups: pd.DataFrame, folder: Path, report_run: ReportRun, uri: str,
-             port: int) -> str:
-    lines = [f"host term across held-out groups: {fit['verdict']['verdict']} ({fit['verdict']['reason']})"]
+             port: int, warnings: list[str]) -> str:
+    lines = [f"warning: {w}" for w in warnings + fit["warnings"]]
+    lines += [f"host term across held-out groups: {fit['verdict']['verdict']} ({fit['verdict']['reason']})"]
     lines += [f"held-out {r.sku} TP-{r.tp}: {r.verdict} — {r.reason}" for r in groups.itertuples()]
     lines += [f"report: {folder / 'report.html'} and {folder / 'report.md'} (figures in {folder / 'figures'})",
               f"MLflow: run {report_run.run_name} ({report_run.run_id}) in experiment {report_run.experiment_id} of {uri}",

@@ -77,6 +77,8 @@ def run(raw_cfg: DictConfig, run_dir: Path) -> int:
     study = resolve(raw_cfg)
     result = fit_selection(study, select_cells(study), run_dir)
     print(render(result.data))
+    for warning in result.fixed.warnings:
+        print(f"- {warning}")
     print(f"\nwrote {result.outcome.path} and {result.outcome.path.with_name('predictions.csv')}")
     print(f"logged model: runs:/{result.outcome.run_id}/model "
           f"(experiment {study.config.fit.models_experiment!r} in {study.config.tracking.uri})")

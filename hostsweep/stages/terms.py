@@ -33,6 +33,7 @@ class FixedTerms:
     terms: CalibrationTerms
     skus: dict[str, dict[str, Any]]  # SKU specs; peak_bf16_tflops / mem_bandwidth_gbps hold the roofs in use
     sources: list[dict[str, Any]] = field(default_factory=list)  # term, sku, value, source, run_id
+    warnings: list[str] = field(default_factory=list)
 
     def note(self, term: str, sku: str, value: str, source: str, run_id: str = "") -> None:
         self.sources.append({"term": term, "sku": sku, "value": value, "source": source, "run_id": run_id})
@@ -176,4 +177,16 @@ def fixed_terms(cells: pd.DataFrame, train_sku: str, composed: Optional[Calibrat
             _allreduce(sku, skus[sku], sharded, calibration, fit, tracking_uri, ray_address, fixed)
     _host(cells, train_sku, calibration, fit, tracking_uri, fixed)
     fixed.terms = calibration_terms(calibration)
+    _check_host(fixed, cells)
     return fixed
+
+
+def _check_host(fixed: FixedTerms, cells: pd.DataFrame) -> None:
+    """A host line that goes negative over the measured batches is not a physical time;
+    the fit still uses it (it is what was measured), and the report says so."""
+    batches = np.array(sorted(cells["batch"].unique()), float)
+    host_ms = fixed.terms.host.time_s(batches) * 1e3
+    if (host_ms < 0).any():
+        fixed.warnings.append(f"H(N) is negative at N = {', '.join(f'{b:g}' for b in batches[host_ms < 0])} "
+                              f"({', '.join(f'{h:.2f}' for h in host_ms[host_ms < 0])} ms): the host line fitted to "
+                              "the TP-1 cells is not physical there, and S(N) + T_ar is no lower bound")

@@ -68,7 +68,7 @@ def test_stage_all_writes_a_report_that_states_the_verdict_on_tp2(study):
 
 def test_every_cell_is_a_named_run_and_every_one_is_in_the_report(study):
     runs = study["runs"]
-    cells = runs[runs["params.batch"].notna()]
+    cells = runs[runs["tags.cell_key"].notna()]
     assert len(cells) == 8 and set(cells["status"]) == {"FINISHED"}
     names = set(cells["tags.mlflow.runName"])
     expected = {f"b{b}-ctx64-eager-tp{k}-cpu-{m}" for b in (1, 4) for k in (1, 2) for m in ("tiny-llama", "small-llama")}
@@ -85,10 +85,15 @@ def test_the_figures_are_written_and_not_empty(study):
         assert path.stat().st_size > 10_000
 
 
+def printed(study: dict, pattern: str) -> str:
+    """What the compare stage printed last (the sweep before it prints its own links)."""
+    return re.findall(pattern, study["proc"].stdout)[-1]
+
+
 @pytest.fixture(scope="module")
 def ui(study):
     """`mlflow server` on loopback over the study's store, as the printed command starts it."""
-    command = re.search(r"open the UI: (.+)", study["proc"].stdout).group(1).split()
+    command = printed(study, r"open the UI: (.+)").split()
     assert "--host" in command and command[command.index("--host") + 1] == "127.0.0.1"
     command = [sys.executable, "-m", "mlflow", "server", *command[command.index("--backend-store-uri"):],
                "--workers", "1"]
@@ -141,7 +146,7 @@ def wait_for(driver, xpath: str, timeout: float = 60):
 def test_the_printed_link_opens_the_runs_table_listing_the_cell_runs_by_name(study, ui, browser):
     from selenium.webdriver.common.by import By
 
-    link = re.search(r"then browse (\S+)", study["proc"].stdout).group(1)
+    link = printed(study, r"then browse (\S+)")
     assert link.startswith(ui) and link.endswith("/runs?workflowType=machine_learning")
     browser.get(link)
     parent = wait_for(browser, "//*[starts-with(text(), 'generalize-cpu: cpu/')]")
@@ -151,14 +156,14 @@ def test_the_printed_link_opens_the_runs_table_listing_the_cell_runs_by_name(stu
     shown = {e.text for e in browser.find_elements(By.CSS_SELECTOR, "[role='row'] [col-id*='Run Name'] a")}
     browser.save_screenshot(str(study["root"] / "ui-runs-table.png"))
     print(f"screenshot: {study['root'] / 'ui-runs-table.png'}")
-    cells = study["runs"][study["runs"]["params.batch"].notna()]
+    cells = study["runs"][study["runs"]["tags.cell_key"].notna()]
     assert set(cells["tags.mlflow.runName"]) <= shown, shown
 
 
 def test_the_compare_run_shows_the_report_and_its_figures(study, ui, browser):
     from selenium.webdriver.common.by import By
 
-    link = re.search(r"the report: (\S+)", study["proc"].stdout).group(1)
+    link = printed(study, r"the report: (\S+)")
     browser.get(link.replace("?", "/artifacts?"))
     for name in ("report.html", "report.md", "fit.json"):
         wait_for(browser, f"//*[text()='{name}']")

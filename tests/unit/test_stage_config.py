@@ -64,3 +64,20 @@ def test_the_seed002_preset_trains_on_h100_and_takes_h_from_the_calibration():
         check_plan(compose_typed(["+experiment=tp70b"]))
     study = compose_typed(["+experiment=tp70b", "calibration=seed002-h100"])
     assert len(check_plan(study)) == 48 and study.config.fit.train_sku == "h100"
+
+
+def test_a_host_line_negative_over_the_measured_batches_is_reported():
+    import pandas as pd
+
+    from hostsweep.model.fit import HostFit
+    from hostsweep.model.study_fit import CalibrationTerms
+    from hostsweep.stages.terms import FixedTerms, _check_host
+
+    cells = pd.DataFrame({"batch": [1, 2, 4]})
+    falling = FixedTerms(CalibrationTerms({}, HostFit(0.005, -0.002)), {})
+    _check_host(falling, cells)
+    (warning,) = falling.warnings
+    assert "H(N) is negative at N = 4 (-1.00 ms)" in warning
+    flat = FixedTerms(CalibrationTerms({}, HostFit(0.005, 0.0)), {})
+    _check_host(flat, cells)
+    assert flat.warnings == []
