@@ -204,7 +204,7 @@ class FitConfig:
     # datasheet where the SKU has them, measured otherwise (the CPU).
     roofs: str = "auto"
     # H(N): calibration (its host section), cells (fitted to host_ms of the train SKU's
-    # TP-1 split cells), or auto: the calibration's when one is given, else the cells'.
+    # TP-1 split cells), or auto: the calibration's when it has one (non-zero), else the cells'.
     host: str = "auto"
     host_model: Optional[str] = None  # cells: only this model's TP-1 cells (null: every model's)
     # Measure the terms the calibration lacks (all-reduce of a SKU with TP>1 cells, measured
