@@ -1,7 +1,8 @@
 """The entry point: `python -m hostsweep [overrides]` or the `hostsweep` script.
 
 Examples: `python -m hostsweep` (the embedded default on this machine),
-`python -m hostsweep +sku=h200 tp=4 model=llama-3.1-8b`, `python -m hostsweep --cfg job`.
+`python -m hostsweep +sku=h200 tp=4 model=llama-3.1-8b`, `python -m hostsweep --cfg job`,
+`python -m hostsweep +experiment=generalize-cpu stage=all` (sweep, fit, compare, report).
 SIGTERM and SIGHUP (what `timeout`, SLURM and Kubernetes send) stop a sweep the way
 Ctrl-C does: its runs are marked KILLED and its engines and Ray stopped.
 """
@@ -69,12 +70,12 @@ def check_output_dir(argv: list[str]) -> None:
 
 @hydra.main(version_base="1.3", config_path="pkg://hostsweep.conf", config_name="config")
 def _sweep(cfg: DictConfig) -> None:
-    from hostsweep.stages import sweep
+    from hostsweep.stages import stage_module
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     redact_hydra_files(run_dir)
     try:
-        _exit_codes.append(sweep.run(cfg, run_dir))
+        _exit_codes.append(stage_module(cfg).run(cfg, run_dir))
     except ConfigError as exc:
         print(f"hostsweep: error: {exc}", file=sys.stderr)
         _exit_codes.append(2)

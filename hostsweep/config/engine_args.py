@@ -12,7 +12,7 @@ import difflib
 import json
 from typing import Any, Collection, Mapping, Optional
 
-from hostsweep.config.schema import ConfigError, ModeConfig, SkuConfig, SweepConfig
+from hostsweep.config.schema import ConfigError, ModeConfig, ModelConfig, SkuConfig, SweepConfig
 from hostsweep.config.vllm_fields import ENGINE_ARG_FIELDS
 
 # Key -> what sets it. The worker adds `model` (the materialized shape's folder) and
@@ -77,14 +77,16 @@ def num_speculative_tokens(args: Mapping[str, Any]) -> int:
 
 
 def resolved_engine_args(cfg: SweepConfig, sku: SkuConfig, mode: ModeConfig, tp: int,
-                         longest_generate: int) -> dict[str, Any]:
-    """Every vllm.LLM argument of one engine but `model` and `profiler_config`."""
+                         longest_generate: int, model: Optional[ModelConfig] = None) -> dict[str, Any]:
+    """Every vllm.LLM argument of one engine but `model` and `profiler_config`; `model` is
+    one of the study's models (default: `cfg.model`)."""
+    model = model if model is not None else cfg.model
     args = user_engine_args(mode, cfg)
     max_model_len = max(cfg.ctx) + longest_generate + num_speculative_tokens(args)
-    if cfg.model.shape is not None:  # the speculative margin must not exceed the model's limit
-        max_model_len = min(max_model_len, cfg.model.shape.max_position_embeddings)
+    if model.shape is not None:  # the speculative margin must not exceed the model's limit
+        max_model_len = min(max_model_len, model.shape.max_position_embeddings)
     # "random" weights are written by the worker as a safetensors checkpoint (engines/weights.py).
-    load_format = "safetensors" if cfg.model.load_format == "random" else cfg.model.load_format
+    load_format = "safetensors" if model.load_format == "random" else model.load_format
     args.update(
         tensor_parallel_size=tp, dtype=cfg.engine.dtype, load_format=load_format,
         max_model_len=max_model_len, max_num_seqs=max(cfg.batch), enable_prefix_caching=False,

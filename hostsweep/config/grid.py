@@ -17,7 +17,7 @@ from hostsweep.config.engine_args import (
     LEGACY_EAGER_ARGS, canonical_json, keyed_engine_args, resolved_engine_args, unsupported_reason,
 )
 from hostsweep.config.resolve import Study
-from hostsweep.config.schema import ModeConfig, SkuConfig
+from hostsweep.config.schema import ModeConfig, ModelConfig, SkuConfig
 
 
 @dataclass(frozen=True)
@@ -110,19 +110,21 @@ class Cell:
         }
 
 
-def engine_spec(study: Study, sku: SkuConfig, tp: int, mode: Optional[ModeConfig] = None) -> EngineSpec:
-    """The engine serving (sku, mode, tp), sized to the largest cell it serves: longest
-    context plus T, widest batch."""
+def engine_spec(study: Study, sku: SkuConfig, tp: int, mode: Optional[ModeConfig] = None,
+                model: Optional[ModelConfig] = None) -> EngineSpec:
+    """The engine serving (sku, model, mode, tp), sized to the largest cell it serves:
+    longest context plus T, widest batch."""
     cfg = study.config
     mode = mode if mode is not None else study.modes[0]
-    shape = cfg.model.shape
-    args = resolved_engine_args(cfg, sku, mode, tp, study.longest_generate()[0])
+    model = model if model is not None else study.models[0]
+    shape = model.shape
+    args = resolved_engine_args(cfg, sku, mode, tp, study.longest_generate()[0], model)
     return EngineSpec(
         sku=sku.name,
         accelerator_type=sku.accelerator_type,
-        model=cfg.model.name,
-        model_source=cfg.model.source,
-        model_path=cfg.model.path,
+        model=model.name,
+        model_source=model.source,
+        model_path=model.path,
         shape_json=json.dumps(asdict(shape), sort_keys=True) if shape is not None else None,
         mode=mode.name,
         tp=tp,
@@ -131,17 +133,17 @@ def engine_spec(study: Study, sku: SkuConfig, tp: int, mode: Optional[ModeConfig
         cpu_kvcache_gib=cfg.engine.cpu_kvcache_gib,
         tp_executor=cfg.engine.tp_executor,
         engine_args_json=canonical_json(args),
-        random_weights=cfg.model.load_format == "random",
+        random_weights=model.load_format == "random",
     )
 
 
 def build_cells(study: Study) -> list[Cell]:
-    """Every cell of the study, grouped by engine spec (SKU-major, then mode, TP, batch,
-    ctx, workload). Cells of a mode their SKU cannot run carry the reason in `skip`."""
+    """Every cell of the study, grouped by engine spec (SKU-major, then model, mode, TP,
+    batch, ctx, workload). Cells of a mode their SKU cannot run carry the reason in `skip`."""
     cfg, m = study.config, study.config.measure
     cells = []
-    for sku, mode, tp in product(study.skus, study.modes, cfg.tp):
-        spec = engine_spec(study, sku, tp, mode)
+    for sku, model, mode, tp in product(study.skus, study.models, study.modes, cfg.tp):
+        spec = engine_spec(study, sku, tp, mode, model)
         skip = unsupported_reason(mode, sku, spec.keyed_args)
         for batch, ctx, workload in product(cfg.batch, cfg.ctx, cfg.workload):
             cells.append(Cell(spec, batch, ctx, m.T, m.warmups, m.reps, m.seed, workload, skip))

@@ -60,11 +60,14 @@ def load_sku(name: str) -> SkuConfig:
 def load_mode(name: str) -> ModeConfig:
     """Load conf/mode/<name>.yaml onto the schema."""
     return _load_option("mode", name, ModeConfig)
+def load_model(name: str) -> ModelConfig:
+    """Load conf/model/<name>.yaml onto the schema."""
+    return _load_option("model", name, ModelConfig)
 
 
 def load_model_shape(name: str) -> dict[str, Any]:
     """The shape of a shipped model option (conf/model/<name>.yaml) as a plain dict."""
-    model: ModelConfig = _load_option("model", name, ModelConfig)
+    model = load_model(name)
     if model.shape is None:
         raise ConfigError(f"model {name} has no shipped shape (a checkpoint option)")
     return asdict(model.shape)

@@ -14,8 +14,8 @@ from typing import Collection, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from hostsweep.config.machine import cpu_flags, default_dtype, local_sku_name
-from hostsweep.config.options import check_option, load_mode, load_sku
-from hostsweep.config.schema import ConfigError, ModeConfig, ShapeConfig, SkuConfig, SweepConfig
+from hostsweep.config.options import check_option, load_mode, load_model, load_sku
+from hostsweep.config.schema import ConfigError, ModeConfig, ModelConfig, ShapeConfig, SkuConfig, SweepConfig
 from hostsweep.config.shapes import shape_from_hf_config
 from hostsweep.config.validation import names, positive_ints, validate
 from hostsweep.config.vllm_fields import ENGINE_ARG_FIELDS
@@ -24,16 +24,22 @@ from hostsweep.config.vllm_fields import ENGINE_ARG_FIELDS
 @dataclass(frozen=True)
 class Study:
     """A validated sweep config. `config.tp`, `.batch` and `.ctx` are sorted lists of
-    distinct positive ints, `config.workload` a list of workloads; `skus` and `modes` are
-    the SKUs and modes it spans, loaded."""
+    distinct positive ints, `config.workload` a list of workloads; `skus`, `models` and
+    `modes` are the SKUs, models and modes it spans, loaded."""
 
     config: SweepConfig
     skus: tuple[SkuConfig, ...]
+    models: tuple[ModelConfig, ...] = ()
     modes: tuple[ModeConfig, ...] = ()
 
     @property
     def name(self) -> str:
         return self.config.study
+
+    @property
+    def experiment(self) -> str:
+        """The study's MLflow experiment: tracking.experiment, or hostsweep-<study>."""
+        return self.config.tracking.experiment or f"hostsweep-{self.name}"
 
     def longest_generate(self) -> tuple[int, str]:
         """The most tokens any generate of a cell asks for, and the field that asks."""
@@ -59,6 +65,19 @@ def _modes(cfg: SweepConfig) -> tuple[ModeConfig, ...]:
     for name in cfg.modes:
         check_option("mode", name, " in modes")
     return tuple(cfg.mode if name == cfg.mode.name else load_mode(name) for name in dict.fromkeys(cfg.modes))
+def _models(cfg: SweepConfig) -> tuple[ModelConfig, ...]:
+    """The `models` list when given (the one named like `model` keeps its overrides), else `model`;
+    a local checkpoint's shape filled in from its config.json."""
+    if cfg.models:
+        for name in cfg.models:
+            check_option("model", name, " in models")
+        models = tuple(cfg.model if name == cfg.model.name else load_model(name) for name in dict.fromkeys(cfg.models))
+    else:
+        models = (cfg.model,)
+    for model in models:
+        if model.source == "checkpoint" and model.shape is None:
+            model.shape = _checkpoint_shape(model.path)
+    return models
 
 
 def _checkpoint_shape(path: Optional[str]) -> Optional[ShapeConfig]:
@@ -83,8 +102,7 @@ def resolve(raw: DictConfig, engine_fields: Collection[str] = ENGINE_ARG_FIELDS)
     if cfg.engine.dtype == "auto":
         any_gpu = any(s.accelerator_type is not None for s in skus)
         cfg.engine.dtype = default_dtype(any_gpu, cpu_flags())
-    if cfg.model.source == "checkpoint" and cfg.model.shape is None:
-        cfg.model.shape = _checkpoint_shape(cfg.model.path)
-    study = Study(cfg, skus, modes)
-    validate(cfg, skus, modes, study.longest_generate(), engine_fields)
+    models = _models(cfg)
+    study = Study(cfg, skus, models, modes)
+    validate(cfg, skus, models, modes, study.longest_generate(), engine_fields)
     return study

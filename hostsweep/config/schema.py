@@ -12,7 +12,13 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-CONFIG_GROUPS = ("sku", "model", "mode", "experiment")
+CONFIG_GROUPS = ("sku", "model", "mode", "experiment", "calibration")
+# `stage=`: what the main command does (hostsweep/stages/<stage>.py). "all" is sweep, then
+# fit and compare on the cells of that sweep's grid.
+STAGES = ("sweep", "fit", "compare", "all")
+# Where the fit stage takes each SKU's roofs and H(N) from (see FitConfig).
+ROOF_SOURCES = ("auto", "datasheet", "measured")
+HOST_SOURCES = ("auto", "calibration", "cells")
 # The one engine registry: engine.name -> "module:Class", imported only where a worker
 # starts that engine (hostsweep.engines.base.start_engine).
 ENGINES = {
@@ -194,6 +200,53 @@ class CalibrationConfig:
     roofs: dict[str, RoofsCalibration] = field(default_factory=dict)  # by SKU
 
 
+@dataclass
+class SelectConfig:
+    """Which measured cells the fit and compare stages read back from MLflow."""
+
+    experiment: Optional[str] = None  # null: the study's experiment (tracking.experiment or hostsweep-<study>)
+    parent_run: Optional[str] = None  # only the cells of this sweep (its parent run id)
+    filter: Optional[str] = None  # an MLflow search filter, e.g. "params.model = 'tiny-llama'"
+
+
+@dataclass
+class FitConfig:
+    """The TP model fit (hostsweep.model.study_fit.FitOptions) and where its fixed terms
+    come from. Defaults follow seed 002: train on the lowest TP degree of one SKU, H pinned."""
+
+    train_sku: Optional[str] = None  # null: the only SKU selected
+    train_tp: Any = None  # int or list; null: the lowest TP degree of train_sku
+    mode: str = "eager"  # the mode whose cells are fitted and judged (seed 002: eager)
+    form: str = "fixed_microbench"  # the host form of the logged model (hostsweep.model.hostforms.FORMS)
+    g_mode: str = "pinned"  # pinned: one g with H = S(N) (seed 002); joint: g refitted per form
+    bound: str = "microbench"  # falsification bound H: microbench S(N), or conservative (lowest k-invariant fit)
+    margin: float = 1.0  # MAPE points a verdict's CI must clear
+    utilization: float = 0.9  # memory fraction of the a-priori in-regime rule
+    resamples: int = 2000  # paired-bootstrap resamples per held-out group
+    seed: int = 0
+    # Roofs of T_cmp per SKU: datasheet (conf/sku), measured (calibration roofs), or auto:
+    # datasheet where the SKU has them, measured otherwise (the CPU).
+    roofs: str = "auto"
+    # H(N): calibration (its host section), cells (fitted to host_ms of the train SKU's
+    # TP-1 split cells), or auto: the calibration's when it has one (non-zero), else the cells'.
+    host: str = "auto"
+    host_model: Optional[str] = None  # cells: only this model's TP-1 cells (null: every model's)
+    # Measure the terms the calibration lacks (all-reduce of a SKU with TP>1 cells, measured
+    # roofs) on the SKU (here, or as a Ray task with ray.address), logged to experiment
+    # "calibration". false: a missing term is an error.
+    calibrate: bool = True
+    calibration_file: Optional[str] = None  # a YAML from `hostsweep-model allreduce|roofs|host --out`, over `calibration`
+    models_experiment: str = "models"  # where the fitted model is logged
+
+
+@dataclass
+class CompareConfig:
+    """The comparison report (hostsweep/stages/compare.py)."""
+
+    fit_run: Optional[str] = None  # report on this logged fit (its fit.json) instead of fitting now
+    ui_port: int = 5000  # the port in the printed UI link
+
+
 # The one default store: a sqlite file beside the run directories (MLflow >= 3.13 refuses
 # the plain file store).
 DEFAULT_TRACKING_URI = "sqlite:///outputs/mlflow.db"
@@ -236,6 +289,9 @@ class SweepConfig:
     # set it replaces `sku`.
     skus: Optional[list[str]] = None
     model: ModelConfig = MISSING
+    # Several models in one sweep, e.g. models=[tiny-llama,small-llama]; when set it
+    # replaces `model` (the one named like `model` keeps its overrides).
+    models: Optional[list[str]] = None
     mode: ModeConfig = MISSING
     # Several modes in one study (one engine per sku, mode and tp), e.g. modes=[eager,graph];
     # when set it replaces `mode`, except that the listed mode named like `mode` keeps its
@@ -259,6 +315,12 @@ class SweepConfig:
     resume: bool = True
     output: OutputConfig = field(default_factory=OutputConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
+    stage: str = "sweep"  # sweep | fit | compare | all (STAGES)
+    # The fixed terms of the TP model: a Hydra group (calibration=seed002-h100), or none.
+    calibration: Optional[CalibrationConfig] = None
+    select: SelectConfig = field(default_factory=SelectConfig)
+    fit: FitConfig = field(default_factory=FitConfig)
+    compare: CompareConfig = field(default_factory=CompareConfig)
 
 
 def register_configs() -> None:

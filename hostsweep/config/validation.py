@@ -12,7 +12,8 @@ from urllib.parse import urlsplit
 from hostsweep.config.engine_args import check_engine_args, unsupported_reason, user_engine_args
 from hostsweep.config.redact import redact
 from hostsweep.config.schema import (
-    DTYPES, ENGINES, LOAD_FORMATS, MODEL_SOURCES, TP_EXECUTORS, WORKLOADS, ConfigError, ModeConfig, SkuConfig,
+    DTYPES, ENGINES, LOAD_FORMATS, MODEL_SOURCES, STAGES, TP_EXECUTORS, WORKLOADS, ConfigError, ModeConfig,
+    ModelConfig, SkuConfig,
     SweepConfig,
 )
 
@@ -82,16 +83,16 @@ def check_split(cfg: SweepConfig) -> None:
             raise ConfigError(f"linearity.reps must be >= 1, got {lin.reps}")
 
 
-def check_tp(cfg: SweepConfig, sku: SkuConfig) -> None:
+def check_tp(cfg: SweepConfig, sku: SkuConfig, model: ModelConfig) -> None:
     tps = cfg.tp
-    shape = cfg.model.shape
+    shape = model.shape
     if shape is not None:
         heads = shape.num_attention_heads
         for tp in tps:
             if heads % tp:
                 raise ConfigError(
                     f"tp={tp} does not divide the {heads} attention heads of model "
-                    f"{cfg.model.name}; allowed tp: {', '.join(map(str, _divisors(heads)))}"
+                    f"{model.name}; allowed tp: {', '.join(map(str, _divisors(heads)))}"
                 )
     if sku.gpus_per_node and max(tps) > sku.gpus_per_node:
         raise ConfigError(
@@ -100,15 +101,15 @@ def check_tp(cfg: SweepConfig, sku: SkuConfig) -> None:
         )
 
 
-def check_context(cfg: SweepConfig, longest_generate: tuple[int, str]) -> None:
-    shape = cfg.model.shape
+def check_context(cfg: SweepConfig, model: ModelConfig, longest_generate: tuple[int, str]) -> None:
+    shape = model.shape
     if shape is None:
         return
     longest, field_name = longest_generate
     limit = shape.max_position_embeddings - longest
     if max(cfg.ctx) > limit:
         raise ConfigError(
-            f"ctx={max(cfg.ctx)} plus {field_name}={longest} exceeds model {cfg.model.name}'s "
+            f"ctx={max(cfg.ctx)} plus {field_name}={longest} exceeds model {model.name}'s "
             f"max_position_embeddings={shape.max_position_embeddings}; allowed ctx <= {limit}"
         )
 
@@ -174,17 +175,24 @@ def check_faults_and_tracking(cfg: SweepConfig) -> None:
                           f"({t.outage_s + t.heartbeat_s}): a sweep waiting out an outage would look dead")
 
 
-def validate(cfg: SweepConfig, skus: Iterable[SkuConfig], modes: tuple[ModeConfig, ...],
-             longest_generate: tuple[int, str], engine_fields: Collection[str]) -> None:
+def check_models(models: list[ModelConfig]) -> None:
+    for model in models:
+        _check_choice("model.source", model.source, MODEL_SOURCES)
+        _check_choice("model.load_format", model.load_format, LOAD_FORMATS)
+        if model.load_format == "random" and model.source != "shape":
+            raise ConfigError(f"model.load_format=random draws weights for a shape; model {model.name} "
+                              f"is a {model.source} (use auto, safetensors or pt)")
+
+
+def validate(cfg: SweepConfig, skus: Iterable[SkuConfig], models: Iterable[ModelConfig],
+             modes: tuple[ModeConfig, ...], longest_generate: tuple[int, str], engine_fields: Collection[str]) -> None:
     """Check a config whose tp/batch/ctx/workload lists are already normalized (config.resolve)."""
+    _check_choice("stage", cfg.stage, STAGES)
     _check_choice("engine.name", cfg.engine.name, ENGINES)
     _check_choice("engine.dtype", cfg.engine.dtype, DTYPES)
     _check_choice("engine.tp_executor", cfg.engine.tp_executor, TP_EXECUTORS)
-    _check_choice("model.source", cfg.model.source, MODEL_SOURCES)
-    _check_choice("model.load_format", cfg.model.load_format, LOAD_FORMATS)
-    if cfg.model.load_format == "random" and cfg.model.source != "shape":
-        raise ConfigError(f"model.load_format=random draws weights for a shape; model {cfg.model.name} "
-                          f"is a {cfg.model.source} (use auto, safetensors or pt)")
+    models = list(models)
+    check_models(models)
     for workload in cfg.workload:
         _check_choice("workload", workload, WORKLOADS)
     if "repeat" in cfg.workload and min(cfg.ctx) < 2:
@@ -200,6 +208,8 @@ def validate(cfg: SweepConfig, skus: Iterable[SkuConfig], modes: tuple[ModeConfi
     check_modes(cfg, modes, engine_fields)
     check_faults_and_tracking(cfg)
     for sku in skus:
-        check_tp(cfg, sku)
+        for model in models:
+            check_tp(cfg, sku, model)
         check_capabilities(cfg, sku, modes)
-    check_context(cfg, longest_generate)
+    for model in models:
+        check_context(cfg, model, longest_generate)

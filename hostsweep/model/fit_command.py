@@ -1,6 +1,7 @@
 """`hostsweep-model fit` and `synth`: read measured cells, run `study_fit.fit_study`, print
 the report, write fit.json (+ predictions.csv) and log the fit to MLflow; or write
-synthetic cells from a chosen truth to try the fit on.
+synthetic cells from a chosen truth to try the fit on. `fit_and_log` is the one fit path
+the stages (`python -m hostsweep stage=fit|compare|all`) call too.
 
 MLflow is imported lazily (record.registry), so this module imports like the pure core.
 """
@@ -10,7 +11,7 @@ import argparse
 import json
 import logging
 import os
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -77,43 +78,65 @@ def _fit_metrics(report: FitReport) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
 
 
-def _params(report: FitReport, args: argparse.Namespace) -> dict[str, object]:
-    chosen = report.chosen
-    return {"form": chosen.form, "g_mode": report.options.g_mode, "g": chosen.g,
-            "train_selection": f"sku={args.train_sku} tp={args.train_tp} in-regime",
+def _params(report: FitReport, roofs: str) -> dict[str, object]:
+    chosen, options = report.chosen, report.options
+    return {"form": chosen.form, "g_mode": options.g_mode, "g": chosen.g,
+            "train_selection": f"sku={options.train_sku} tp={list(options.train_tp)} in-regime",
             **{f"host.{k}": v for k, v in chosen.named_params_ms().items()},
             "s0_ms": report.calibration["host"]["s0_ms"], "s1_ms": report.calibration["host"]["s1_ms"],
             **{f"lambda_us.{s}": v["latency_us"] for s, v in report.calibration["allreduce"].items()},
             **{f"beta_gbps.{s}": v["bandwidth_gbps"] for s, v in report.calibration["allreduce"].items()},
-            "roofs": args.roofs, "utilization": args.utilization, "verdict": report.verdict["verdict"]}
+            "roofs": roofs, "utilization": options.utilization, "verdict": report.verdict["verdict"]}
+
+
+@dataclass(frozen=True)
+class FitOutcome:
+    """A fit written and logged: the report, its JSON (fit.json's content), where fit.json
+    went and the MLflow run that holds it and the model."""
+
+    report: FitReport
+    data: dict
+    path: Path
+    run_id: str
+
+
+def fit_and_log(measured: pd.DataFrame, terms: CalibrationTerms, skus: dict[str, dict], options: FitOptions,
+                json_path: Path, tracking_uri: str, models_experiment: str, roofs: str = "datasheet",
+                tokens: int | None = None, extra_params: dict[str, object] | None = None) -> FitOutcome:
+    """The fit stage's one path (used by `stage=fit|compare|all` and `hostsweep-model fit`):
+    cell frame, fit_study, fit.json + predictions.csv at `json_path`, and a run in the
+    models experiment with the chosen form as a pyfunc. `skus` are the SKU specs with the
+    roofs to use under `roofs`' keys (cell_frame)."""
+    shapes = {m: load_model_shape(m) for m in measured["model"].unique()}
+    cells = cell_frame(measured, shapes, skus, roofs, tokens=tokens)
+    report = fit_study(cells, terms, options)
+    data = report.to_dict()
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(data, indent=1, allow_nan=False)
+    json_path.write_text(text)
+    report.predictions.to_csv(json_path.with_name("predictions.csv"), index=False)
+    from hostsweep.record.registry import log_model_fit
+
+    trained = int(cells.loc[report.predictions["role"] == "train", "T"].max())
+    spec = model_spec(report.chosen, terms.allreduce, terms.host, shapes, skus, roofs, trained)
+    run_id = log_model_fit(tracking_uri, models_experiment, f"{options.form} g={report.chosen.g:.3f}",
+                           {**_params(report, roofs), **(extra_params or {})}, _fit_metrics(report),
+                           {"predictions": report.predictions, "host_forms": pd.DataFrame(report.scores)},
+                           spec, predict_rows, INPUT_COLUMNS, texts={"fit.json": text})
+    return FitOutcome(report, data, json_path, run_id)
 
 
 def fit_command(args: argparse.Namespace) -> int:
     measured = measured_cells(args)
     terms = calibration_terms(load_calibration(args.calibration))
-    shapes = {m: load_model_shape(m) for m in measured["model"].unique()}
     skus = _sku_specs(measured["sku"].unique(), terms, args.roofs)
-    cells = cell_frame(measured, shapes, skus, args.roofs, tokens=args.tokens)
     options = FitOptions(args.train_sku, tuple(args.train_tp), args.form, args.g_mode, args.bound,
                          args.utilization, args.resamples, args.seed, args.margin)
-    report = fit_study(cells, terms, options)
-    data = report.to_dict()
-    print(render(data))
-    path = _json_path(args)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(data, indent=1, allow_nan=False)
-    path.write_text(text)
-    report.predictions.to_csv(path.with_name("predictions.csv"), index=False)
-    print(f"\nwrote {path} and {path.with_name('predictions.csv')}")
-    from hostsweep.record.registry import log_model_fit
-
-    tokens = int(cells.loc[report.predictions["role"] == "train", "T"].max())
-    spec = model_spec(report.chosen, terms.allreduce, terms.host, shapes, skus, args.roofs, tokens)
-    run_id = log_model_fit(args.tracking_uri, args.models_experiment, f"{args.form} g={report.chosen.g:.3f}",
-                           _params(report, args), _fit_metrics(report),
-                           {"predictions": report.predictions, "host_forms": pd.DataFrame(report.scores)},
-                           spec, predict_rows, INPUT_COLUMNS, texts={"fit.json": text})
-    print(f"logged model: runs:/{run_id}/model (experiment {args.models_experiment!r} in {args.tracking_uri})")
+    outcome = fit_and_log(measured, terms, skus, options, _json_path(args), args.tracking_uri,
+                          args.models_experiment, args.roofs, args.tokens)
+    print(render(outcome.data))
+    print(f"\nwrote {outcome.path} and {outcome.path.with_name('predictions.csv')}")
+    print(f"logged model: runs:/{outcome.run_id}/model (experiment {args.models_experiment!r} in {args.tracking_uri})")
     return 0
 
 

@@ -146,14 +146,22 @@ def _scale(pinned: ScaleFit, terms: Terms, step_ms: np.ndarray, roles: np.ndarra
     return scale
 
 
+# Identity columns carried through to the predictions when the cells have them, so every
+# row of fit.json can be traced to its MLflow run.
+TRACE_COLUMNS = ("mode", "run_id", "cell_key", "parent_run_id")
+
+
 def _predictions(cells: pd.DataFrame, predicted: dict[str, np.ndarray], roles: np.ndarray,
-                 bound_ms: np.ndarray, options: FitOptions) -> pd.DataFrame:
-    keep = [c for c in ("sku", "model", "tp", "batch", "ctx", "step_ms", *CI_COLUMNS) if c in cells]
+                 bound_ms: np.ndarray, terms: Terms, g: float, options: FitOptions) -> pd.DataFrame:
+    keep = [c for c in ("sku", "model", "tp", "batch", "ctx", "step_ms", *CI_COLUMNS, *TRACE_COLUMNS) if c in cells]
     regime = cells["in_regime"].to_numpy(bool)
     columns = {c: cells[c].to_numpy() for c in keep}
     columns |= {"role": roles, "in_regime": regime, "predicted_ms": predicted[options.form],
                 "ape_pct": ape(predicted[options.form], columns["step_ms"])}
     columns |= {f"{name}_ms": values for name, values in predicted.items()}
+    # the model's pieces per cell: g·T_cmp/k with the global g, T_ar and S(N)
+    columns |= {"compute_ms": g * terms.compute_s * 1e3, "allreduce_ms": terms.allreduce_s * 1e3,
+                "microbench_ms": terms.microbench_s * 1e3}
     verdicts = falsifying(cells, bound_ms, (roles == "held-out") & regime)
     return pd.DataFrame(columns).join(verdicts.reset_index(drop=True))
 
@@ -239,7 +247,8 @@ def fit_study(cells: pd.DataFrame, terms: CalibrationTerms, options: FitOptions)
     forms = fit_all_forms(all_terms.take(train), step_ms[train], None if options.g_mode == "joint" else pinned.g)
     scale = _scale(pinned, all_terms, step_ms, roles, forms, options, warnings)
     predicted = {name: predict_terms_s(f, all_terms) * 1e3 for name, f in forms.items()}
-    table = _predictions(cells, predicted, roles, _bound_ms(all_terms, forms, options), options)
+    table = _predictions(cells, predicted, roles, _bound_ms(all_terms, forms, options), all_terms, pinned.g,
+                         options)
     groups, scores = _groups(table, options)
     compared = [g for g in groups if g["role"] == "held-out" and "verdict" in g and g["verdict"] != "falsified"]
     falsification = _falsification(table, groups, options, warnings)

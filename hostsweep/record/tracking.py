@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -53,11 +54,6 @@ JOURNAL_TAG = "journal_entry"  # the run-directory journal entry a cell run was 
 def bounded_requests() -> None:
     for key, value in CLIENT_ENV.items():
         os.environ.setdefault(key, value)
-
-
-def cell_run_name(params: dict[str, object]) -> str:
-    return "/".join(str(params[k]) for k in ("sku", "model", "mode")) + \
-        f"/tp{params['tp']}/b{params['batch']}/ctx{params['ctx']}"
 
 
 def prepare_store(tracking_uri: str) -> None:
@@ -297,24 +293,64 @@ class SweepTracker:
 
     def runs_table_url(self, port: int = 5000) -> str:
         """The UI link that opens the runs table (3.x opens a GenAI overview otherwise)."""
-        return f"http://127.0.0.1:{port}/#/experiments/{self.experiment_id}/runs?workflowType=machine_learning"
+        return runs_table_url(self.experiment_id, port)
 
 
-def read_cells(tracking_uri: str, experiments: list[str]) -> pd.DataFrame:
+# Cell metrics read back as columns besides step_ms (absent ones come back as NaN).
+CELL_METRICS = ("step_ci_low_ms", "step_ci_high_ms", "host_ms", "device_ms", "host_frac")
+
+
+def read_cells(tracking_uri: str, experiments: list[str], parent_run_id: Optional[str] = None,
+               filter_string: Optional[str] = None) -> pd.DataFrame:
     """Finished cell runs of the given sweep experiments as a measured-cell table (step_ms
-    with its 95% CI, host_ms where the cell was split)."""
+    with its 95% CI, host/device split where the cell was split, every other metric the
+    cells have, and each cell's run id, name, parent sweep run and start time). Only the
+    children of `parent_run_id` when given; `filter_string` is an MLflow search filter."""
     mlflow.set_tracking_uri(tracking_uri)
-    runs = mlflow.search_runs(experiment_names=experiments)
-    if runs.empty or "params.batch" not in runs:
+    clauses = [f"tags.mlflow.parentRunId = '{parent_run_id}'"] if parent_run_id else []
+    clauses += [filter_string] if filter_string else []
+    runs = mlflow.search_runs(experiment_names=experiments, filter_string=" and ".join(clauses))
+    if runs.empty or "tags.cell_key" not in runs:
         return pd.DataFrame()
-    cells = runs[runs["params.batch"].notna() & (runs["status"] == "FINISHED")]
+    # cell runs carry a cell_key; a sweep's parent run has list-valued params (batch "[1, 4]")
+    cells = runs[runs["tags.cell_key"].notna() & (runs["status"] == "FINISHED")]
+    nan = pd.Series(float("nan"), index=cells.index)
     frame = pd.DataFrame({
-        "sku": cells["params.sku"], "model": cells["params.model"], "tp": cells["params.tp"].astype(int),
-        "batch": cells["params.batch"].astype(int), "ctx": cells["params.ctx"].astype(int),
-        "T": cells["params.T"].astype(int), "dtype": cells["params.dtype"],
+        "sku": cells["params.sku"], "model": cells["params.model"],
+        "mode": cells.get("params.mode", pd.Series("eager", index=cells.index)),
+        "tp": cells["params.tp"].astype(int), "batch": cells["params.batch"].astype(int),
+        "ctx": cells["params.ctx"].astype(int), "T": cells["params.T"].astype(int), "dtype": cells["params.dtype"],
         "step_ms": cells["metrics.step_ms"].astype(float),
-        **{name: cells.get(f"metrics.{name}", pd.Series(float("nan"), index=cells.index)).astype(float)
-           for name in ("step_ci_low_ms", "step_ci_high_ms", "host_ms")},
+        **{name: cells.get(f"metrics.{name}", nan).astype(float) for name in CELL_METRICS},
         "cell_key": cells["tags.cell_key"], "run_id": cells["run_id"],
+        "run_name": cells.get("tags.mlflow.runName", nan),
+        "parent_run_id": cells.get("tags.mlflow.parentRunId", nan),
+        "start_time": cells["start_time"],
     })
-    return frame.reset_index(drop=True)
+    others = {c[len("metrics."):]: cells[c].astype(float) for c in cells if c.startswith("metrics.")
+              and c[len("metrics."):] not in frame}
+    return frame.assign(**others).reset_index(drop=True)
+
+
+def experiment_ids(tracking_uri: str) -> dict[str, str]:
+    """Every experiment of the store by name (what a selection error lists)."""
+    return {e.name: e.experiment_id for e in MlflowClient(tracking_uri).search_experiments()}
+
+
+def cell_run_name(params: dict[str, object]) -> str:
+    """A cell run's name a person can read: b4-ctx512-eager-tp1, then the SKU and model
+    (one sweep may span several of each)."""
+    return f"b{params['batch']}-ctx{params['ctx']}-{params['mode']}-tp{params['tp']}-{params['sku']}-{params['model']}"
+
+
+def runs_table_url(experiment_id: str, port: int = 5000, run_id: Optional[str] = None) -> str:
+    """The UI link to an experiment's runs table (or one run): MLflow 3.x opens a GenAI
+    overview unless the link asks for the machine-learning workflow."""
+    where = f"runs/{run_id}" if run_id else "runs"
+    return f"http://127.0.0.1:{port}/#/experiments/{experiment_id}/{where}?workflowType=machine_learning"
+
+
+def ui_command(tracking_uri: str, port: int = 5000) -> str:
+    """The stock MLflow UI on this store, bound to loopback (the interpreter that ran the
+    stage has mlflow, whether or not its venv is activated)."""
+    return f"{sys.executable} -m mlflow ui --backend-store-uri {tracking_uri} --host 127.0.0.1 --port {port}"

@@ -1,3 +1,30 @@
 """stages: the data flow wired end to end, one module per `stage=` of the main command.
 The only package that may import every other one; __main__ picks the stage.
+
+    sweep    measure the grid, record every cell to MLflow (the default)
+    fit      fit the TP model on the study's cells read back from MLflow, log it
+    compare  fit (or reuse a fit run), then the cross-SKU report with figures, logged to MLflow
+    all      sweep, then compare the cells of that sweep's grid
 """
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Protocol
+
+from omegaconf import DictConfig
+
+from hostsweep.config.schema import STAGES, ConfigError
+
+
+class Stage(Protocol):
+    def run(self, raw_cfg: DictConfig, run_dir: Path) -> int: ...
+
+
+def stage_module(raw_cfg: DictConfig) -> Stage:
+    """The module of the configured `stage=` (imported lazily: a sweep never loads the
+    report's plotting code, and bad input fails before anything heavy is imported)."""
+    stage = raw_cfg.get("stage", "sweep")
+    if stage not in STAGES:
+        raise ConfigError(f"stage={stage!r} is not allowed; allowed: {', '.join(STAGES)}")
+    return importlib.import_module(f"hostsweep.stages.{stage}")  # type: ignore[return-value]

@@ -30,7 +30,7 @@ from hostsweep.record.celltable import CellTable
 from hostsweep.record.claims import PARENT_TAG
 from hostsweep.record.journal import JOURNAL_FILE, Journal, pending_folder
 from hostsweep.record.provenance import driver_tags
-from hostsweep.record.tracking import SweepTracker
+from hostsweep.record.tracking import SweepTracker, ui_command
 from hostsweep.report.modes import cell_frame, mode_pairs, study_summary
 from hostsweep.report.tables import format_table
 from hostsweep.run import cluster
@@ -50,21 +50,21 @@ INTERRUPTED_DRAIN_S = 10.0
 
 
 def experiment_name(study: Study) -> str:
-    return study.config.tracking.experiment or f"hostsweep-{study.name}"
+    return study.experiment
 
 
 def sweep_run_name(study: Study, run_dir: Path) -> str:
     """e.g. 'keystone-cpu: cpu/small-llama/eager @ 18-10-29-4711/1' (multirun jobs end in /N)."""
     cfg = study.config
-    skus = "+".join(s.name for s in study.skus)
+    skus, models = "+".join(s.name for s in study.skus), "+".join(m.name for m in study.models)
     modes = "+".join(m.name for m in study.modes)
-    return f"{cfg.study}: {skus}/{cfg.model.name}/{modes} @ {run_dir.parent.name}/{run_dir.name}"
+    return f"{cfg.study}: {skus}/{models}/{modes} @ {run_dir.parent.name}/{run_dir.name}"
 
 
 def sweep_params(study: Study, cells: list[Cell]) -> dict[str, object]:
     cfg = study.config
     return {
-        "study": cfg.study, "sku": ",".join(s.name for s in study.skus), "model": cfg.model.name,
+        "study": cfg.study, "sku": ",".join(s.name for s in study.skus), "model": ",".join(m.name for m in study.models),
         "mode": ",".join(m.name for m in study.modes), "workload": ",".join(cfg.workload),
         "tp": sorted({c.engine.tp for c in cells}), "batch": sorted({c.batch for c in cells}),
         "ctx": sorted({c.ctx for c in cells}), "T": cfg.measure.T, "reps": cfg.measure.reps,
@@ -85,9 +85,8 @@ def record_study_summary(study: Study, rows: list[dict[str, object]], tracker: S
 
 
 def where_results_are(tracker: SweepTracker, table: CellTable) -> str:
-    # The interpreter that ran the sweep has mlflow, whether or not its venv is activated.
     uri = redact(tracker.tracking_uri)
-    ui = f"{sys.executable} -m mlflow ui --backend-store-uri {uri} --port 5000"
+    ui = ui_command(uri)
     return (
         f"cell table: {table.path}\n"
         f"MLflow: experiment {tracker.experiment_id}, parent run {tracker.parent_run_id} in {uri}\n"

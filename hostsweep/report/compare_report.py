@@ -1,0 +1,171 @@
+"""The cross-SKU comparison report (pure): fit.json and the selected cells in, a Document
+(report/document.py) and the figures (report/figures.py) out, every number beside the
+MLflow run it comes from. A SKU or mode the study does not have is reported absent.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from hostsweep.report import comparison as C
+from hostsweep.report import figures as F
+from hostsweep.report.document import Bullets, Document, Figure, Heading, Table, Text
+from hostsweep.report.study_modes import mode_sections
+
+# seed 002's reported numbers, quoted beside a study of its design
+SEED002 = "seed 002 (70B, H100 TP-2→4): 1.11× in-regime (1.18× with its outlier), ideal 2×, baseline 1.36–1.53×"
+
+
+@dataclass(frozen=True)
+class Context:
+    """Where the report's inputs came from, for the provenance section."""
+
+    study: str
+    experiment: str
+    experiment_id: str
+    tracking_uri: str
+    compare_run_id: str
+    fit_run_id: str
+    models_experiment: str
+    created: str
+    command: str
+    expected_skus: tuple[str, ...] = ()
+    sources: list[dict[str, Any]] = field(default_factory=list)  # fixed terms: term, sku, value, source, run_id
+    warnings: list[str] = field(default_factory=list)  # about the fixed terms
+
+
+def _provenance(ctx: Context, cells: pd.DataFrame) -> list:
+    parents = sorted(cells["parent_run_id"].dropna().unique()) if "parent_run_id" in cells else []
+    rows = [{"what": "this report", "experiment": ctx.experiment, "run_id": ctx.compare_run_id},
+            {"what": "the fit (fit.json, model)", "experiment": ctx.models_experiment, "run_id": ctx.fit_run_id}]
+    rows += [{"what": f"sweep ({(cells['parent_run_id'] == p).sum()} cells)", "experiment": ctx.experiment,
+              "run_id": p} for p in parents]
+    rows += [{"what": f"calibration: {s['term']} {s['sku']}", "experiment": "calibration", "run_id": s["run_id"]}
+             for s in ctx.sources if s["run_id"]]
+    return [Heading("Where every number comes from"),
+            Text(f"Store `{ctx.tracking_uri}`, experiment `{ctx.experiment}` (id {ctx.experiment_id}); "
+                 f"{len(cells)} FINISHED cell runs, each listed by run id in the last section. "
+                 f"Generated {ctx.created} by `{ctx.command}`."),
+            Table(pd.DataFrame(rows))]
+
+
+def _verdicts(fit: dict[str, Any], groups: pd.DataFrame) -> list:
+    lines = [f"**Host term across held-out groups: {fit['verdict']['verdict']}** ({fit['verdict']['reason']})"]
+    lines += [f"held-out {r.sku} TP-{r.tp}: **{r.verdict}** — {r.reason}" for r in groups.itertuples()]
+    return [Heading("Verdict"), Bullets(tuple(lines))]
+
+
+def _terms(fit: dict[str, Any], ctx: Context) -> list:
+    scale, options = fit["scale"], fit["options"]
+    text = (f"g = {scale['g']:.3f} fitted on {scale['cells']} in-regime cells of sku {options['train_sku']} "
+            f"TP {options['train_tp']} ({scale['method']}); with the out-of-regime cells of that selection "
+            f"g = {scale['g_with_out_of_regime']:.3f}. Model form `{options['form']}`, bound `{options['bound']}`.")
+    return [Heading("Fixed terms and the fitted scale"), Text(text),
+            Table(pd.DataFrame(ctx.sources), "where each fixed term came from")]
+
+
+def _heldout(fit: dict[str, Any], pred: pd.DataFrame, groups: pd.DataFrame, forms: pd.DataFrame,
+             figures: dict[str, Path]) -> list:
+    blocks: list = [Heading("Held-out (SKU, TP) groups"),
+                    Text(f"Model = form `{fit['options']['form']}`; baseline = g·T_cmp/k + T_ar (seed 002 Eq. 1). "
+                         "MAPE in percent over each group's in-regime cells; *_in_ci counts predictions inside the "
+                         "measured 95% CI.")]
+    shown = groups.drop(columns=["reason"]) if len(groups) else groups  # the reasons are in the verdict list
+    blocks.append(Table(shown, digits=2) if len(groups) else Text("No held-out group: nothing to compare."))
+    if len(forms):
+        wide = forms.pivot_table(index="form", columns=["sku", "tp"], values="mape").reset_index()
+        wide.columns = ["form"] + [f"{s} TP-{k} MAPE" for s, k in wide.columns[1:]]
+        blocks.append(Table(wide, "every host form's held-out MAPE (%); CIs in the figure", 2))
+    blocks += [Figure(figures["predicted_vs_measured"], "Predicted vs measured, every cell: stars out of regime, "
+                      "red circles falsifying (CI below H + T_ar)."),
+               Figure(figures["heldout_mape"], "Held-out MAPE per host form with bootstrap 95% CIs.")]
+    return blocks
+
+
+def _falsification(fit: dict[str, Any], pred: pd.DataFrame) -> list:
+    info, below = fit["falsification"], C.below_bound(pred)
+    blocks: list = [Heading("Falsification: cells below the lower bound H + T_ar"),
+                    Text(f"Bound: {info['bound']}. Rule: {info['rule']}.")]
+    blocks.append(Table(below, "margin = step − bound (ms); ci_excludes_bound: the whole 95% CI lies below "
+                        "(these are the evidence cells)") if len(below)
+                  else Text("No held-out in-regime cell measures below the bound."))
+    for group in (g for g in fit["groups"] if g["role"] == "held-out"):
+        if group["falsifying_cells"]:
+            blocks.append(Text(f"{group['sku']} TP-{group['tp']}: {group['falsifying_cells']} cell(s) with the CI "
+                               f"below the bound, {group['falsifying_needed']} needed to falsify the group → "
+                               f"{'falsified' if group['falsified'] else 'not falsified'}."))
+    return blocks
+
+
+def _shrink(fit: dict[str, Any], pred: pd.DataFrame, figures: dict[str, Path], resamples: int) -> list:
+    table = C.shrink(fit)
+    per_tp, ratios = C.residuals(pred, resamples)
+    return [Heading("TP step shrink k → next k"),
+            Table(table, "mean step(k)/step(next k) over matched (batch, ctx) cells; ideal = next k / k", 3)
+            if len(table) else Text("Only one TP degree per (SKU, model): no shrink to report."),
+            Text(f"For reference, {SEED002}."),
+            Heading("Residual after compute and all-reduce, per TP degree"),
+            Text("residual = measured step − g·T_cmp/k − T_ar (in-regime cells): the part the additive host term "
+                 "must explain. A TP-invariant term keeps it constant (ratio 1), C·k multiplies it by k'/k, "
+                 "C/k divides it. model_H_mean_ms is the pinned H(N) for comparison."),
+            Table(per_tp, digits=3), Table(ratios, "ratio of mean residuals over matched cells, bootstrap 95% CI", 3)
+            if len(ratios) else Text("No matched cells at two TP degrees: the residual cannot be compared across TP."),
+            Figure(figures["step_composition"], "Decode-step composition per TP degree.")]
+
+
+def _study_wide(cells: pd.DataFrame, regime: pd.DataFrame, figures: dict[str, Path], ctx: Context) -> list:
+    present = set(cells["sku"])
+    absent = [s for s in ctx.expected_skus if s not in present]
+    blocks: list = [Heading("Study-wide"),
+                    Text("SKUs with cells: " + ", ".join(sorted(present))
+                         + (f"; absent (no cells selected): {', '.join(absent)}" if absent else "")),
+                    Heading("Regime map", 3), Figure(figures["regime_map"], "Host fraction by model size, TP and batch "
+                                                     "(mean over contexts)."),
+                    Table(regime, digits=3) if len(regime) else Text("absent: no split cells"),
+                    Figure(figures["step_times"], "Step time per cell with 95% CI, one panel per SKU.")]
+    for section in mode_sections(cells):
+        blocks.append(Heading(section.title, 3))
+        if section.status != "present":
+            blocks.append(Text(section.status))
+            continue
+        blocks += [Table(frame, name, 3) for name, frame in section.tables.items()]
+        blocks.append(Table(pd.DataFrame([section.summary]), "summary", 3))
+    return blocks
+
+
+def _cells(pred: pd.DataFrame) -> list:
+    columns = [c for c in ("sku", "model", "mode", "tp", "batch", "ctx", "role", "in_regime", "step_ms",
+                           "step_ci_low_ms", "step_ci_high_ms", "predicted_ms", "baseline_ms", "ape_pct",
+                           "bound_ms", "run_id") if c in pred]
+    return [Heading("Every cell, with its MLflow run"), Table(pred[columns], digits=3)]
+
+
+def write_figures(pred: pd.DataFrame, cells: pd.DataFrame, forms: pd.DataFrame, regime: pd.DataFrame,
+                  families: dict[str, str], folder: Path) -> dict[str, Path]:
+    """The five comparison figures as PNGs under `folder`."""
+    made = {"step_composition": F.step_composition(pred), "predicted_vs_measured": F.predicted_vs_measured(pred),
+            "heldout_mape": F.heldout_mape(forms, families), "regime_map": F.regime_map(regime),
+            "step_times": F.step_times(cells)}
+    return {name: F.save(fig, folder / f"{name}.png") for name, fig in made.items()}
+
+
+def build(ctx: Context, cells: pd.DataFrame, fit: dict[str, Any], folder: Path) -> tuple[Document, pd.DataFrame]:
+    """The report and its figures (written under folder/figures); also the group table."""
+    pred = C.predictions(fit)
+    resamples = int(fit["options"]["resamples"])
+    groups = C.heldout_groups(fit, pred)
+    forms = C.form_mape(pred, [f["form"] for f in fit["forms"]], resamples)
+    regime = C.regime_map(cells)
+    families = {f["form"]: f["family"] for f in fit["forms"]}
+    figures = write_figures(pred, cells, forms, regime, families, folder / "figures")
+    doc = Document(f"Cross-SKU comparison: {ctx.study}")
+    for part in (_verdicts(fit, groups), _provenance(ctx, cells), _terms(fit, ctx),
+                 _heldout(fit, pred, groups, forms, figures), _falsification(fit, pred),
+                 _shrink(fit, pred, figures, resamples), _study_wide(cells, regime, figures, ctx), _cells(pred)):
+        doc.add(*part)
+    if fit["warnings"] or ctx.warnings:
+        doc.add(Heading("Warnings"), Bullets(tuple(ctx.warnings + fit["warnings"])))
+    return doc, groups

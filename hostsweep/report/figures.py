@@ -1,0 +1,208 @@
+"""Figures of hostsweep (pure; matplotlib on the Agg backend, no display needed).
+
+One function per figure: each takes DataFrames (cell tables, the fit's per-cell
+predictions, tables from report/comparison.py) and returns a matplotlib Figure; `save`
+writes it as a PNG and closes it. The style helpers (`panels`, `colors`, `save`) are
+shared, so the sweep summary's figures use the same look.
+
+    step_composition       decode-step composition per TP degree, stacked bars
+    predicted_vs_measured  the model against the measurement, out-of-regime starred, falsifying marked
+    heldout_mape           held-out MAPE per host form with bootstrap CIs, one panel per group
+    regime_map             host fraction over model size × TP and batch, one panel per SKU
+    step_times             per-cell step time with CI bars across batch and ctx, one panel per SKU
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")  # before pyplot: figures are written to files, never shown
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+           "#bcbd22", "#17becf")
+# The decode-step pieces, in seed 002's colours: compute green, all-reduce amber, host red.
+PIECES = {"compute": "#2ca02c", "all-reduce": "#ff9f1c", "host / additive": "#d62728"}
+FAMILY_COLORS = {"none": "#7f7f7f", "k-invariant": "#2ca02c", "k-scaling": "#d62728"}
+
+
+def colors(keys: Iterable[object]) -> dict[object, str]:
+    """A stable colour per key, in the order given."""
+    return {key: PALETTE[i % len(PALETTE)] for i, key in enumerate(dict.fromkeys(keys))}
+
+
+def panels(count: int, width: float = 5.0, height: float = 3.8, columns: int = 3,
+           sharey: bool = False) -> tuple[Figure, list[plt.Axes]]:
+    """A figure with `count` panels in rows of at most `columns`; unused axes hidden."""
+    count = max(count, 1)
+    cols = min(count, columns)
+    rows = -(-count // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False, sharey=sharey,
+                             layout="constrained")
+    flat = list(axes.ravel())
+    for ax in flat[count:]:
+        ax.set_visible(False)
+    for ax in flat:
+        ax.grid(True, alpha=0.3)
+    return fig, flat[:count]
+
+
+def empty(message: str) -> Figure:
+    """A figure that says why there is nothing to draw (a section stays, not a crash)."""
+    fig, (ax,) = panels(1, 6, 2)
+    ax.axis("off")
+    ax.text(0.5, 0.5, message, ha="center", va="center", wrap=True)
+    return fig
+
+
+def save(fig: Figure, path: Path, dpi: int = 110) -> Path:
+    """Write a PNG (folders created) and release the figure."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _label(row: pd.Series, keys: Sequence[str]) -> str:
+    return " ".join(f"{k}={row[k]}" for k in keys)
+
+
+def step_composition(pred: pd.DataFrame) -> Figure:
+    """Per (SKU, model): the measured step at each TP degree split into g·T_cmp/k,
+    T_ar and the rest (step − both: what the additive host term must explain), at the
+    smallest batch and longest context measured at every degree (seed 002: N=1, ctx 2048)."""
+    groups = list(pred.groupby(["sku", "model"]))
+    if not groups:
+        return empty("no cells")
+    fig, axes = panels(len(groups), 4.2, 3.8)
+    for ax, ((sku, model), cells) in zip(axes, groups):
+        shared = cells.groupby(["batch", "ctx"])["tp"].nunique()
+        full = shared[shared == cells["tp"].nunique()].index
+        batch = min(b for b, _ in full)
+        ctx = max(c for b, c in full if b == batch)
+        chosen = cells[(cells["batch"] == batch) & (cells["ctx"] == ctx)].groupby("tp").mean(numeric_only=True)
+        x = np.arange(len(chosen))
+        pieces = {"compute": chosen["compute_ms"], "all-reduce": chosen["allreduce_ms"],
+                  "host / additive": (chosen["step_ms"] - chosen["compute_ms"] - chosen["allreduce_ms"]).clip(lower=0)}
+        bottom = np.zeros(len(chosen))
+        for name, values in pieces.items():
+            ax.bar(x, values.to_numpy(), 0.6, bottom=bottom, color=PIECES[name], label=name)
+            bottom += values.to_numpy()
+        ax.errorbar(x, chosen["step_ms"], yerr=_ci_yerr(chosen), fmt="k_", ms=18, capsize=4, label="measured step, 95% CI")
+        ax.set_xticks(x, [f"TP-{k}" for k in chosen.index])
+        ax.set_title(f"{sku} {model}: N={batch}, ctx {ctx}", fontsize=10)
+        ax.set_ylabel("ms per decode step")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=8)
+    fig.suptitle("Decode-step composition (model pieces; host = measured − compute − all-reduce)", fontsize=11)
+    return fig
+
+
+def _ci_yerr(frame: pd.DataFrame) -> np.ndarray | None:
+    if "step_ci_low_ms" not in frame or frame["step_ci_low_ms"].isna().all():
+        return None
+    low = (frame["step_ms"] - frame["step_ci_low_ms"]).clip(lower=0)
+    high = (frame["step_ci_high_ms"] - frame["step_ms"]).clip(lower=0)
+    return np.vstack([low.to_numpy(float), high.to_numpy(float)])
+
+
+def predicted_vs_measured(pred: pd.DataFrame, column: str = "predicted_ms") -> Figure:
+    """Every cell's prediction (the chosen form) against its measured step and CI; colour
+    per (SKU, TP, role); out-of-regime cells as stars, falsifying cells circled red."""
+    fig, (ax,) = panels(1, 6.4, 5.6)
+    pred = pred.assign(group=pred["sku"] + " TP-" + pred["tp"].astype(str) + " " + pred["role"])
+    palette = colors(sorted(pred["group"].unique()))
+    for group, cells in pred.groupby("group"):
+        inside, outside = cells[cells["in_regime"]], cells[~cells["in_regime"]]
+        if len(inside):
+            ax.errorbar(inside["step_ms"], inside[column], xerr=_ci_yerr(inside), fmt="o", ms=5, color=palette[group],
+                        alpha=0.85, capsize=2, label=group)
+        if len(outside):
+            ax.scatter(outside["step_ms"], outside[column], marker="*", s=160, color=palette[group],
+                       edgecolors="k", label=f"{group}, out of regime")
+    falsifying = pred[pred.get("falsifies", pd.Series(False, index=pred.index)).astype(bool)]
+    if len(falsifying):
+        ax.scatter(falsifying["step_ms"], falsifying[column], s=220, facecolors="none", edgecolors="red",
+                   linewidths=2, label="falsifying (CI below H + T_ar)")
+    limit = [0, 1.08 * float(np.nanmax([pred["step_ms"].max(), pred[column].max()]))]
+    ax.plot(limit, limit, "k--", lw=1, label="predicted = measured")
+    ax.set_xlim(limit)
+    ax.set_ylim(limit)
+    ax.set_xlabel("measured step, ms (95% CI)")
+    ax.set_ylabel("predicted step, ms")
+    ax.set_title("Predicted vs measured, every cell", fontsize=11)
+    ax.legend(fontsize=7, loc="upper left")
+    return fig
+
+
+def heldout_mape(table: pd.DataFrame, families: dict[str, str] | None = None) -> Figure:
+    """Held-out MAPE of each host form (form_mape's table), one panel per (SKU, TP) group,
+    bars coloured by family with their bootstrap 95% CIs."""
+    if table.empty:
+        return empty("no held-out in-regime cells")
+    groups = list(table.groupby(["sku", "tp"]))
+    fig, axes = panels(len(groups), 4.6, 3.6)
+    for ax, ((sku, tp), rows) in zip(axes, groups):
+        x = np.arange(len(rows))
+        fill = [FAMILY_COLORS.get((families or {}).get(f, "none"), "#1f77b4") for f in rows["form"]]
+        yerr = np.vstack([(rows["mape"] - rows["ci_low"]).clip(lower=0), (rows["ci_high"] - rows["mape"]).clip(lower=0)])
+        ax.bar(x, rows["mape"], color=fill, yerr=yerr, capsize=3)
+        ax.set_xticks(x, rows["form"], rotation=35, ha="right", fontsize=8)
+        ax.set_title(f"held-out {sku} TP-{tp} ({int(rows['n'].iloc[0])} cells)", fontsize=10)
+        ax.set_ylabel("MAPE, % (95% CI)")
+    fig.suptitle("Held-out error per host form (green k-invariant, red k-scaling, grey baseline)", fontsize=11)
+    return fig
+
+
+def regime_map(table: pd.DataFrame, threshold: float = 0.5) -> Figure:
+    """Host fraction as a heat map: rows (model by size, TP), columns batch, one panel per
+    (SKU, mode); cells at or above `threshold` are host-bound."""
+    if table.empty:
+        return empty("no split cells (split.enabled=false): no host fraction to map")
+    groups = list(table.groupby(["sku", "mode"]))
+    fig, axes = panels(len(groups), 5.2, 3.6, columns=2)
+    for ax, ((sku, mode), cells) in zip(axes, groups):
+        cells = cells.sort_values(["params_M", "model", "tp"])
+        rows = list(dict.fromkeys(zip(cells["model"], cells["tp"])))
+        size = dict(zip(cells["model"], cells["params_M"]))
+        batches = sorted(cells["batch"].unique())
+        grid = np.full((len(rows), len(batches)), np.nan)
+        for r in cells.itertuples():
+            grid[rows.index((r.model, r.tp)), batches.index(r.batch)] = r.host_frac
+        image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn_r", aspect="auto")
+        for (i, j), value in np.ndenumerate(grid):
+            if np.isfinite(value):
+                ax.text(j, i, f"{value:.0%}", ha="center", va="center", fontsize=8,
+                        fontweight="bold" if value >= threshold else "normal")
+        ax.set_xticks(range(len(batches)), [f"N={b}" for b in batches])
+        ax.set_yticks(range(len(rows)), [f"{m} ({size[m]:g} M) TP-{k}" for m, k in rows], fontsize=8)
+        ax.set_title(f"{sku} {mode}: host fraction (bold: host-bound)", fontsize=10)
+        ax.grid(False)
+        fig.colorbar(image, ax=ax, fraction=0.04)
+    return fig
+
+
+def step_times(cells: pd.DataFrame) -> Figure:
+    """Step time per cell with its 95% CI across batch, one line per (model, mode, TP,
+    ctx), one panel per SKU."""
+    if cells.empty:
+        return empty("no cells")
+    groups = list(cells.groupby("sku"))
+    fig, axes = panels(len(groups), 6.0, 4.2, columns=2)
+    for ax, (sku, rows) in zip(axes, groups):
+        keys = ["model", "mode", "tp", "ctx"]
+        palette = colors(tuple(k) for k in rows[keys].drop_duplicates().itertuples(index=False))
+        for key, line in rows.sort_values("batch").groupby(keys):
+            ax.errorbar(line["batch"], line["step_ms"], yerr=_ci_yerr(line), marker="o", ms=4, capsize=3,
+                        color=palette[tuple(key)], label=f"{key[0]} {key[1]} TP-{key[2]} ctx {key[3]}")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(rows["batch"].unique()), [str(b) for b in sorted(rows["batch"].unique())])
+        ax.set_xlabel("batch N")
+        ax.set_ylabel("ms per decode step (95% CI)")
+        ax.set_title(f"{sku}: step time per cell", fontsize=10)
+        ax.legend(fontsize=7)
+    return fig

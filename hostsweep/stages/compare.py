@@ -1,0 +1,125 @@
+"""`stage=compare`: from the study's measured runs to a cross-SKU report with figures,
+logged to MLflow beside the runs.
+
+    python -m hostsweep +experiment=generalize-cpu stage=compare
+    python -m hostsweep +experiment=tp70b stage=compare calibration=seed002-h100
+
+Selects the cells (stages/select.py), fits them (stages/fit.py, logged to the models
+experiment) or reads a logged fit (compare.fit_run), builds the report and its figures
+(report/compare_report.py) under <run dir>/compare/, and logs all of it as artifacts of a
+run named compare-<study> in the study's own experiment, so the report sits in the runs
+table beside the sweeps it reads. Prints the verdicts, the files and the UI links.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import pandas as pd
+from omegaconf import DictConfig
+
+from hostsweep.config.resolve import Study, resolve
+from hostsweep.model.fit_command import quiet_mlflow
+from hostsweep.record.reports import ReportRun, load_fit_json
+from hostsweep.record.tracking import runs_table_url, ui_command
+from hostsweep.report.compare_report import Context, build
+from hostsweep.report.document import to_html, to_markdown
+from hostsweep.stages.fit import fit_selection
+from hostsweep.stages.select import Selection, select_cells
+
+log = logging.getLogger(__name__)
+
+
+def command_line() -> str:
+    """The command as the user typed it (Hydra's task overrides when Hydra runs us)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = list(HydraConfig.get().overrides.task)
+    except ValueError:  # not under Hydra (a test calling the stage directly)
+        overrides = sys.argv[1:]
+    return " ".join(["python -m hostsweep", *overrides])
+
+
+def _fit(study: Study, selection: Selection, run_dir: Path) -> tuple[dict[str, Any], str, list[dict], list[str]]:
+    """(fit.json content, fit run id, where the fixed terms came from, warnings about them):
+    fitted now, or compare.fit_run's (its terms are in its fit.json and the run's params)."""
+    run_id = study.config.compare.fit_run
+    if run_id:
+        return json.loads(load_fit_json(study.config.tracking.uri, run_id)), run_id, [], []
+    result = fit_selection(study, selection, run_dir)
+    return result.data, result.outcome.run_id, result.fixed.sources, result.fixed.warnings
+
+
+def _params_and_metrics(fit: dict[str, Any], groups: pd.DataFrame, fit_run: str,
+                        cells: int) -> tuple[dict[str, object], dict[str, float]]:
+    params: dict[str, object] = {"verdict": fit["verdict"]["verdict"], "fit_run": fit_run, "cells": cells,
+                                 "form": fit["options"]["form"], "train_sku": fit["options"]["train_sku"],
+                                 "train_tp": fit["options"]["train_tp"]}
+    metrics: dict[str, float] = {"g": fit["scale"]["g"]}
+    for row in groups.itertuples():
+        group = f"{row.sku}_tp{row.tp}"
+        params[f"verdict.{group}"] = row.verdict
+        metrics |= {f"model_mape_mean.{group}": row.model_mape_mean, f"baseline_mape_mean.{group}":
+                    row.baseline_mape_mean, f"below_bound_ci.{group}": float(row.below_bound_ci)}
+    for r in fit["shrink"]:
+        metrics[f"shrink_measured.{r['sku']}.{r['model']}.tp{r['from_tp']}_{r['to_tp']}"] = r["measured_in_regime"]
+    return params, {k: v for k, v in metrics.items() if v is not None}
+
+
+def _note(fit: dict[str, Any], groups: pd.DataFrame) -> str:
+    """The run's description: the verdicts, readable on the run page."""
+    lines = [f"**{fit['verdict']['verdict']}**: {fit['verdict']['reason']}", ""]
+    lines += [f"- {r.sku} TP-{r.tp}: **{r.verdict}** (model MAPE {r.model_mape_mean:.2f}%, baseline "
+              f"{r.baseline_mape_mean:.2f}%, in CI {r.model_in_ci}) — {r.reason}" for r in groups.itertuples()
+              if r.model_mape_mean is not None]
+    return "\n".join(lines + ["", "Full report: artifact report.html (or report.md)."])
+
+
+def compare_study(study: Study, run_dir: Path, keys: Optional[Iterable[str]] = None) -> int:
+    """Select, fit, report, log; returns the exit code."""
+    cfg = study.config
+    selection = select_cells(study, keys)
+    fit, fit_run, sources, warnings = _fit(study, selection, run_dir)
+    folder = run_dir / "compare"
+    report_run = ReportRun(cfg.tracking.uri, selection.experiment, f"compare-{study.name}",
+                           {"study": study.name, "fit_run": fit_run, "run_dir": str(run_dir)})
+    try:
+        ctx = Context(study.name, selection.experiment, selection.experiment_id, cfg.tracking.uri, report_run.run_id,
+                      fit_run, cfg.fit.models_experiment, datetime.now().strftime("%Y-%m-%d %H:%M:%S"), command_line(),
+                      tuple(s.name for s in study.skus), sources, warnings)
+        doc, groups = build(ctx, selection.cells, fit, folder)
+        (folder / "report.md").write_text(to_markdown(doc, folder))
+        (folder / "report.html").write_text(to_html(doc))
+        (folder / "fit.json").write_text(json.dumps(fit, indent=1))
+        selection.cells.to_csv(folder / "cells.csv", index=False)
+        params, metrics = _params_and_metrics(fit, groups, fit_run, len(selection.cells))
+        report_run.log(folder, params, metrics, _note(fit, groups))
+        report_run.finish()
+    except BaseException:
+        report_run.finish("FAILED")
+        raise
+    print(_summary(fit, groups, folder, report_run, cfg.tracking.uri, cfg.compare.ui_port, warnings))
+    return 0
+
+
+def _summary(fit: dict[str, Any], groups: pd.DataFrame, folder: Path, report_run: ReportRun, uri: str,
+             port: int, warnings: list[str]) -> str:
+    lines = [f"warning: {w}" for w in warnings + fit["warnings"]]
+    lines += [f"host term across held-out groups: {fit['verdict']['verdict']} ({fit['verdict']['reason']})"]
+    lines += [f"held-out {r.sku} TP-{r.tp}: {r.verdict} — {r.reason}" for r in groups.itertuples()]
+    lines += [f"report: {folder / 'report.html'} and {folder / 'report.md'} (figures in {folder / 'figures'})",
+              f"MLflow: run {report_run.run_name} ({report_run.run_id}) in experiment {report_run.experiment_id} of {uri}",
+              f"open the UI: {ui_command(uri, port)}",
+              f"  then browse {runs_table_url(report_run.experiment_id, port)}",
+              f"  the report: {runs_table_url(report_run.experiment_id, port, report_run.run_id)} (Artifacts)"]
+    return "\n".join(lines)
+
+
+def run(raw_cfg: DictConfig, run_dir: Path) -> int:
+    quiet_mlflow()
+    return compare_study(resolve(raw_cfg), run_dir)
