@@ -26,9 +26,14 @@ class Measured:
 
 
 def describe(result: CellResult) -> str:
+    """One line: the step and its split, or why the cell failed and where its worker's log is."""
     step = f"{result.measurement.step_ms:.3f} ms/step" if result.measurement else result.status
     if result.split is not None:
-        step += f", device {result.split.device_ms:.3f} ms, host {result.split.host_frac:.0%}"
+        step += f", device {result.split.device_ms:.3f} ms, host_frac {result.split.host_frac:.3f}"
+    if result.status != "FINISHED" and result.error:
+        step += f": {result.error.strip().splitlines()[0][:300]}"
+    if result.status == "FAILED" and result.host.get("worker_log"):
+        step += f" (worker log: {result.host['worker_log']})"
     if result.attempt > 1:
         step += f" (attempt {result.attempt})"
     return step
@@ -48,13 +53,15 @@ class SweepRecorder:
     def on_result(self, result: CellResult) -> None:
         run_id = self.claims.get(result.key)
         entry = self.journal.measured(result, run_id, self.tags)
-        self.table.append(cell_row(result, run_id or ""))
+        self.table.append(cell_row(result, run_id or "", self.tags))
         self.uploader.submit(Measured(entry, result, run_id, self.tags))
-        log.info("[%d/%d] %s: %s", len(self.table.rows), self.total, result.key, describe(result))
+        level = logging.WARNING if result.status == "FAILED" else logging.INFO
+        log.log(level, "[%d/%d] %s: %s", len(self.table.rows), self.total, result.key, describe(result))
 
     def _deliver(self, item: Measured) -> None:
         run_id = self.tracker.log_cell(item.result, {**item.tags, JOURNAL_TAG: item.entry}, item.run_id)
         self.journal.logged(item.entry, run_id)
+        self.table.set_run_id(item.result.key, run_id)
         self.logged.add(item.result.key)
 
     def should_stop(self) -> Optional[str]:
