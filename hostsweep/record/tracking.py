@@ -30,7 +30,8 @@ from mlflow.tracking import MlflowClient
 from hostsweep.measure.results import CellResult, cell_metrics, logged_row, split_tags
 from hostsweep.record.artifacts import linearity_table, timings_table, top_ops_table
 from hostsweep.record.views import (  # noqa: F401 - re-exported: where the stages found them
-    KIND, KIND_TAG, NOTE_TAG, absolute_store_uri, cell_run_name, runs_table_url, ui_base, ui_command, varying_axes,
+    KIND, KIND_TAG, NOTE_TAG, absolute_store_uri, cell_note, cell_run_name, runs_table_url, ui_base, ui_command,
+    varying_axes,
 )
 from hostsweep.record.claims import (
     HEARTBEAT_TAG, KILLED_REASON_TAG, LIVE_HERE, OWNER_TAG, PARENT_TAG, RunView, claim_winner, stale_reason,
@@ -242,9 +243,11 @@ class SweepTracker:
         }
         if result.retry_reasons:
             all_tags["retry_reasons"] = " | ".join(result.retry_reasons)[:5000]
+        values = cell_metrics(result)
+        if result.measurement is not None:
+            all_tags[NOTE_TAG] = cell_note(result.params, values, all_tags.get("regime"))
         claim, run_id = run_id, self._cell_run(result, all_tags, run_id)
-        metrics = [Metric(k, v, _ms(result.ended_at) or 0, 0) for k, v in cell_metrics(result).items()
-                   if math.isfinite(v)]
+        metrics = [Metric(k, v, _ms(result.ended_at) or 0, 0) for k, v in values.items() if math.isfinite(v)]
         self.client.log_batch(run_id, metrics=metrics, params=[Param(k, str(v)) for k, v in result.params.items()],
                               tags=[RunTag(k, str(v)) for k, v in all_tags.items()])
         if result.measurement is not None:
@@ -288,15 +291,16 @@ class SweepTracker:
         if self.parent_run_id is not None:
             self.client.set_tag(self.parent_run_id, NOTE_TAG, markdown)
 
-    def log_sweep_files(self, files: Sequence[Path], figures: dict[str, Any]) -> None:
+    def log_sweep_files(self, files: Sequence[Path], figures: dict[str, Any],
+                        save_kwargs: Optional[dict[str, Any]] = None) -> None:
         """Files of the run directory (cells.csv, summary.json) and matplotlib figures
-        (figures/<name>.png) on the parent run."""
+        (figures/<name>.png, written with `save_kwargs`) on the parent run."""
         if self.parent_run_id is None:
             return
         for path in files:
             self.client.log_artifact(self.parent_run_id, str(path))
         for name, figure in figures.items():
-            self.client.log_figure(self.parent_run_id, figure, f"figures/{name}.png")
+            self.client.log_figure(self.parent_run_id, figure, f"figures/{name}.png", save_kwargs=save_kwargs)
 
     def run_url(self, run_id: str, port: int = 5000) -> str:
         return runs_table_url(self.experiment_id, port, run_id, ui_base(self.tracking_uri, port))

@@ -83,3 +83,15 @@ def experiment_description(study: str) -> str:
             "traces. Metrics are ms per decode step to the microsecond; `host_frac` is host / step.\n\n"
             "Open this view with `?workflowType=machine_learning` on the link (hostsweep prints such links): "
             "MLflow 3 otherwise opens experiments on a GenAI overview (mlflow/mlflow#24498).")
+
+
+def cell_note(params: dict[str, object], metrics: dict[str, float], regime: Optional[str]) -> str:
+    """A measured cell's run description: the cell and its numbers in one line."""
+    what = (f"b{params['batch']} ctx{params['ctx']} on {params['sku']}/{params['model']}/{params['mode']}/"
+            f"tp{params['tp']}")
+    line = (f"**{what}**: {metrics['step_ms']:.3f} ms per decode step, 95% CI "
+            f"[{metrics['step_ci_low_ms']:.3f}, {metrics['step_ci_high_ms']:.3f}]")
+    if "device_ms" in metrics and "host_frac" in metrics:
+        line += (f"; device {metrics['device_ms']:.3f} ms, host {metrics.get('host_ms', float('nan')):.3f} ms, "
+                 f"host_frac {metrics['host_frac']:.3f} ({regime or '?'})")
+    return line + ". Raw per-rep timings: `raw_timings.csv`; ops by time per step: `top_ops.csv`."

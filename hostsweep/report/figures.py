@@ -102,6 +102,8 @@ def step_times(cells: pd.DataFrame) -> Figure:
     return fig
 
 
+# How the sweep's figures are written, to its run directory and to MLflow alike.
+SAVE_KWARGS = {"dpi": 110, "bbox_inches": "tight"}
 # The sweep's split, in the comparison figures' host red; device time a muted blue.
 SPLIT_COLORS = {"device": "#4c72b0", "host": "#d62728"}
 ENGINE_KEYS = ["sku", "model", "mode", "tp"]
@@ -124,7 +126,7 @@ def split_composition(cells: pd.DataFrame) -> Figure:
     if split.empty:
         return empty("no split cells (split.enabled=false): nothing to compose")
     groups = _engines(split)
-    fig, axes = panels(len(groups), max(4.0, 0.55 * split.groupby(ENGINE_KEYS).size().max() + 1.5), 3.8, columns=2)
+    fig, axes = panels(len(groups), max(6.0, 0.55 * split.groupby(ENGINE_KEYS).size().max() + 1.5), 3.8, columns=2)
     for ax, (key, rows) in zip(axes, groups):
         rows = rows.sort_values(["ctx", "batch"])
         x = np.arange(len(rows))
@@ -137,8 +139,9 @@ def split_composition(cells: pd.DataFrame) -> Figure:
             ax.text(i, device[i] + host[i] / 2, f"{frac:.2f}", ha="center", va="center", fontsize=7, color="white")
         ax.set_xticks(x, [f"b{b}\nctx{c}" for b, c in zip(rows["batch"], rows["ctx"])], fontsize=8)
         ax.set_ylabel("ms per decode step")
-        ax.set_title(f"{_engine_title(key)}: step = device + host (labels: host_frac)", fontsize=10)
+        ax.set_title(_engine_title(key), fontsize=10)
     fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=3, fontsize=8)
+    fig.suptitle("Decode step = device + host, per cell (bar labels: host_frac)", fontsize=11)
     return fig
 
 
@@ -149,7 +152,7 @@ def host_fraction_by_batch(cells: pd.DataFrame, threshold: float = 0.5) -> Figur
     if split.empty:
         return empty("no split cells (split.enabled=false): no host fraction to plot")
     groups = _engines(split)
-    fig, axes = panels(len(groups), 5.0, 3.6, columns=2)
+    fig, axes = panels(len(groups), 5.6, 3.8, columns=2)
     for ax, (key, rows) in zip(axes, groups):
         palette = colors(sorted(rows["ctx"].unique()))
         for ctx, line in rows.sort_values("batch").groupby("ctx"):
@@ -161,6 +164,7 @@ def host_fraction_by_batch(cells: pd.DataFrame, threshold: float = 0.5) -> Figur
         ax.set_ylim(0, 1)
         ax.set_xlabel("batch N")
         ax.set_ylabel("host_frac (host / step)")
-        ax.set_title(f"{_engine_title(key)}: host fraction", fontsize=10)
+        ax.set_title(_engine_title(key), fontsize=10)
         ax.legend(fontsize=7)
+    fig.suptitle("Host fraction against batch, per context length", fontsize=11)
     return fig

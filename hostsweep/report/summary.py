@@ -95,21 +95,23 @@ def sweep_description(meta: dict[str, Any], rows: list[dict[str, Any]],
     to fit MLflow's 8,000-character tag, with a pointer to cells.csv), where the rest is."""
     counts = pd.Series([str(r.get("status")) for r in rows]).value_counts().to_dict() if rows else {}
     head = [
-        f"### {meta['study']}: {meta['what']}",
-        "",
-        f"Per-step decode time by differencing a T=1 and a T={meta['T']} generate ({meta['reps']} timed pairs, "
-        f"{meta['warmups']} warm-ups; median and bootstrap 95% CI), split into device (`{meta['kernel_source']}`) "
-        "and host time from profiler traces. Times in ms per decode step; `host_frac` = host / step.",
-        "",
-        f"**{len(rows)} cells**: " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) +
-        f". Status {meta['status']}. Run directory `{meta['run_dir']}` (cells.csv, summary.json, "
-        "figures/, workers/*.log); `cells.csv` and `summary.json` are also artifacts of this run, "
-        "figures under `figures/`.",
+        f"**{meta['what']}**, {len(rows)} cells (" + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) +
+        f"), sweep {meta['status']}. Milliseconds per decode step; `host_frac` = host / step; "
+        "a batch links to its cell's run.",
         "",
     ]
-    tail = ["", f"hostsweep {meta['versions'].get('hostsweep', '?')}, vLLM {meta['versions'].get('vllm', '?')}, "
-                f"git {str(meta.get('git_sha', '?'))[:12]}. Links keep `?workflowType=machine_learning` "
-                "(mlflow/mlflow#24498: without it MLflow 3 opens the GenAI overview)."]
+    tail = [
+        "",
+        f"Each step is the difference of a T=1 and a T={meta['T']} generate over T−1 steps ({meta['reps']} timed "
+        f"pairs after {meta['warmups']} warm-ups; median and bootstrap 95% CI), split into device "
+        f"(`{meta['kernel_source']}`) and host time from profiler traces.",
+        "",
+        f"Run directory `{meta['run_dir']}`: cells.csv, summary.json, figures/, workers/*.log. `cells.csv` and "
+        "`summary.json` are artifacts of this run too, with the figures under `figures/`. "
+        f"hostsweep {meta['versions'].get('hostsweep', '?')}, vLLM {meta['versions'].get('vllm', '?')}, "
+        f"git {str(meta.get('git_sha', '?'))[:12]}. Links carry `?workflowType=machine_learning` "
+        "(mlflow/mlflow#24498: without it MLflow 3 opens the GenAI overview).",
+    ]
     budget = limit - sum(len(line) + 1 for line in head + tail)
     link = (lambda row: run_url(str(row["mlflow_run_id"])) if row.get("mlflow_run_id") else None) if run_url else None
     table = format_markdown(rows, budget, link,

@@ -62,7 +62,9 @@ def format_markdown(rows: Iterable[dict[str, object]], max_chars: int,
     the last line is `overflow` formatted with {shown} and {total}. `link(row)` gives a URL
     for a row's batch cell (its MLflow run)."""
     rows = list(rows)
-    columns = [c for c in table_columns(rows) if c != "hostname"]
+    # What is the same for every cell is said once, above the table (the run's name).
+    same = {c for c in ("sku", "model", "mode", "tp", "workload") if len({str(r.get(c)) for r in rows}) == 1}
+    columns = [c for c in table_columns(rows) if c != "hostname" and c not in same]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     budget = max_chars - len(overflow) - 40
     used = sum(len(line) + 1 for line in lines)

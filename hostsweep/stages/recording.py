@@ -25,6 +25,13 @@ class Measured:
     tags: dict[str, str]
 
 
+def cell_label(params: dict[str, object]) -> str:
+    """'cpu/tiny-llama/eager/tp1 b2 ctx512' (and the workload when not random prompts)."""
+    label = f"{params['sku']}/{params['model']}/{params['mode']}/tp{params['tp']} b{params['batch']} ctx{params['ctx']}"
+    workload = params.get("workload", "random")
+    return label if workload == "random" else f"{label} {workload}"
+
+
 def describe(result: CellResult) -> str:
     """One line: the step and its split, or why the cell failed and where its worker's log is."""
     step = f"{result.measurement.step_ms:.3f} ms/step" if result.measurement else result.status
@@ -56,7 +63,8 @@ class SweepRecorder:
         self.table.append(cell_row(result, run_id or "", self.tags))
         self.uploader.submit(Measured(entry, result, run_id, self.tags))
         level = logging.WARNING if result.status == "FAILED" else logging.INFO
-        log.log(level, "[%d/%d] %s: %s", len(self.table.rows), self.total, result.key, describe(result))
+        log.log(level, "[%d/%d] %s: %s", len(self.table.rows), self.total, cell_label(result.params),
+                describe(result))
 
     def _deliver(self, item: Measured) -> None:
         run_id = self.tracker.log_cell(item.result, {**item.tags, JOURNAL_TAG: item.entry}, item.run_id)

@@ -94,13 +94,15 @@ def write_results(study: Study, tracker: SweepTracker, table: CellTable, run_dir
         path.write_text(json.dumps(summary, indent=1, allow_nan=False))
         rows = cells.to_dict("records")
         figs = sweep_figures(study, rows)
+        from hostsweep.report.figures import SAVE_KWARGS
+
         for name, fig in figs.items():
             (run_dir / FIGURES_FOLDER).mkdir(exist_ok=True)
-            fig.savefig(run_dir / FIGURES_FOLDER / f"{name}.png", dpi=110, bbox_inches="tight")
+            fig.savefig(run_dir / FIGURES_FOLDER / f"{name}.png", **SAVE_KWARGS)
         if mlflow_up:
             relative = f"#/experiments/{tracker.experiment_id}/runs/{{}}?workflowType=machine_learning"
             tracker.describe_sweep(sweep_description(meta, rows, relative.format))
-            tracker.log_sweep_files([p for p in (table.path, path) if p.is_file()], figs)
+            tracker.log_sweep_files([p for p in (table.path, path) if p.is_file()], figs, SAVE_KWARGS)
         _close(figs)
         return path
     except Exception as exc:  # noqa: BLE001 - the measurements are in cells.csv and MLflow already

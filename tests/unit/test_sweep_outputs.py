@@ -96,7 +96,8 @@ def test_the_parent_run_describes_the_sweep_and_carries_its_figures(swept):
     runs = runs_of(swept["store"], swept["args"])
     parent = runs[runs["tags.cell_key"].isna()].iloc[0]
     note = parent["tags.mlflow.note.content"]
-    assert note.startswith("### ") and "cpu/tiny-llama/eager/tp1" in parent["tags.mlflow.runName"]
+    assert note.startswith("**cpu/tiny-llama/eager/tp1**, 4 cells (4 FINISHED)") and parent["tags.mlflow.runName"].endswith(": cpu/tiny-llama/eager/tp1")
+    assert "| batch | ctx | step_ms |" in note  # what all cells share is said once, above
     table = pd.read_csv(swept["run_dir"] / "cells.csv")
     for row in table.to_dict("records"):
         assert f"/runs/{row['mlflow_run_id']}?workflowType=machine_learning)" in note

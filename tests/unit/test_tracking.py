@@ -112,6 +112,7 @@ def test_a_measured_cell_run_starts_and_ends_with_its_measurement_and_replaces_i
     assert (run.info.start_time, run.info.end_time) == (1_700_000_000_000, 1_700_000_008_250)
     assert tracker.client.get_run(claims["key-ok"]).info.lifecycle_stage == "deleted"
     assert run.info.run_name == "b2-ctx128-eager-tp1-cpu-tiny-llama"  # no sweep context: every axis
+    assert run.data.tags["mlflow.note.content"].startswith("**b2 ctx128 on cpu/tiny-llama/eager/tp1**: 3.000 ms")
     assert list(tracker.finished_cells()) == ["key-ok"]
 
 
