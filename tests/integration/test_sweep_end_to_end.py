@@ -190,7 +190,7 @@ def test_the_run_directory_and_mlflow_agree_cell_for_cell(sweep, runs, tmp_path)
 
 
 def test_verbose_streams_the_workers_output_to_the_console(tmp_path):
-    proc = run_hostsweep(["+sku=cpu", "batch=[1]", "ctx=[32]", "measure.T=5", "measure.reps=1", "measure.warmups=0",
+    proc = run_hostsweep(["+sku=cpu", "batch=[1]", "ctx=[32]", "measure.T=5", "measure.reps=2", "measure.warmups=0",
                           "split.enabled=false", "verbose=true", f"tracking.uri=sqlite:///{tmp_path}/m.db",
                           "study=verbose", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
