@@ -79,7 +79,8 @@ def skipped_result(key: str, params: dict[str, object], reason: str) -> CellResu
 # benchmark reports 10/25/50/75/90/99 of its iterations; 99 means nothing with 12 reps).
 STEP_PERCENTILES = (10, 25, 75, 90)
 # Decimals a metric is kept to: times to the microsecond (what a wall-clock difference over
-# T-1 steps resolves), fractions and ratios to 1e-4, R² to 1e-6; the rest 6 significant digits.
+# T-1 steps resolves), host_frac to 1e-3 (as printed), other ratios to 1e-4, R² to 1e-6; the
+# rest 6 significant digits.
 TIME_DECIMALS = 3
 
 
@@ -91,7 +92,9 @@ def round_metric(name: str, value: float) -> float:
         return round(value, TIME_DECIMALS)
     if name.startswith("r2_"):
         return round(value, 6)
-    if name.endswith(("_frac", "_overhead", "_rate", "_disagreement")):
+    if name.endswith("_frac"):
+        return round(value, 3)
+    if name.endswith(("_overhead", "_rate", "_disagreement")):
         return round(value, 4)
     return float(f"{value:.6g}")
 

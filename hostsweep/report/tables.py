@@ -49,10 +49,13 @@ def table_columns(rows: list[dict[str, object]]) -> list[str]:
 
 
 def format_table(rows: Iterable[dict[str, object]]) -> str:
-    """A fixed-width text table, one line per cell, in grid order."""
+    """A fixed-width text table, one line per cell, in grid order, every column left-aligned."""
     rows = list(rows)
+    columns = table_columns(rows)
     shown = [display_row(r) for r in rows]
-    return pd.DataFrame(shown, columns=table_columns(rows)).to_string(index=False, justify="left")
+    widths = {c: max([len(c), *(len(r[c]) for r in shown)]) for c in columns}
+    lines = [[c for c in columns], *([r[c] for c in columns] for r in shown)]
+    return "\n".join("  ".join(v.ljust(widths[c]) for c, v in zip(columns, line)).rstrip() for line in lines)
 
 
 def format_markdown(rows: Iterable[dict[str, object]], max_chars: int,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from hostsweep.measure.results import CellResult, cell_row
+from hostsweep.measure.results import CellResult, cell_metrics, cell_row
 from hostsweep.record.celltable import CellTable
 from hostsweep.record.journal import Journal, decode_result
 from hostsweep.record.tracking import JOURNAL_TAG, SweepTracker
@@ -34,9 +34,10 @@ def cell_label(params: dict[str, object]) -> str:
 
 def describe(result: CellResult) -> str:
     """One line: the step and its split, or why the cell failed and where its worker's log is."""
-    step = f"{result.measurement.step_ms:.3f} ms/step" if result.measurement else result.status
+    shown = cell_metrics(result)  # as cells.csv and the table have them
+    step = f"{shown['step_ms']:.3f} ms/step" if result.measurement else result.status
     if result.split is not None:
-        step += f", device {result.split.device_ms:.3f} ms, host_frac {result.split.host_frac:.3f}"
+        step += f", device {shown['device_ms']:.3f} ms, host_frac {shown['host_frac']:.3f}"
     if result.status != "FINISHED" and result.error:
         step += f": {result.error.strip().splitlines()[0][:300]}"
     if result.status == "FAILED" and result.host.get("worker_log"):
