@@ -19,7 +19,8 @@ from hostsweep.config.redact import redact
 from hostsweep.config.resolve import Study
 from hostsweep.record.celltable import CellTable
 from hostsweep.record.provenance import package_version
-from hostsweep.record.tracking import SweepTracker, ui_command
+from hostsweep.record.tracking import SweepTracker
+from hostsweep.record.views import absolute_store_uri, ui_command
 from hostsweep.report.modes import cell_frame
 from hostsweep.report.summary import SUMMARY_FILE, build_summary, sweep_description
 from hostsweep.report.tables import format_table
@@ -57,7 +58,7 @@ def sweep_meta(study: Study, tracker: SweepTracker, cells: pd.DataFrame, run_dir
                      "vllm": _values(cells, "vllm_version"), "torch": _values(cells, "torch_version"),
                      "ray": tags.get("ray_version", package_version("ray")), "mlflow": package_version("mlflow")},
         "git_sha": tags.get("git_sha", "unknown"),
-        "mlflow": {"tracking_uri": redact(tracker.tracking_uri), "experiment": tracker.experiment,
+        "mlflow": {"tracking_uri": redact(absolute_store_uri(tracker.tracking_uri)), "experiment": tracker.experiment,
                    "experiment_id": tracker.experiment_id, "parent_run_id": tracker.parent_run_id,
                    "runs_table": tracker.runs_table_url()},
     }
@@ -122,7 +123,7 @@ def where_results_are(tracker: SweepTracker, table: CellTable, summary: Optional
     lines = [f"results: {table.path.parent}  (cells.csv"
              f"{', summary.json' if summary else ''}, figures/, workers/*.log, hostsweep.log)",
              f"MLflow: experiment {tracker.experiment} ({tracker.experiment_id}), parent run {tracker.parent_run_id} "
-             f"in {redact(tracker.tracking_uri)}"]
+             f"in {redact(absolute_store_uri(tracker.tracking_uri))}"]
     if not tracker.tracking_uri.startswith(("http://", "https://")):
         lines.append(f"open the UI: {ui_command(tracker.tracking_uri)}")
     lines.append(f"  then browse {tracker.runs_table_url()}")
