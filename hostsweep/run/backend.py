@@ -10,8 +10,12 @@ from typing import Optional
 from hostsweep.config.grid import Cell, EngineSpec
 from hostsweep.measure.results import MeasureOptions
 from hostsweep.run.actors import WATCH_GROUP, WorkerHandle, new_worker, release_worker, stop_workers
-from hostsweep.run.faults import CallFailed, EngineDied, Outcome, WorkerLost
+from hostsweep.run.faults import CallFailed, EngineDied, Outcome, WorkerLost, root_cause
 from hostsweep.run.worklog import worker_log_path
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
 
 
 def _engine_died(exc: BaseException) -> Optional[EngineDied]:
@@ -57,8 +61,10 @@ class RayBackend:
         try:
             return ray.get(pending)
         except ray.exceptions.RayActorError as exc:
-            return WorkerLost(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
-                              at_start=bool(getattr(exc, "actor_init_failed", False)))
+            at_start = bool(getattr(exc, "actor_init_failed", False))
+            # An engine that did not start: the error vLLM raised, not Ray's wrapper line.
+            reason = root_cause(str(exc)) if at_start else _first_line(exc)
+            return WorkerLost(reason or type(exc).__name__, at_start=at_start)
         except ray.exceptions.RayError as exc:
             died = _engine_died(exc)
             if died is not None:

@@ -6,6 +6,7 @@ timeout is derived from the work a cell does, so it is never off and never tight
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -35,6 +36,23 @@ class CallFailed:
 
 
 Outcome = Union[CellResult, WorkerLost, CallFailed]
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_RAISED = re.compile(r"^\s*(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception)): (.+)$")
+# Ray's wrappers around the error a worker raised: never the cause.
+_WRAPPERS = ("RayTaskError", "RayActorError", "ActorDiedError")
+
+
+def root_cause(text: str) -> str:
+    """The first exception line of a (chained) traceback in `text`, which Python prints
+    first in a chain: 'RuntimeError: Worker failed with error ...' rather than Ray's 'The
+    actor died because of an error raised in its creation task'. Else the first line."""
+    lines = _ANSI.sub("", text).strip().splitlines()
+    for line in lines:
+        match = _RAISED.match(line)
+        if match and not match.group(1).startswith(_WRAPPERS):
+            return f"{match.group(1)}: {match.group(2).strip()}"
+    return lines[0] if lines else ""
 
 
 def decode_steps(cell: Cell, options: MeasureOptions) -> int:

@@ -183,3 +183,19 @@ def test_an_interrupt_kills_the_workers_at_once_instead_of_waiting_for_their_cel
     with pytest.raises(KeyboardInterrupt):
         Dispatcher(grid, options(), results.append, backend, POLICY).run()
     assert len(results) == 1 and all(w.released for w in backend.workers) and backend.closed == []
+
+
+def test_an_engine_that_did_not_start_is_reported_by_the_error_it_raised_not_rays_wrapper():
+    from hostsweep.run.faults import root_cause
+
+    ray_text = (
+        "The actor died because of an error raised in its creation task, \x1b[36mray::SweepWorker.__init__()\x1b[39m "
+        "(pid=693, ip=127.0.0.1)\n  File \"/x/worker.py\", line 84, in __init__\n"
+        "Traceback (most recent call last):\n  File \"/v/core.py\", line 1, in run\n"
+        "RuntimeError: Worker failed with error 'No common block size for 7 (CPU_ATTN: [MultipleOf(32)]).', "
+        "please check the stack trace above for the root cause\n\nThe above exception was the direct cause of the "
+        "following exception:\n\nray.exceptions.RayTaskError(RuntimeError): wrapped\n"
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
+    assert root_cause(ray_text).startswith("RuntimeError: Worker failed with error 'No common block size for 7")
+    assert root_cause("The actor died unexpectedly before finishing this task.") == \
+        "The actor died unexpectedly before finishing this task."
