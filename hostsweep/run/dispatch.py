@@ -24,9 +24,9 @@ from typing import Callable, Optional, Protocol
 
 from hostsweep.config.grid import Cell, EngineSpec, group_by_engine
 from hostsweep.measure.results import CellResult, MeasureOptions
-from hostsweep.run.faults import CallFailed, FaultPolicy, Outcome, WorkerLost
+from hostsweep.run.faults import CallFailed, FaultPolicy, Outcome, WorkerLost, first_exception
 from hostsweep.run.progress import ProgressReporter
-from hostsweep.run.worklog import log_tail, worker_log_path
+from hostsweep.run.worklog import last_start, log_tail, worker_log_path
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +105,17 @@ class Dispatcher:
         attempt = self.attempts[key] + (0 if lost_last else 1)
         self.on_result(replace(result, attempt=attempt, retry_reasons=tuple(self.reasons[key])))
 
+    def _log_file(self, spec: EngineSpec) -> Optional[Path]:
+        return worker_log_path(self.log_dir, spec.label) if self.log_dir is not None else None
+
     def _failed(self, cell: Cell, reason: str) -> CellResult:
-        log_file = worker_log_path(self.log_dir, cell.engine.label) if self.log_dir is not None else None
-        return failed_result(cell, reason, log_file)
+        return failed_result(cell, reason, self._log_file(cell.engine))
+
+    def _start_cause(self, spec: EngineSpec, reason: str) -> str:
+        """Why an engine did not start: the first error its worker's log shows since that
+        worker began (vLLM's processes print the root cause there before the worker's own
+        exception, which Ray reports, says 'initialization failed'), else Ray's reason."""
+        return first_exception(last_start(self._log_file(spec))) or reason
 
     def _submit_next(self, spec: EngineSpec) -> None:
         if not self.queues[spec] and not self.stopped:
@@ -166,7 +174,8 @@ class Dispatcher:
         if isinstance(outcome, WorkerLost) and outcome.at_start:
             del self.inflight[pending]
             self._replace_worker(spec)
-            self._fail_spec(spec, cell, f"worker for {spec.label} failed to start: {outcome.reason}")
+            cause = self._start_cause(spec, outcome.reason)
+            self._fail_spec(spec, cell, f"worker for {spec.label} failed to start: {cause}")
         elif isinstance(outcome, WorkerLost):
             self._lose(pending, outcome.reason)
             return

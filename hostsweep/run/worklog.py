@@ -55,6 +55,12 @@ def redirect_output(requested: Path, header: str) -> Path:
     return path
 
 
+def last_start(path: Optional[Path], max_bytes: int = 4 * TAIL_BYTES) -> str:
+    """What the log holds since its latest worker started (its '=====' header)."""
+    text = log_tail(path, max_bytes)
+    return text[text.rfind("===== "):] if "===== " in text else text
+
+
 def log_tail(path: Optional[Path], max_bytes: int = TAIL_BYTES) -> str:
     """The last `max_bytes` of a log, from a line start; '' when there is none."""
     if path is None:

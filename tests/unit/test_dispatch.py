@@ -199,3 +199,23 @@ def test_an_engine_that_did_not_start_is_reported_by_the_error_it_raised_not_ray
     assert root_cause(ray_text).startswith("RuntimeError: Worker failed with error 'No common block size for 7")
     assert root_cause("The actor died unexpectedly before finishing this task.") == \
         "The actor died unexpectedly before finishing this task."
+
+
+def test_an_engine_start_failure_is_reported_by_the_first_error_in_its_workers_log(tmp_path):
+    grid = cells("batch=[1,2]")
+    label = grid[0].engine.label
+    from hostsweep.run.worklog import worker_log_path
+
+    log = worker_log_path(tmp_path / "workers", label)
+    log.parent.mkdir()
+    log.write_text("===== 2026-11-29 worker (pid 1)\n(Worker pid=1) ERROR x ValueError: an earlier start\n"
+                   "===== 2026-11-30 worker (pid 2)\n(MainProcess pid=2) INFO loading\n"
+                   "(Worker pid=3) ERROR 11-30 10:09:29 [multiproc_executor.py:1063] ValueError: No common block size "
+                   "for 7 (CPU_ATTN: [MultipleOf(32)]).\nRuntimeError: Engine core initialization failed.\n")
+    backend = FakeBackend(tmp_path, start_fails=frozenset({label}))
+    results = []
+    Dispatcher(grid, options(), results.append, backend, POLICY, log_dir=tmp_path / "workers").run()
+    assert [r.status for r in results] == ["FAILED", "FAILED"]
+    assert results[0].error == f"worker for {label} failed to start: ValueError: No common block size for 7 " \
+                               "(CPU_ATTN: [MultipleOf(32)])."
+    assert results[0].host["worker_log"] == str(log) and "Engine core initialization failed" in results[0].log_tail
