@@ -12,7 +12,9 @@ fate per attempt, so a test states exactly what happens and when:
     "engine-raises" the engine dies and the worker sees it (EngineDied)
     "hangs"         the cell never returns, the engine stays alive
     "call-fails"    Ray cannot return the result
-Engines of specs in `start_fails` die while starting.
+Engines of specs in `start_fails` die while starting. A worker's phase is read off the
+fake clock: 'rep k of n' while a cell is in flight (k from the share of `cell_s` gone by),
+'idle' between cells, as a real worker reports them.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ class FakePending:
     cell: Cell
     done_at: Optional[float]  # None: never returns
     outcome: Optional[Outcome] = None
+    begins: float = 0.0  # when the worker starts measuring it
 
 
 @dataclass
@@ -58,6 +61,8 @@ class FakeBackend:
     workers: list[FakeWorker] = field(default_factory=list)
     closed: list[FakeWorker] = field(default_factory=list)
     measured: list[str] = field(default_factory=list)  # cell keys a worker really measured
+    pending: list[FakePending] = field(default_factory=list)  # every submitted cell
+    phases_asked: list[str] = field(default_factory=list)  # what phase() answered, in order
     on_measure: Optional[object] = None  # called with each cell as it is measured (for tests)
 
     def __post_init__(self) -> None:
@@ -77,6 +82,12 @@ class FakeBackend:
         return fates.pop(0) if fates else "ok"
 
     def submit(self, worker: FakeWorker, cell: Cell, options: MeasureOptions) -> FakePending:
+        pending = self._submit(worker, cell, options)
+        pending.begins = max(self.clock, worker.ready_at)
+        self.pending.append(pending)
+        return pending
+
+    def _submit(self, worker: FakeWorker, cell: Cell, options: MeasureOptions) -> FakePending:
         begins = max(self.clock, worker.ready_at)
         if worker.real is None:
             return FakePending(worker, cell, worker.ready_at, WorkerLost("engine failed to start", at_start=True))
@@ -120,6 +131,18 @@ class FakeBackend:
     def engine_fault(self, worker: FakeWorker) -> Optional[str]:
         dead = worker.engine_dead_at is not None and self.clock >= worker.engine_dead_at
         return ENGINE_KILLED if dead else None
+
+    def phase(self, worker: FakeWorker) -> Optional[str]:
+        running = [p for p in self.pending if p.worker is worker and p.begins <= self.clock
+                   and (p.done_at is None or self.clock < p.done_at)]
+        if not running:
+            answer = "idle"
+        else:
+            reps = running[-1].cell.reps
+            k = min(reps, 1 + int((self.clock - running[-1].begins) / self.cell_s * reps))
+            answer = f"rep {k} of {reps}"
+        self.phases_asked.append(answer)
+        return answer
 
     def release(self, worker: FakeWorker) -> None:
         worker.released = True

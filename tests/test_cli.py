@@ -119,3 +119,20 @@ def test_a_second_sweep_on_this_machine_is_refused_while_the_first_measures(tmp_
         lock.close()
     line = assert_refused(proc, "another sweep (pid 4711, study default", 0)
     assert "ray.exclusive=false" in line
+
+
+def test_help_says_what_hostsweep_is_how_to_choose_skus_and_runs_and_the_main_keys(tmp_path, poisoned_path):
+    proc = run_hostsweep(["--help"], tmp_path, pythonpath=poisoned_path)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert text.startswith("hostsweep: where the time in one LLM decode step goes")
+    for needle in ("+sku=cpu|h100|h200", "-m (multirun)", "stage=sweep|fit|compare|all", "study=NAME",
+                   "verbose=true", "tracking.uri=", "Presets:", "keystone", "model: checkpoint", "summary.json"):
+        assert needle in text, needle
+    assert "_schema" not in text and "is powered by Hydra" not in text
+
+
+def test_the_run_log_is_named_for_hostsweep(tmp_path, poisoned_path):
+    proc = run_hostsweep(["+sku=cpu", "tp=3", f"hydra.run.dir={tmp_path}/run"], tmp_path, pythonpath=poisoned_path)
+    assert proc.returncode == 2
+    assert (tmp_path / "run" / "hostsweep.log").is_file() and not (tmp_path / "run" / "__main__.log").exists()

@@ -146,3 +146,21 @@ def test_host_calibration_recovers_s0_and_s1_from_tp1_host_residuals(tmp_path, c
                      "--model", "tiny-llama", "--sku", "cpu", "--out", str(out)]) == 0
     host = yaml.safe_load(out.read_text())["host"]
     assert host["s0_ms"] == pytest.approx(5.0) and host["s1_ms"] == pytest.approx(0.25)
+
+
+def test_every_option_of_every_subcommand_says_what_it_is():
+    import argparse
+
+    from hostsweep.model.cli import parser
+
+    def silent(p: argparse.ArgumentParser, where: str) -> list[str]:
+        found = []
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    found += silent(sub, f"{where} {name}")
+            elif not isinstance(action, argparse._HelpAction) and not (action.help or "").strip():
+                found.append(f"{where} {action.option_strings or action.dest}")
+        return found
+
+    assert silent(parser(), "hostsweep-model") == []

@@ -313,6 +313,9 @@ class SweepConfig:
     # Skip cells whose key already has a FINISHED run in the study's experiment, so a
     # rerun after Ctrl-C or a crash measures only what is missing. resume=false remeasures.
     resume: bool = True
+    # Stream the workers' output (vLLM, EngineCore, Ray) to this console as well; off, it
+    # goes to workers/<engine spec>.log in the run directory.
+    verbose: bool = False
     output: OutputConfig = field(default_factory=OutputConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
     stage: str = "sweep"  # sweep | fit | compare | all (STAGES)

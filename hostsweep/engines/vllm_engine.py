@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from hostsweep.config.engine_args import WORKER_EXTENSION
 from hostsweep.config.grid import EngineSpec
 from hostsweep.config.machine import device_name
 from hostsweep.config.shapes import hf_config
@@ -144,6 +145,8 @@ class VllmEngine:
         kwargs = engine_kwargs(spec, materialize_model(spec, workdir))
         if spec.profile:
             kwargs["profiler_config"] = profiler_config(self.trace_dir)
+            # Imported in the model's process, it stops the profiler's summary tables (vllm_ext).
+            kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)
         log.info("starting vLLM for %s: %s", spec.label, kwargs)
         self.llm = LLM(**kwargs)
         self._last: list[Any] = []

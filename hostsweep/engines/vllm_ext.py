@@ -1,9 +1,45 @@
-"""Methods vLLM mixes into its TP>1 workers (`worker_extension_cls`), so the harness can ask
-each rank, through `LLM.collective_rpc("hostsweep_allreduce")`, which all-reduce path it uses.
+"""Imported by vLLM inside its model-running processes (`worker_extension_cls`):
+- the methods it mixes into each rank, so the harness can ask, through
+  `LLM.collective_rpc("hostsweep_allreduce")`, which all-reduce path a TP rank uses;
+- on import, the torch profiler's CPU-time table switched off. vLLM builds that table
+  (`key_averages().table(...)`, ~117 lines) at every stop_profile when only CPU activity is
+  recorded, prints it and writes a .profiler_out.txt, and no setting turns it off on the CPU
+  build; the split reads the chrome trace, never the table, and building it costs 2-3 s per
+  stop (vllm_notes §4).
 
-Imported inside vLLM's worker processes: keep it free of everything but torch and vLLM.
+Keep it free of everything but torch and vLLM.
 """
 from __future__ import annotations
+
+import sys
+
+
+def _quiet_profiler_tables() -> bool:
+    """No CPU- or device-time summary tables at stop_profile; True if vLLM's wrapper was found.
+    Only inside a process that runs vLLM (vLLM imports this module there): imported anywhere
+    else, this module imports nothing of vLLM's."""
+    if "vllm" not in sys.modules:
+        return False
+    try:
+        from vllm.profiler import wrapper
+    except ImportError:
+        return False
+    cls = getattr(wrapper, "TorchProfilerWrapper", None)
+    if cls is None or getattr(cls, "_hostsweep_quiet", False):
+        return cls is not None
+    init = cls.__init__
+
+    def quiet_init(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        init(self, *args, **kwargs)
+        self.dump_cpu_time_total = False
+        self.dump_device_time_total = False
+
+    cls.__init__ = quiet_init
+    cls._hostsweep_quiet = True
+    return True
+
+
+QUIET_PROFILER = _quiet_profiler_tables()
 
 # CUDA all-reduce paths a CudaCommunicator may hold; the first enabled one serves small
 # tensors, pynccl the rest.
@@ -11,6 +47,10 @@ _CUDA_PATHS = ("qr_comm", "ca_comm", "symm_mem_comm", "pynccl_comm")
 
 
 class HostsweepWorkerExtension:
+    def hostsweep_quiet_profiler(self) -> bool:
+        """Whether this rank's profiler prints no summary tables (see the module docstring)."""
+        return QUIET_PROFILER
+
     def hostsweep_allreduce(self) -> str:
         """e.g. 'CpuCommunicator/_CPUSHMDistributed (gloo)' or
         'CudaCommunicator/ca_comm+pynccl_comm (nccl)'."""

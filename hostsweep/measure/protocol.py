@@ -10,13 +10,15 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 # A callable that runs the cell's generate with the given number of output tokens
 # and returns its wall time in seconds. The worker builds it around an engine.
 TimedGenerate = Callable[[int], float]
+# Told before each pair: ("warm-up" or "rep", k, n), 1-based; the worker shows it as its phase.
+PairHook = Callable[[str, int, int], None]
 
 
 @dataclass(frozen=True)
@@ -45,13 +47,17 @@ def step_time(wall_1_s: float, wall_T_s: float, T: int) -> float:
     return (wall_T_s - wall_1_s) / (T - 1)
 
 
-def run_protocol(timed_generate: TimedGenerate, T: int, warmups: int, reps: int) -> list[RepTiming]:
+def run_protocol(timed_generate: TimedGenerate, T: int, warmups: int, reps: int,
+                 on_pair: Optional[PairHook] = None) -> list[RepTiming]:
     """Warm up, then time `reps` interleaved (T=1, T) pairs; warm-up pairs are discarded."""
-    for _ in range(warmups):
+    tell = on_pair or (lambda kind, k, n: None)
+    for warmup in range(warmups):
+        tell("warm-up", warmup + 1, warmups)
         timed_generate(1)
         timed_generate(T)
     timings = []
     for rep in range(reps):
+        tell("rep", rep + 1, reps)
         t1_first = rep % 2 == 0
         if t1_first:
             wall_1 = timed_generate(1)

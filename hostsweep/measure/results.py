@@ -6,9 +6,11 @@ metric has one name and one definition.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import pandas as pd
 
 from hostsweep.config.schema import LinearityConfig, MeasureConfig, SplitConfig, SweepConfig
@@ -61,6 +63,11 @@ class CellResult:
     spec: Optional[SpecResult] = None  # acceptance and cycles of a speculative engine
     attempt: int = 1  # 1 + the times this cell was lost (worker or engine died, timed out) and retried
     retry_reasons: tuple[str, ...] = ()  # why each earlier attempt was lost
+    # Wall-clock (epoch seconds) of the measurement on the worker: the cell run's start and
+    # end in MLflow, so its Duration is the measurement's, not the logging's. 0: unknown.
+    started_at: float = 0.0
+    ended_at: float = 0.0
+    log_tail: str = ""  # the end of the worker's log, shipped with a FAILED cell (remote nodes)
 
 
 def skipped_result(key: str, params: dict[str, object], reason: str) -> CellResult:
@@ -68,12 +75,51 @@ def skipped_result(key: str, params: dict[str, object], reason: str) -> CellResu
     return CellResult(key, params, "SKIPPED", None, reason)
 
 
+# Percentiles of the per-rep step times a cell reports beside its median (vLLM's latency
+# benchmark reports 10/25/50/75/90/99 of its iterations; 99 means nothing with 12 reps).
+STEP_PERCENTILES = (10, 25, 75, 90)
+# Decimals a metric is kept to: times to the microsecond (what a wall-clock difference over
+# T-1 steps resolves), host_frac to 1e-3 (as printed), other ratios to 1e-4, R² to 1e-6; the
+# rest 6 significant digits.
+TIME_DECIMALS = 3
+
+
+def round_metric(name: str, value: float) -> float:
+    """A metric rounded to what the measurement resolves, so tables read at a glance."""
+    if not math.isfinite(value):
+        return value
+    if name.endswith(("_ms", "_s")):
+        return round(value, TIME_DECIMALS)
+    if name.startswith("r2_"):
+        return round(value, 6)
+    if name.endswith("_frac"):
+        return round(value, 3)
+    if name.endswith(("_overhead", "_rate", "_disagreement")):
+        return round(value, 4)
+    return float(f"{value:.6g}")
+
+
+def step_percentiles(m: CellMeasurement) -> dict[str, float]:
+    """step_p10_ms … step_p90_ms over the timed reps (linear interpolation, numpy's default)."""
+    steps = np.array([r.step_s for r in m.reps]) * 1e3
+    if steps.size == 0:
+        return {}
+    return {f"step_p{q}_ms": float(np.percentile(steps, q)) for q in STEP_PERCENTILES}
+
+
 def cell_metrics(result: CellResult) -> dict[str, float]:
+    """Every metric of a cell, rounded (round_metric): what MLflow, cells.csv and the
+    printed table show."""
+    return {name: round_metric(name, value) for name, value in _raw_metrics(result).items()}
+
+
+def _raw_metrics(result: CellResult) -> dict[str, float]:
     m = result.measurement
     if m is None:
         return {}
     metrics = {
         "step_ms": m.step_ms, "step_ci_low_ms": m.step_ci_low_ms, "step_ci_high_ms": m.step_ci_high_ms,
+        **step_percentiles(m),
         "wall_1_ms": m.wall_1_ms, "wall_T_ms": m.wall_T_ms, "cell_duration_s": result.duration_s,
     }
     if result.split is not None:
@@ -124,17 +170,25 @@ def missing_parts(options: MeasureOptions, metrics: dict[str, float]) -> list[st
     return sorted(part for part in requested_parts(options) if PART_METRICS[part] not in metrics)
 
 
-def cell_row(result: CellResult, run_id: str) -> dict[str, object]:
+# Where a cell was measured and with what: worker tags (hostname, device, the engine's
+# versions) and the driver's (hostsweep, Ray, git SHA), as cell-table columns named like
+# the MLflow tags. `hostname`/`device_name`, never `host`/`device`, which read like host_ms.
+PROVENANCE_COLUMNS = ("hostname", "device_name", "hostsweep_version", "vllm_version", "torch_version",
+                      "ray_version", "git_sha")
+
+
+def cell_row(result: CellResult, run_id: str, provenance: Optional[dict[str, str]] = None) -> dict[str, object]:
     """One flat row per cell: params, the metrics and tags its MLflow run gets, provenance,
-    and its run id. Metrics a cell does not have are absent (empty in the CSV)."""
+    and its run id. Metrics a cell does not have are absent (empty in the CSV).
+    `provenance`: the driver's tags (versions, git SHA), for columns the worker lacks."""
+    tags = {**(provenance or {}), **result.host}
     return {
         **result.params,
         "status": result.status,
         **cell_metrics(result),
         **split_tags(result),
         **{k: result.host[k] for k in ENGINE_TAGS if k in result.host},
-        "host": result.host.get("hostname", "?"),
-        "device": result.host.get("device_name", "?"),
+        **{k: tags.get(k, "") for k in PROVENANCE_COLUMNS},
         "cell_key": result.key,
         "mlflow_run_id": run_id,
         "error": (result.error or "").splitlines()[0] if result.error else "",
@@ -144,14 +198,14 @@ def cell_row(result: CellResult, run_id: str) -> dict[str, object]:
 def logged_row(params: dict[str, str], metrics: dict[str, float], tags: dict[str, str],
                run_id: str) -> dict[str, object]:
     """cell_row's columns for a FINISHED cell read back from its MLflow run (a resumed
-    sweep's earlier cells); the host/device columns come from its provenance tags."""
+    sweep's earlier cells, whichever hostsweep version logged them): provenance from its
+    tags, metrics rounded as cell_row's."""
     return {
         **params,
         "status": "FINISHED",
-        **metrics,
+        **{name: round_metric(name, value) for name, value in metrics.items()},
         **{k: tags[k] for k in SPLIT_TAGS + ENGINE_TAGS if k in tags},
-        "host": tags.get("hostname", "?"),
-        "device": tags.get("device_name", "?"),
+        **{k: tags.get(k, "") for k in PROVENANCE_COLUMNS},
         "cell_key": tags["cell_key"],
         "mlflow_run_id": run_id,
         "error": "",

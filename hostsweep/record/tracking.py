@@ -4,17 +4,23 @@ per cell.
 With registry.py (fitted models, calibrations), the only modules that import mlflow. It
 uses MlflowClient with explicit run ids, so results can be logged from the driver's
 result loop in any order.
+
+What the UI shows: experiments carry a description; a cell run's start and end are its
+measurement's (MLflow cannot move a run's start, so the claim run made before measuring
+is replaced by one created with the measurement's start time); runs are named for what
+varies (`b4-ctx512` under `default: cpu/tiny-llama/eager/tp1`); every link carries
+`?workflowType=machine_learning`, without which MLflow 3 opens a GenAI overview
+(mlflow/mlflow#24498; nothing on the server side chooses the view).
 """
 from __future__ import annotations
 
 import logging
 import math
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import mlflow
 import pandas as pd
@@ -22,6 +28,8 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from hostsweep.measure.results import CellResult, cell_metrics, logged_row, split_tags
+from hostsweep.record.artifacts import linearity_table, timings_table, top_ops_table
+from hostsweep.record.views import KIND, KIND_TAG, NOTE_TAG, cell_note, cell_run_name, runs_table_url, ui_base
 from hostsweep.record.claims import (
     HEARTBEAT_TAG, KILLED_REASON_TAG, LIVE_HERE, OWNER_TAG, PARENT_TAG, RunView, claim_winner, stale_reason,
     this_owner,
@@ -56,6 +64,17 @@ def bounded_requests() -> None:
         os.environ.setdefault(key, value)
 
 
+def quiet_mlflow_logs() -> None:
+    """No INFO lines from MLflow on the console ("Creating initial MLflow database tables"):
+    MLflow gives its loggers their own stderr handler at INFO."""
+    for name in ("mlflow", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _ms(seconds: float) -> Optional[int]:
+    return int(seconds * 1000) if seconds > 0 else None
+
+
 def prepare_store(tracking_uri: str) -> None:
     """Create the folder of a local sqlite store; MLflow does not."""
     root = local_artifact_root(tracking_uri)
@@ -63,53 +82,33 @@ def prepare_store(tracking_uri: str) -> None:
         root.parent.mkdir(parents=True, exist_ok=True)
 
 
-def timings_table(result: CellResult) -> str:
-    """The raw per-rep timings of a cell as CSV."""
-    assert result.measurement is not None
-    rows = [
-        {"rep": r.rep, "t1_first": r.t1_first, "wall_1_ms": r.wall_1_s * 1e3,
-         "wall_T_ms": r.wall_T_s * 1e3, "step_ms": r.step_s * 1e3}
-        for r in result.measurement.reps
-    ]
-    return pd.DataFrame(rows).to_csv(index=False)
-
-
-def top_ops_table(result: CellResult) -> str:
-    """Ops/kernels by time per decode step, from the differenced profiled pair."""
-    assert result.split is not None
-    frame = pd.DataFrame(result.split.top_ops, columns=["op", "ms_per_step"])
-    frame["share_of_device"] = frame["ms_per_step"] / result.split.device_ms
-    return frame.to_csv(index=False)
-
-
-def linearity_table(result: CellResult) -> str:
-    assert result.linearity is not None
-    lin = result.linearity
-    frame = pd.DataFrame({"T": lin.tokens, "wall_ms": lin.wall_ms})
-    if lin.kernel_ms:
-        frame["kernel_ms"] = lin.kernel_ms
-    return frame.to_csv(index=False)
-
-
 class SweepTracker:
     """Records one sweep: the parent run, then a child run per cell as it arrives."""
 
-    def __init__(self, tracking_uri: str, experiment: str) -> None:
+    def __init__(self, tracking_uri: str, experiment: str, description: Optional[str] = None) -> None:
         bounded_requests()
+        quiet_mlflow_logs()
         prepare_store(tracking_uri)
         self.tracking_uri = tracking_uri
         self.experiment = experiment
         self.client = MlflowClient(tracking_uri)
-        self.experiment_id = self._experiment_id(experiment)
+        self.experiment_id = self._experiment_id(experiment, description)
         self.parent_run_id: Optional[str] = None
+        self.varying: Optional[tuple[str, ...]] = None  # the axes cell run names show
+        # journal entry -> the run a cell's measurement was logged into (a retried delivery
+        # reuses it instead of creating another)
+        self.logged_into: dict[str, str] = {}
 
-    def _experiment_id(self, name: str) -> str:
+    def _experiment_id(self, name: str, description: Optional[str]) -> str:
         found = self.client.get_experiment_by_name(name)
         if found is not None:
+            if description and NOTE_TAG not in found.tags:  # experiments made before descriptions were
+                self.client.set_experiment_tag(found.experiment_id, NOTE_TAG, description)
             return found.experiment_id
         root = local_artifact_root(self.tracking_uri)
         location = (root / name).as_uri() if root is not None else None
-        return self.client.create_experiment(name, artifact_location=location)
+        tags = {KIND_TAG: KIND, **({NOTE_TAG: description} if description else {})}
+        return self.client.create_experiment(name, artifact_location=location, tags=tags)
 
     def finished_runs(self) -> dict[str, list[dict[str, object]]]:
         """FINISHED cell runs of this experiment by cell key, newest first, each as the
@@ -128,14 +127,15 @@ class SweepTracker:
 
     def upload(self, result: CellResult, tags: dict[str, str], run_id: Optional[str], entry: str) -> str:
         """Log a journal entry an earlier sweep could not: into the run that claimed it
-        unless that run is gone, and only once (the entry id is tagged on the run)."""
+        unless that run is gone, and only once (the entry id is tagged on the run that has it)."""
+        done = [r for r in self._search(f"tags.{JOURNAL_TAG} = '{entry}'") if r.info.status != "RUNNING"]
+        if done:
+            return done[0].info.run_id
         if run_id is not None:
             try:
                 run = self.client.get_run(run_id)
             except Exception:  # noqa: BLE001 - not in this store (any more)
                 run = None
-            if run is not None and run.data.tags.get(JOURNAL_TAG) == entry and run.info.status != "RUNNING":
-                return run_id
             if run is None or run.info.lifecycle_stage == "deleted":
                 run_id = None
         return self.log_cell(result, {**tags, JOURNAL_TAG: entry}, run_id)
@@ -191,7 +191,8 @@ class SweepTracker:
             if key in taken:
                 continue
             tags = {PARENT_TAG: self.parent_run_id or "", "cell_key": key}
-            mine[key] = self.client.create_run(self.experiment_id, run_name=cell_run_name(params), tags=tags).info.run_id
+            name = cell_run_name(params, self.varying)
+            mine[key] = self.client.create_run(self.experiment_id, run_name=name, tags=tags).info.run_id
         # Two sweeps may claim one cell at once: every sweep keeps the earliest claim only.
         others: dict[str, str] = {}
         for key, claims in self.live_claims(stale_after_s).items():
@@ -213,7 +214,9 @@ class SweepTracker:
             self.client.set_tag(self.parent_run_id, HEARTBEAT_TAG, f"{time.time():.0f}")
 
     def start_sweep(self, run_name: str, config_yaml: str, params: dict[str, object],
-                    tags: dict[str, str]) -> str:
+                    tags: dict[str, str], varying: Optional[Sequence[str]] = None) -> str:
+        """The sweep's parent run; `varying`: the cell axes its cells' run names show."""
+        self.varying = tuple(varying) if varying is not None else None
         tags = {**tags, HEARTBEAT_TAG: f"{time.time():.0f}", OWNER_TAG: this_owner()}
         run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
         self.parent_run_id = run.info.run_id
@@ -223,9 +226,10 @@ class SweepTracker:
         return self.parent_run_id
 
     def log_cell(self, result: CellResult, tags: dict[str, str], run_id: Optional[str] = None) -> str:
-        """A cell's child run (the one that claimed it, else a new one), terminated with the
-        cell's status. Logging again into the same run is harmless: a retry after a failed
-        call, or a later sweep uploading a journal."""
+        """A cell's child run, terminated with the cell's status; returns its id. A measured
+        cell gets a run that starts and ends when its measurement did (the claim run
+        `run_id` is then deleted); others are logged into the claim, else a new run.
+        Logging again is harmless: a retried delivery reuses the run it created."""
         all_tags = {
             PARENT_TAG: self.parent_run_id or "",
             "cell_key": result.key,
@@ -236,9 +240,11 @@ class SweepTracker:
         }
         if result.retry_reasons:
             all_tags["retry_reasons"] = " | ".join(result.retry_reasons)[:5000]
-        if run_id is None:
-            run_id = self.client.create_run(self.experiment_id, run_name=cell_run_name(result.params)).info.run_id
-        metrics = [Metric(k, v, 0, 0) for k, v in cell_metrics(result).items() if math.isfinite(v)]
+        values = cell_metrics(result)
+        if result.measurement is not None:
+            all_tags[NOTE_TAG] = cell_note(result.params, values, all_tags.get("regime"))
+        claim, run_id = run_id, self._cell_run(result, all_tags, run_id)
+        metrics = [Metric(k, v, _ms(result.ended_at) or 0, 0) for k, v in values.items() if math.isfinite(v)]
         self.client.log_batch(run_id, metrics=metrics, params=[Param(k, str(v)) for k, v in result.params.items()],
                               tags=[RunTag(k, str(v)) for k, v in all_tags.items()])
         if result.measurement is not None:
@@ -254,8 +260,47 @@ class SweepTracker:
         if result.error:
             self.client.set_tag(run_id, "failure_reason", result.error[:5000])
             self.client.log_text(run_id, result.error, "failure.txt")
-        self.client.set_terminated(run_id, status=result.status)
+        if result.log_tail:
+            self.client.log_text(run_id, result.log_tail, "worker_log_tail.txt")
+        self.client.set_terminated(run_id, status=result.status, end_time=_ms(result.ended_at))
+        if claim is not None and claim != run_id:
+            self.client.delete_run(claim)  # the placeholder; the cell's run is the one just logged
         return run_id
+
+    def _cell_run(self, result: CellResult, tags: dict[str, str], claim: Optional[str]) -> str:
+        """The run to log a cell into: the one created for it by an earlier try of this
+        delivery, a new one starting at the measurement's start, the claim, or a new one."""
+        entry = tags.get(JOURNAL_TAG)
+        if entry in self.logged_into:
+            return self.logged_into[entry]
+        if claim is not None and not result.started_at:
+            return claim
+        name = cell_run_name(result.params, self.varying)
+        identity = {PARENT_TAG: tags[PARENT_TAG], "cell_key": result.key, **({JOURNAL_TAG: entry} if entry else {})}
+        run_id = self.client.create_run(self.experiment_id, start_time=_ms(result.started_at), run_name=name,
+                                        tags=identity).info.run_id
+        if entry:
+            self.logged_into[entry] = run_id
+        return run_id
+
+    def describe_sweep(self, markdown: str) -> None:
+        """The parent run's description (Markdown, shown on its page in the UI)."""
+        if self.parent_run_id is not None:
+            self.client.set_tag(self.parent_run_id, NOTE_TAG, markdown)
+
+    def log_sweep_files(self, files: Sequence[Path], figures: dict[str, Any],
+                        save_kwargs: Optional[dict[str, Any]] = None) -> None:
+        """Files of the run directory (cells.csv, summary.json) and matplotlib figures
+        (figures/<name>.png, written with `save_kwargs`) on the parent run."""
+        if self.parent_run_id is None:
+            return
+        for path in files:
+            self.client.log_artifact(self.parent_run_id, str(path))
+        for name, figure in figures.items():
+            self.client.log_figure(self.parent_run_id, figure, f"figures/{name}.png", save_kwargs=save_kwargs)
+
+    def run_url(self, run_id: str, port: int = 5000) -> str:
+        return runs_table_url(self.experiment_id, port, run_id, ui_base(self.tracking_uri, port))
 
     def log_study_summary(self, tables: dict[str, pd.DataFrame], metrics: dict[str, float]) -> None:
         """Study-level comparisons on the parent run: each table as study/<name>.csv, and
@@ -293,7 +338,7 @@ class SweepTracker:
 
     def runs_table_url(self, port: int = 5000) -> str:
         """The UI link that opens the runs table (3.x opens a GenAI overview otherwise)."""
-        return runs_table_url(self.experiment_id, port)
+        return runs_table_url(self.experiment_id, port, base=ui_base(self.tracking_uri, port))
 
 
 # Cell metrics read back as columns besides step_ms (absent ones come back as NaN).
@@ -335,22 +380,3 @@ def read_cells(tracking_uri: str, experiments: list[str], parent_run_id: Optiona
 def experiment_ids(tracking_uri: str) -> dict[str, str]:
     """Every experiment of the store by name (what a selection error lists)."""
     return {e.name: e.experiment_id for e in MlflowClient(tracking_uri).search_experiments()}
-
-
-def cell_run_name(params: dict[str, object]) -> str:
-    """A cell run's name a person can read: b4-ctx512-eager-tp1, then the SKU and model
-    (one sweep may span several of each)."""
-    return f"b{params['batch']}-ctx{params['ctx']}-{params['mode']}-tp{params['tp']}-{params['sku']}-{params['model']}"
-
-
-def runs_table_url(experiment_id: str, port: int = 5000, run_id: Optional[str] = None) -> str:
-    """The UI link to an experiment's runs table (or one run): MLflow 3.x opens a GenAI
-    overview unless the link asks for the machine-learning workflow."""
-    where = f"runs/{run_id}" if run_id else "runs"
-    return f"http://127.0.0.1:{port}/#/experiments/{experiment_id}/{where}?workflowType=machine_learning"
-
-
-def ui_command(tracking_uri: str, port: int = 5000) -> str:
-    """The stock MLflow UI on this store, bound to loopback (the interpreter that ran the
-    stage has mlflow, whether or not its venv is activated)."""
-    return f"{sys.executable} -m mlflow ui --backend-store-uri {tracking_uri} --host 127.0.0.1 --port {port}"

@@ -5,10 +5,15 @@ predictions, tables from report/comparison.py) and returns a matplotlib Figure; 
 writes it as a PNG and closes it. The style helpers (`panels`, `colors`, `save`) are
 shared, so the sweep summary's figures use the same look.
 
+The comparison report's:
     step_composition       decode-step composition per TP degree, stacked bars
     predicted_vs_measured  the model against the measurement, out-of-regime starred, falsifying marked
     heldout_mape           held-out MAPE per host form with bootstrap CIs, one panel per group
     regime_map             host fraction over model size × TP and batch, one panel per SKU
+The sweep's own (logged on its parent run, written to the run directory's figures/):
+    split_composition      device and host ms per decode step of every cell, stacked, CI on top
+    host_fraction_by_batch host fraction against batch, a line per ctx, the regime threshold drawn
+Both:
     step_times             per-cell step time with CI bars across batch and ctx, one panel per SKU
 """
 from __future__ import annotations
@@ -205,4 +210,72 @@ def step_times(cells: pd.DataFrame) -> Figure:
         ax.set_ylabel("ms per decode step (95% CI)")
         ax.set_title(f"{sku}: step time per cell", fontsize=10)
         ax.legend(fontsize=7)
+    return fig
+
+
+# How the sweep's figures are written, to its run directory and to MLflow alike.
+SAVE_KWARGS = {"dpi": 110, "bbox_inches": "tight"}
+# The sweep's split, in the comparison figures' host red; device time a muted blue.
+SPLIT_COLORS = {"device": "#4c72b0", "host": "#d62728"}
+ENGINE_KEYS = ["sku", "model", "mode", "tp"]
+
+
+def _engines(cells: pd.DataFrame) -> list[tuple[tuple, pd.DataFrame]]:
+    """The cells grouped per engine (sku, model, mode, tp), in a stable order."""
+    return list(cells.groupby(ENGINE_KEYS, sort=True))
+
+
+def _engine_title(key: tuple) -> str:
+    sku, model, mode, tp = key
+    return f"{sku} {model} {mode} TP-{tp}"
+
+
+def split_composition(cells: pd.DataFrame) -> Figure:
+    """Every split cell's decode step as device ms (below) and host ms (above), with the
+    step's 95% CI on top, one panel per engine (sku, model, mode, tp), cells by ctx then batch."""
+    split = cells.dropna(subset=["device_ms", "host_ms"]) if {"device_ms", "host_ms"} <= set(cells) else cells.iloc[0:0]
+    if split.empty:
+        return empty("no split cells (split.enabled=false): nothing to compose")
+    groups = _engines(split)
+    fig, axes = panels(len(groups), max(6.0, 0.55 * split.groupby(ENGINE_KEYS).size().max() + 1.5), 3.8, columns=2)
+    for ax, (key, rows) in zip(axes, groups):
+        rows = rows.sort_values(["ctx", "batch"])
+        x = np.arange(len(rows))
+        device, host = rows["device_ms"].to_numpy(float), rows["host_ms"].to_numpy(float).clip(min=0)
+        ax.bar(x, device, 0.7, color=SPLIT_COLORS["device"], label="device (kernels / compute ops)")
+        ax.bar(x, host, 0.7, bottom=device, color=SPLIT_COLORS["host"], label="host (step − device)")
+        ax.errorbar(x, rows["step_ms"], yerr=_ci_yerr(rows), fmt="none", ecolor="k", capsize=3,
+                    label="step, 95% CI")
+        for i, frac in enumerate(rows["host_frac"].to_numpy(float)):
+            ax.text(i, device[i] + host[i] / 2, f"{frac:.2f}", ha="center", va="center", fontsize=7, color="white")
+        ax.set_xticks(x, [f"b{b}\nctx{c}" for b, c in zip(rows["batch"], rows["ctx"])], fontsize=8)
+        ax.set_ylabel("ms per decode step")
+        ax.set_title(_engine_title(key), fontsize=10)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=3, fontsize=8)
+    fig.suptitle("Decode step = device + host, per cell (bar labels: host_frac)", fontsize=11)
+    return fig
+
+
+def host_fraction_by_batch(cells: pd.DataFrame, threshold: float = 0.5) -> Figure:
+    """Host fraction against batch, a line per ctx, one panel per engine; at or above
+    `threshold` (dashed) a cell is host-bound."""
+    split = cells.dropna(subset=["host_frac"]) if "host_frac" in cells else cells.iloc[0:0]
+    if split.empty:
+        return empty("no split cells (split.enabled=false): no host fraction to plot")
+    groups = _engines(split)
+    fig, axes = panels(len(groups), 5.6, 3.8, columns=2)
+    for ax, (key, rows) in zip(axes, groups):
+        palette = colors(sorted(rows["ctx"].unique()))
+        for ctx, line in rows.sort_values("batch").groupby("ctx"):
+            ax.plot(line["batch"], line["host_frac"], marker="o", color=palette[ctx], label=f"ctx {ctx}")
+        ax.axhline(threshold, color="k", ls="--", lw=1, label=f"host-bound at {threshold:g}")
+        batches = sorted(rows["batch"].unique())
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("batch N")
+        ax.set_ylabel("host_frac (host / step)")
+        ax.set_title(_engine_title(key), fontsize=10)
+        ax.legend(fontsize=7)
+    fig.suptitle("Host fraction against batch, per context length", fontsize=11)
     return fig

@@ -1,35 +1,84 @@
-"""The printed cell table: one fixed-width line per cell, in grid order."""
+"""The printed cell table: one fixed-width line per cell, in grid order; and the same table
+in Markdown for the sweep's MLflow description.
+
+Numbers are shown as cells.csv and MLflow hold them: milliseconds per decode step to the
+microsecond, host_frac as a fraction of step_ms (not a percentage), so a value read here is
+the value a script reads there.
+"""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable, Optional
 
 import pandas as pd
 
 COLUMNS = ("sku", "model", "mode", "tp", "batch", "ctx", "step_ms", "ci95_ms", "device_ms", "host_frac",
-           "regime", "host", "status")
+           "regime", "hostname", "status")
 
 
-def _display(row: dict[str, object]) -> dict[str, str]:
-    shown = {k: str(row.get(k, "")) for k in COLUMNS}
-    if row.get("step_ms") is not None:
-        shown["step_ms"] = f"{row['step_ms']:.3f}"
-        shown["ci95_ms"] = f"[{row['step_ci_low_ms']:.3f}, {row['step_ci_high_ms']:.3f}]"
-    else:
-        shown["step_ms"], shown["ci95_ms"] = "-", "-"
-    if row.get("device_ms") is not None:
-        shown["device_ms"] = f"{row['device_ms']:.3f}"
-        shown["host_frac"] = f"{row['host_frac']:.1%}"
+def _number(value: object) -> Optional[float]:
+    """A finite float from a row value (resumed rows come back from MLflow; CSV gives NaN)."""
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return number if pd.notna(number) else None
+
+
+def display_row(row: dict[str, object]) -> dict[str, str]:
+    """A cell's row as the strings the table shows."""
+    shown = {k: "" if row.get(k) is None or pd.isna(row.get(k)) else str(row.get(k))  # type: ignore[arg-type]
+             for k in COLUMNS}
+    step, low, high = (_number(row.get(k)) for k in ("step_ms", "step_ci_low_ms", "step_ci_high_ms"))
+    shown["step_ms"] = f"{step:.3f}" if step is not None else "-"
+    shown["ci95_ms"] = f"[{low:.3f}, {high:.3f}]" if low is not None and high is not None else "-"
+    device, frac = _number(row.get("device_ms")), _number(row.get("host_frac"))
+    if device is not None and frac is not None:
+        shown["device_ms"], shown["host_frac"] = f"{device:.3f}", f"{frac:.3f}"
     else:
         shown["device_ms"], shown["host_frac"], shown["regime"] = "-", "-", "-"
+    shown["workload"] = str(row.get("workload") or "random")
     return shown
 
 
-def format_table(rows: Iterable[dict[str, object]]) -> str:
-    """A fixed-width text table, one line per cell, in grid order; a workload column when a
-    study has a workload other than the default random prompts."""
-    rows = list(rows)
+def table_columns(rows: list[dict[str, object]]) -> list[str]:
+    """COLUMNS, with a workload column when a study has a workload other than random prompts."""
     columns = list(COLUMNS)
-    if any(str(r.get("workload", "random")) != "random" for r in rows):
+    if any(str(r.get("workload") or "random") != "random" for r in rows):
         columns.insert(columns.index("ctx") + 1, "workload")
-    shown = [{**_display(r), "workload": str(r.get("workload", "random"))} for r in rows]
-    return pd.DataFrame(shown, columns=columns).to_string(index=False, justify="left")
+    return columns
+
+
+def format_table(rows: Iterable[dict[str, object]]) -> str:
+    """A fixed-width text table, one line per cell, in grid order, every column left-aligned."""
+    rows = list(rows)
+    columns = table_columns(rows)
+    shown = [display_row(r) for r in rows]
+    widths = {c: max([len(c), *(len(r[c]) for r in shown)]) for c in columns}
+    lines = [[c for c in columns], *([r[c] for c in columns] for r in shown)]
+    return "\n".join("  ".join(v.ljust(widths[c]) for c, v in zip(columns, line)).rstrip() for line in lines)
+
+
+def format_markdown(rows: Iterable[dict[str, object]], max_chars: int,
+                    link: Optional[Callable[[dict[str, object]], Optional[str]]] = None,
+                    overflow: str = "") -> str:
+    """The table in Markdown, cut to `max_chars` at a row boundary; when rows are left out
+    the last line is `overflow` formatted with {shown} and {total}. `link(row)` gives a URL
+    for a row's batch cell (its MLflow run)."""
+    rows = list(rows)
+    # What is the same for every cell is said once, above the table (the run's name).
+    same = {c for c in ("sku", "model", "mode", "tp", "workload") if len({str(r.get(c)) for r in rows}) == 1}
+    columns = [c for c in table_columns(rows) if c != "hostname" and c not in same]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    budget = max_chars - len(overflow) - 40
+    used = sum(len(line) + 1 for line in lines)
+    for count, row in enumerate(rows):
+        shown = display_row(row)
+        url = link(row) if link is not None else None
+        if url:
+            shown["batch"] = f"[{shown['batch']}]({url})"
+        line = "| " + " | ".join(shown[c] for c in columns) + " |"
+        if used + len(line) + 1 > budget:
+            return "\n".join([*lines, "", overflow.format(shown=count, total=len(rows))])
+        lines.append(line)
+        used += len(line) + 1
+    return "\n".join(lines)

@@ -17,7 +17,7 @@ from hostsweep.run.worker import SweepWorker
 log = logging.getLogger(__name__)
 
 # The concurrency group of the worker methods that must answer while a cell runs
-# (engine_health, abort); cells run one at a time in the default group.
+# (engine_health, phase, abort); cells run one at a time in the default group.
 WATCH_GROUP = "watch"
 # Seconds a worker gets to kill its engine and remove its scratch folder before its
 # process is killed (then vLLM's processes notice their parent is gone and exit).
@@ -66,8 +66,9 @@ def release_worker(worker: WorkerHandle, engine_started: bool = True) -> None:
         remove_placement_group(worker.placement_group)
 
 
-def new_worker(spec: EngineSpec) -> WorkerHandle:
-    """Start one worker actor for `spec`, pinned to a node of its SKU."""
+def new_worker(spec: EngineSpec, log_file: Optional[str] = None) -> WorkerHandle:
+    """Start one worker actor for `spec`, pinned to a node of its SKU, logging to `log_file`
+    (run/worklog.py) when given."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -79,9 +80,10 @@ def new_worker(spec: EngineSpec) -> WorkerHandle:
         group = placement_group(placement_bundles(spec.tp, spec.accelerator_type), strategy="STRICT_PACK")
         strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0,
                                                     placement_group_capture_child_tasks=True)
-        actor = remote_worker.options(num_cpus=1, num_gpus=0, scheduling_strategy=strategy).remote(spec)
+        actor = remote_worker.options(num_cpus=1, num_gpus=0, scheduling_strategy=strategy).remote(spec, None, log_file)
         return WorkerHandle(actor, group)
-    return WorkerHandle(remote_worker.options(**actor_options(spec, cpu_engine_cpus(live_nodes()))).remote(spec))
+    options = actor_options(spec, cpu_engine_cpus(live_nodes()))
+    return WorkerHandle(remote_worker.options(**options).remote(spec, None, log_file))
 
 
 def stop_workers(workers: list[WorkerHandle]) -> None:

@@ -1,14 +1,21 @@
 """Ray as the dispatcher's worker backend: worker actors, their cells as object refs, and
-their engines' health asked on the actors' watch thread without blocking the driver."""
+their engines' health and phase asked on the actors' watch thread without blocking the
+driver."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Optional
 
 from hostsweep.config.grid import Cell, EngineSpec
 from hostsweep.measure.results import MeasureOptions
 from hostsweep.run.actors import WATCH_GROUP, WorkerHandle, new_worker, release_worker, stop_workers
-from hostsweep.run.faults import CallFailed, EngineDied, Outcome, WorkerLost
+from hostsweep.run.faults import CallFailed, EngineDied, Outcome, WorkerLost, root_cause
+from hostsweep.run.worklog import worker_log_path
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
 
 
 def _engine_died(exc: BaseException) -> Optional[EngineDied]:
@@ -18,18 +25,23 @@ def _engine_died(exc: BaseException) -> Optional[EngineDied]:
 
 
 class RayBackend:
-    """Workers as Ray actors (run/actors.py); pending cells as object refs."""
+    """Workers as Ray actors (run/actors.py); pending cells as object refs. `log_dir`: each
+    worker logs to log_dir/<spec>.log (None: its output goes where Ray sends it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, log_dir: Optional[Path] = None) -> None:
+        self.log_dir = log_dir
         self.ready_refs: dict[int, object] = {}
         self.health_refs: dict[int, object] = {}
+        self.phase_refs: dict[int, object] = {}
+        self.phases: dict[int, str] = {}
         self.ready: set[int] = set()
 
     def now(self) -> float:
         return time.monotonic()
 
     def start(self, spec: EngineSpec) -> WorkerHandle:
-        worker = new_worker(spec)
+        log_file = str(worker_log_path(self.log_dir, spec.label)) if self.log_dir is not None else None
+        worker = new_worker(spec, log_file)
         # host_info answers once the constructor (the engine start) has finished.
         self.ready_refs[id(worker)] = worker.actor.host_info.remote()
         return worker
@@ -49,8 +61,10 @@ class RayBackend:
         try:
             return ray.get(pending)
         except ray.exceptions.RayActorError as exc:
-            return WorkerLost(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
-                              at_start=bool(getattr(exc, "actor_init_failed", False)))
+            at_start = bool(getattr(exc, "actor_init_failed", False))
+            # An engine that did not start: the error vLLM raised, not Ray's wrapper line.
+            reason = root_cause(str(exc)) if at_start else _first_line(exc)
+            return WorkerLost(reason or type(exc).__name__, at_start=at_start)
         except ray.exceptions.RayError as exc:
             died = _engine_died(exc)
             if died is not None:
@@ -88,10 +102,28 @@ class RayBackend:
         except ray.exceptions.RayError:
             return None  # the worker itself died: its cell's ref says so
 
+    def phase(self, worker: WorkerHandle) -> Optional[str]:
+        """The worker's phase as of the last poll; asked again on its watch thread."""
+        import ray
+
+        key = id(worker)
+        ref = self.phase_refs.get(key)
+        if ref is not None and ray.wait([ref], timeout=0)[0]:
+            del self.phase_refs[key]
+            try:
+                self.phases[key] = ray.get(ref)
+            except ray.exceptions.RayError:
+                pass  # the worker died: its cell's ref says so
+        if key not in self.phase_refs:
+            self.phase_refs[key] = worker.actor.phase.options(concurrency_group=WATCH_GROUP).remote()
+        return self.phases.get(key)
+
     def _forget(self, worker: WorkerHandle) -> bool:
         key = id(worker)
         self.ready_refs.pop(key, None)
         self.health_refs.pop(key, None)
+        self.phase_refs.pop(key, None)
+        self.phases.pop(key, None)
         started = key in self.ready
         self.ready.discard(key)
         return started

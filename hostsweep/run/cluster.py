@@ -81,8 +81,12 @@ def _loopback_only() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
-def connect(address: str | None, confine_daemons: bool = False, idle_daemons: bool = False) -> bool:
+def connect(address: str | None, confine_daemons: bool = False, idle_daemons: bool = False,
+            log_to_driver: bool = True) -> bool:
     """Join the cluster at `address`, or start a local one; True if we started it.
+
+    log_to_driver: Ray forwards its workers' output (vLLM's, here) to this console; off
+    when the workers write their own log files (run/worklog.py).
 
     A local cluster listens on loopback only, with no dashboard. Local cluster only, so
     Ray's own processes take as little as possible from the engines measured beside them:
@@ -100,16 +104,16 @@ def connect(address: str | None, confine_daemons: bool = False, idle_daemons: bo
     # (stop like Ctrl-C, __main__) must stay.
     sigterm = signal.getsignal(signal.SIGTERM)
     try:
-        return _init(ray, address, confine_daemons, idle_daemons)
+        return _init(ray, address, confine_daemons, idle_daemons, log_to_driver)
     finally:
         if sigterm is not None:
             signal.signal(signal.SIGTERM, sigterm)
 
 
-def _join(ray, address: str) -> None:  # noqa: ANN001
+def _join(ray, address: str, log_to_driver: bool) -> None:  # noqa: ANN001
     """ray.init(address), its failure (after its own retries) as one line."""
     try:
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=log_to_driver)
     except (ConnectionError, RuntimeError) as exc:
         cause = f"{exc}; {exc.__cause__}" if exc.__cause__ else str(exc)
         hint = (" (the cluster wants a token: set RAY_AUTH_MODE=token, with the token in ~/.ray/auth_token "
@@ -118,9 +122,15 @@ def _join(ray, address: str) -> None:  # noqa: ANN001
                           f"{str(exc).strip().splitlines()[0]}{hint}") from None
 
 
-def _init(ray, address: str | None, confine_daemons: bool, idle_daemons: bool) -> bool:  # noqa: ANN001
+# Ray warns on every local start that it turned token authentication on by default; a
+# loopback-only cluster of this sweep's own is not news to its user.
+TOKEN_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+def _init(ray, address: str | None, confine_daemons: bool, idle_daemons: bool,  # noqa: ANN001
+          log_to_driver: bool) -> bool:
     if address:
-        _join(ray, address)
+        _join(ray, address, log_to_driver)
         return False
     # Ray runs workers at niceness 15 by default; the engines they start inherit it.
     os.environ.setdefault("RAY_worker_niceness", "0")
@@ -137,7 +147,14 @@ def _init(ray, address: str | None, confine_daemons: bool, idle_daemons: bool) -
     try:
         # "local": always a new cluster. Without an address ray.init joins the cluster named
         # by RAY_ADDRESS or /tmp/ray/ray_current_cluster (hanging if that one is dead).
-        ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+        notice = logging.getLogger(TOKEN_NOTICE_LOGGER)
+        level = notice.level
+        notice.setLevel(logging.ERROR)
+        try:
+            ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING,
+                     log_to_driver=log_to_driver)
+        finally:
+            notice.setLevel(level)
     finally:
         os.sched_setaffinity(0, cores)
     if idle_daemons:

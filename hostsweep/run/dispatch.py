@@ -11,19 +11,22 @@ is measuring and for how long). Results are handed to `on_result` as each cell e
 - `should_stop` (e.g. tracking down too long) ends the sweep cleanly: cells in flight
   are abandoned, not reported, and the workers released.
 A cell is reported at most once. The state machine talks to workers only through a
-WorkerBackend: Ray's (run/backend.py) in a sweep, an in-process fake in tests.
+WorkerBackend: Ray's (run/backend.py) in a sweep, an in-process fake in tests. A cell
+that fails carries its worker's log file and the log's end (run/worklog.py).
 """
 from __future__ import annotations
 
 import logging
 from collections import Counter, defaultdict, deque
 from dataclasses import replace
+from pathlib import Path
 from typing import Callable, Optional, Protocol
 
 from hostsweep.config.grid import Cell, EngineSpec, group_by_engine
 from hostsweep.measure.results import CellResult, MeasureOptions
-from hostsweep.run.faults import CallFailed, FaultPolicy, Outcome, WorkerLost
+from hostsweep.run.faults import CallFailed, FaultPolicy, Outcome, WorkerLost, first_exception
 from hostsweep.run.progress import ProgressReporter
+from hostsweep.run.worklog import last_start, log_tail, worker_log_path
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,9 @@ class WorkerBackend(Protocol):
     def engine_fault(self, worker: object) -> Optional[str]:
         """Why the worker's engine is dead, or None while it is alive (or not yet known)."""
 
+    def phase(self, worker: object) -> Optional[str]:
+        """What a started worker is doing ('rep 3 of 12'), or None while not yet known."""
+
     def release(self, worker: object) -> None:
         """Kill the worker and its engine now; free what it holds."""
 
@@ -59,16 +65,22 @@ class WorkerBackend(Protocol):
         """Close engines cleanly, then release the workers."""
 
 
-def failed_result(cell: Cell, reason: str) -> CellResult:
-    return CellResult(cell.key, cell.params(), "FAILED", None, reason)
+def failed_result(cell: Cell, reason: str, log_file: Optional[Path] = None) -> CellResult:
+    """A cell that failed outside its worker's measure (lost worker, engine start, Ray):
+    with the worker's log and its end when the log is on this machine."""
+    if log_file is None or not log_file.is_file():
+        return CellResult(cell.key, cell.params(), "FAILED", None, reason)
+    return CellResult(cell.key, cell.params(), "FAILED", None, reason, {"worker_log": str(log_file)},
+                      log_tail=log_tail(log_file))
 
 
 class Dispatcher:
     def __init__(self, cells: list[Cell], options: MeasureOptions, on_result: Callable[[CellResult], None],
                  backend: WorkerBackend, policy: FaultPolicy = FaultPolicy(),
                  progress: Optional[ProgressReporter] = None,
-                 should_stop: Callable[[], Optional[str]] = lambda: None) -> None:
+                 should_stop: Callable[[], Optional[str]] = lambda: None, log_dir: Optional[Path] = None) -> None:
         self.queues = {spec: deque(group) for spec, group in group_by_engine(cells).items()}
+        self.log_dir = log_dir  # where workers log (workers/<spec>.log), None: not to files
         self.options, self.on_result, self.policy = options, on_result, policy
         self.backend, self.progress, self.should_stop = backend, progress, should_stop
         self.workers: dict[EngineSpec, object] = {}
@@ -81,6 +93,9 @@ class Dispatcher:
         self.reasons: dict[str, list[str]] = defaultdict(list)
         self.done = 0
         self.stopped: Optional[str] = None  # why the sweep stopped early, if it did
+        # Seconds the finished cells took once their engine was ready (for the ETA, which
+        # leaves engine starts out): their sum and count, not a list, for huge sweeps.
+        self.measured_s, self.measured_n = 0.0, 0
 
     def _report(self, result: CellResult, lost_last: bool = False) -> None:
         """Hand a cell's final result on, with its attempts: the lost ones, plus the one that
@@ -89,6 +104,18 @@ class Dispatcher:
         key = result.key
         attempt = self.attempts[key] + (0 if lost_last else 1)
         self.on_result(replace(result, attempt=attempt, retry_reasons=tuple(self.reasons[key])))
+
+    def _log_file(self, spec: EngineSpec) -> Optional[Path]:
+        return worker_log_path(self.log_dir, spec.label) if self.log_dir is not None else None
+
+    def _failed(self, cell: Cell, reason: str) -> CellResult:
+        return failed_result(cell, reason, self._log_file(cell.engine))
+
+    def _start_cause(self, spec: EngineSpec, reason: str) -> str:
+        """Why an engine did not start: the first error its worker's log shows since that
+        worker began (vLLM's processes print the root cause there before the worker's own
+        exception, which Ray reports, says 'initialization failed'), else Ray's reason."""
+        return first_exception(last_start(self._log_file(spec))) or reason
 
     def _submit_next(self, spec: EngineSpec) -> None:
         if not self.queues[spec] and not self.stopped:
@@ -125,13 +152,13 @@ class Dispatcher:
                         self.policy.max_retries)
             self.queues[spec].appendleft(cell)
         else:
-            self._report(failed_result(cell, f"{reason} (attempt {tries} of {self.policy.max_retries + 1}, "
-                                             "faults.max_retries exhausted)"), lost_last=True)
+            self._report(self._failed(cell, f"{reason} (attempt {tries} of {self.policy.max_retries + 1}, "
+                                            "faults.max_retries exhausted)"), lost_last=True)
 
     def _fail_spec(self, spec: EngineSpec, cell: Cell, reason: str) -> None:
         """The engine cannot start: retrying repeats it, so every cell of the spec fails."""
         for doomed in [cell, *self.queues[spec]]:
-            self._report(failed_result(doomed, reason))
+            self._report(self._failed(doomed, reason))
         self.queues[spec].clear()
 
     def _lose(self, pending: object, reason: str) -> None:
@@ -147,17 +174,24 @@ class Dispatcher:
         if isinstance(outcome, WorkerLost) and outcome.at_start:
             del self.inflight[pending]
             self._replace_worker(spec)
-            self._fail_spec(spec, cell, f"worker for {spec.label} failed to start: {outcome.reason}")
+            cause = self._start_cause(spec, outcome.reason)
+            self._fail_spec(spec, cell, f"worker for {spec.label} failed to start: {cause}")
         elif isinstance(outcome, WorkerLost):
             self._lose(pending, outcome.reason)
             return
         else:
-            del self.inflight[pending]
+            _, _, submitted = self.inflight.pop(pending)
+            self._note_measured(spec, submitted)
             if isinstance(outcome, CallFailed):
-                self._report(failed_result(cell, outcome.reason))
+                self._report(self._failed(cell, outcome.reason))
             else:
                 self._report(outcome)
         self._submit_next(spec)
+
+    def _note_measured(self, spec: EngineSpec, submitted: float) -> None:
+        if spec in self.ready_at:
+            self.measured_s += self.backend.now() - max(submitted, self.ready_at[spec])
+            self.measured_n += 1
 
     def _watch(self) -> None:
         """Engine starts, engine deaths and timeouts of the cells in flight."""
@@ -181,7 +215,23 @@ class Dispatcher:
                 self._lose(pending, f"timed out after {limit:.0f} s (faults.cell_timeout_s)")
 
     def _current(self) -> dict[str, str]:
-        return {spec.label: f"b{cell.batch} ctx{cell.ctx}" for spec, cell, _ in self.inflight.values()}
+        """Per worker: its cell and what it is doing ('b2 ctx512: rep 3 of 12')."""
+        current = {}
+        for spec, cell, _ in self.inflight.values():
+            phase = self.backend.phase(self.workers[spec]) if spec in self.ready_at else "starting engine"
+            current[spec.label] = f"b{cell.batch} ctx{cell.ctx}" + (f": {phase}" if phase else "")
+        return current
+
+    def _update_progress(self) -> None:
+        """The progress line: the ETA extrapolates the time cells took once their engine
+        was ready, spread over the workers measuring now; engine starts are counted apart."""
+        if self.progress is None:
+            return
+        measuring = {spec for spec, _, _ in self.inflight.values() if spec in self.ready_at}
+        starts = sum(1 for spec, queue in self.queues.items() if queue and spec not in self.workers)
+        starts += sum(1 for spec in {s for s, _, _ in self.inflight.values()} if spec not in self.ready_at)
+        per_cell = self.measured_s / self.measured_n if self.measured_n else None
+        self.progress.update(self.done, self._current(), per_cell, max(1, len(measuring)), starts)
 
     def _stop(self, reason: str) -> None:
         self.stopped = reason
@@ -195,8 +245,7 @@ class Dispatcher:
             for spec in self.queues:
                 self._submit_next(spec)
             while self.inflight:
-                if self.progress:
-                    self.progress.update(self.done, self._current())
+                self._update_progress()
                 reason = self.should_stop()
                 if reason:
                     self._stop(reason)
@@ -212,5 +261,7 @@ class Dispatcher:
                 self._replace_worker(spec)
             raise
         finally:
+            if self.progress:
+                self.progress.close()
             self.backend.close(list(self.workers.values()))
             self.workers.clear()

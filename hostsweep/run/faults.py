@@ -6,6 +6,7 @@ timeout is derived from the work a cell does, so it is never off and never tight
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -35,6 +36,30 @@ class CallFailed:
 
 
 Outcome = Union[CellResult, WorkerLost, CallFailed]
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# An exception line, also behind a log prefix: "(Worker pid=7) ERROR ... ValueError: no block size".
+_RAISED = re.compile(r"(?:^|[\s\]])(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception)): (.+)$")
+# Ray's wrappers around the error a worker raised: never the cause.
+_WRAPPERS = ("RayTaskError", "RayActorError", "ActorDiedError")
+
+
+def first_exception(text: str) -> Optional[str]:
+    """The first exception line of `text` ('ValueError: ...'): in a chained traceback, and
+    in a log where a failing process prints its error before its parent reports it, the
+    root cause comes first."""
+    for line in _ANSI.sub("", text).splitlines():
+        match = _RAISED.search(line.rstrip())
+        if match and not match.group(1).startswith(_WRAPPERS):
+            return f"{match.group(1)}: {match.group(2).strip()}"
+    return None
+
+
+def root_cause(text: str) -> str:
+    """first_exception of `text`, else its first line: 'RuntimeError: ...' rather than Ray's
+    'The actor died because of an error raised in its creation task'."""
+    lines = _ANSI.sub("", text).strip().splitlines()
+    return first_exception(text) or (lines[0] if lines else "")
 
 
 def decode_steps(cell: Cell, options: MeasureOptions) -> int:

@@ -1,14 +1,16 @@
 """The worker: owns one started engine and measures every cell of its engine spec.
 
 A plain class, so it runs in-process in tests; actors.py wraps it as a Ray actor whose
-watch thread answers engine_health and abort while a cell runs. A cell whose engine
+watch thread answers engine_health, phase and abort while a cell runs. A cell whose engine
 died raises EngineDied (the driver retries it elsewhere) instead of coming back FAILED.
+Given a log file, the worker sends its output, and its engine's, there (run/worklog.py).
 """
 from __future__ import annotations
 
 import logging
 import os
 import shutil
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -30,6 +32,7 @@ from hostsweep.run.hygiene import (
 from hostsweep.run.liveness import EngineWatch, engine_processes
 from hostsweep.run.placement import hand_gpus_to_ranks
 from hostsweep.run.pyspy import record_thread_states
+from hostsweep.run.worklog import log_tail, redirect_output
 from hostsweep.measure.split import LinearityResult, SplitResult, device_split, linearity
 from hostsweep.measure.traces import TraceTotals, load_trace, totals
 
@@ -55,7 +58,10 @@ def prompt_seed(cell: Cell) -> int:
 
 
 class SweepWorker:
-    def __init__(self, spec: EngineSpec, workdir: Optional[str] = None) -> None:
+    def __init__(self, spec: EngineSpec, workdir: Optional[str] = None, log_file: Optional[str] = None) -> None:
+        # First, so the engine's processes inherit the redirected fds.
+        self.log_path = redirect_output(Path(log_file), f"worker for {spec.label}") if log_file else None
+        self._phase = "starting engine"
         dropped = release_ray_thread_limits(os.environ)  # type: ignore[arg-type]
         niceness = restore_priority()
         scheduler = restore_scheduler()
@@ -74,6 +80,7 @@ class SweepWorker:
         try:
             self.engine: Engine = start_engine(spec, folder)
         except BaseException:
+            log.exception("the engine for %s did not start", spec.label)  # into the worker's log
             self._remove_scratch()
             raise
         engine_start_s = time.perf_counter() - started
@@ -90,9 +97,20 @@ class SweepWorker:
             **ray_placement(tp_gpus),
             "engine_start_s": f"{engine_start_s:.1f}",
         }
+        if self.log_path is not None:
+            self.host["worker_log"] = str(self.log_path)
+        self._phase = "ready"
 
     def host_info(self) -> dict[str, str]:
         return dict(self.host)
+
+    def phase(self) -> str:
+        """What the worker is doing: 'rep 3 of 12', 'profiling 1 of 1'... (read by the
+        driver's progress line from the watch thread)."""
+        return self._phase
+
+    def _tell(self, kind: str, k: int, n: int) -> None:
+        self._phase = f"{kind} {k} of {n}"
 
     def engine_health(self) -> Optional[str]:
         """Why the engine is dead (which process, exit code or signal), or None."""
@@ -142,6 +160,7 @@ class SweepWorker:
         """Profiled pairs, separate from the timed reps; the median-device pair wins."""
         splits = []
         for rep in range(opts.split.reps):
+            self._tell("profiling", rep + 1, opts.split.reps)
             self._profile_count += 1
             prefix = f"p{self._profile_count}_b{cell.batch}_ctx{cell.ctx}_r{rep}"
             short, wall_1 = self._profiled(prompts, 1, f"{prefix}_T1", keep)
@@ -157,6 +176,7 @@ class SweepWorker:
         timed = self._timed_generate(prompts)
         tokens, walls, kernels = list(opts.linearity_T), [], []
         for t in tokens:
+            self._phase = f"linearity T={t}"
             walls.append(float(np.median([timed(t) for _ in range(opts.linearity.reps)])) * 1e3)
             if self.spec.profile and opts.split.enabled:
                 self._profile_count += 1
@@ -170,13 +190,20 @@ class SweepWorker:
         prompts = random_prompts(cell.batch, cell.ctx, self.engine.vocab_size(), prompt_seed(cell))
         if cell.workload != "repeat":
             return prompts
+        self._phase = "writing prompts"
         seeds = own_text_seeds(prompts)
         self.engine.generate(seeds, cell.ctx - len(seeds[0]))
         return [seed + text for seed, text in zip(seeds, self.engine.last_tokens())]
 
     def measure(self, cell: Cell, options: MeasureOptions) -> CellResult:
         """Run the differencing protocol on one cell; failures become FAILED results."""
-        start = time.perf_counter()
+        try:
+            return self._measure(cell, options)
+        finally:
+            self._phase = "idle"
+
+    def _measure(self, cell: Cell, options: MeasureOptions) -> CellResult:
+        start, started_at = time.perf_counter(), time.time()
         keep: Optional[dict[str, bytes]] = {} if options.split.keep_traces else None
         dead = self.watch.fault()
         if dead is not None:
@@ -184,12 +211,13 @@ class SweepWorker:
         try:
             prompts = self.prompts(cell)
             self._spec_log = []
-            timings = run_protocol(self._timed_generate(prompts), cell.T, cell.warmups, cell.reps)
+            timings = run_protocol(self._timed_generate(prompts), cell.T, cell.warmups, cell.reps, self._tell)
             spec = spec_summary(self._spec_log[-cell.reps:], cell.T)
             measurement = summarize(timings, options.measure.bootstrap_resamples, options.measure.ci_level, cell.seed)
             split = self._split(cell, prompts, measurement.step_ms, options, keep) \
                 if options.split.enabled and self.spec.profile else None
             lin = self._linearity(prompts, options, keep) if options.linearity_T else None
+            self._phase = "py-spy" if options.pyspy_seconds > 0 else self._phase
             states = record_thread_states(os.getpid(), options.pyspy_seconds,
                                           lambda: self._timed_generate(prompts)(cell.T)) \
                 if options.pyspy_seconds > 0 else None
@@ -199,11 +227,16 @@ class SweepWorker:
                 raise EngineDied(dead) from exc
             log.error("cell %s failed: %s", cell.key, exc)
             reason = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"
+            sys.stdout.flush()
+            sys.stderr.flush()
             return CellResult(cell.key, cell.params(), "FAILED", None, reason, self.host_info(),
-                              time.perf_counter() - start)
+                              time.perf_counter() - start, started_at=started_at, ended_at=time.time(),
+                              log_tail=log_tail(self.log_path))
+        self._phase = "recording"
         host = {**self.host_info(), "prompt_digest": prompt_digest(prompts)}
         return CellResult(cell.key, cell.params(), "FINISHED", measurement, None, host,
-                          time.perf_counter() - start, split, lin, keep or {}, states, spec)
+                          time.perf_counter() - start, split, lin, keep or {}, states, spec,
+                          started_at=started_at, ended_at=time.time())
 
     def close(self) -> None:
         self.watch.closing = True

@@ -169,8 +169,9 @@ def preflight(study: Study, run_dir: Path) -> Optional[IO[str]]:
     """Every check that can refuse the sweep before Ray starts; returns the machine lock."""
     cfg = study.config
     check_run_dir(run_dir)
-    if cfg.model.source == "checkpoint":
-        check_checkpoint(cfg.model.path)
+    for model in study.models:
+        if model.source == "checkpoint":
+            check_checkpoint(model.path)
     check_local_gpus(study)
     if cfg.ray.address:
         check_address_answers(cfg.ray.address)

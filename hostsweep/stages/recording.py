@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from hostsweep.measure.results import CellResult, cell_row
+from hostsweep.measure.results import CellResult, cell_metrics, cell_row
 from hostsweep.record.celltable import CellTable
 from hostsweep.record.journal import Journal, decode_result
 from hostsweep.record.tracking import JOURNAL_TAG, SweepTracker
@@ -25,10 +25,23 @@ class Measured:
     tags: dict[str, str]
 
 
+def cell_label(params: dict[str, object]) -> str:
+    """'cpu/tiny-llama/eager/tp1 b2 ctx512' (and the workload when not random prompts)."""
+    label = f"{params['sku']}/{params['model']}/{params['mode']}/tp{params['tp']} b{params['batch']} ctx{params['ctx']}"
+    workload = params.get("workload", "random")
+    return label if workload == "random" else f"{label} {workload}"
+
+
 def describe(result: CellResult) -> str:
-    step = f"{result.measurement.step_ms:.3f} ms/step" if result.measurement else result.status
+    """One line: the step and its split, or why the cell failed and where its worker's log is."""
+    shown = cell_metrics(result)  # as cells.csv and the table have them
+    step = f"{shown['step_ms']:.3f} ms/step" if result.measurement else result.status
     if result.split is not None:
-        step += f", device {result.split.device_ms:.3f} ms, host {result.split.host_frac:.0%}"
+        step += f", device {shown['device_ms']:.3f} ms, host_frac {shown['host_frac']:.3f}"
+    if result.status != "FINISHED" and result.error:
+        step += f": {result.error.strip().splitlines()[0][:300]}"
+    if result.status == "FAILED" and result.host.get("worker_log"):
+        step += f" (worker log: {result.host['worker_log']})"
     if result.attempt > 1:
         step += f" (attempt {result.attempt})"
     return step
@@ -48,13 +61,16 @@ class SweepRecorder:
     def on_result(self, result: CellResult) -> None:
         run_id = self.claims.get(result.key)
         entry = self.journal.measured(result, run_id, self.tags)
-        self.table.append(cell_row(result, run_id or ""))
+        self.table.append(cell_row(result, run_id or "", self.tags))
         self.uploader.submit(Measured(entry, result, run_id, self.tags))
-        log.info("[%d/%d] %s: %s", len(self.table.rows), self.total, result.key, describe(result))
+        level = logging.WARNING if result.status == "FAILED" else logging.INFO
+        log.log(level, "[%d/%d] %s: %s", len(self.table.rows), self.total, cell_label(result.params),
+                describe(result))
 
     def _deliver(self, item: Measured) -> None:
         run_id = self.tracker.log_cell(item.result, {**item.tags, JOURNAL_TAG: item.entry}, item.run_id)
         self.journal.logged(item.entry, run_id)
+        self.table.set_run_id(item.result.key, run_id)
         self.logged.add(item.result.key)
 
     def should_stop(self) -> Optional[str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
@@ -30,17 +31,19 @@ from hostsweep.record.celltable import CellTable
 from hostsweep.record.claims import PARENT_TAG
 from hostsweep.record.journal import JOURNAL_FILE, Journal, pending_folder
 from hostsweep.record.provenance import driver_tags
-from hostsweep.record.tracking import SweepTracker, ui_command
+from hostsweep.record.tracking import SweepTracker
+from hostsweep.record.views import experiment_description, varying_axes
 from hostsweep.report.modes import cell_frame, mode_pairs, study_summary
-from hostsweep.report.tables import format_table
 from hostsweep.run import cluster
 from hostsweep.run.dispatch import Dispatcher, WorkerBackend
 from hostsweep.run.faults import FaultPolicy
 from hostsweep.run.progress import ProgressReporter
 from hostsweep.run.hygiene import descendant_pids
+from hostsweep.run.worklog import LOG_FOLDER
 from hostsweep.stages.preflight import preflight, record_cluster
 from hostsweep.stages import signals
 from hostsweep.stages.recording import SweepRecorder, upload_orphans
+from hostsweep.stages.results import engines_label, print_results, write_results
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +56,9 @@ def experiment_name(study: Study) -> str:
     return study.experiment
 
 
-def sweep_run_name(study: Study, run_dir: Path) -> str:
-    """e.g. 'keystone-cpu: cpu/small-llama/eager @ 18-10-29-4711/1' (multirun jobs end in /N)."""
-    cfg = study.config
-    skus, models = "+".join(s.name for s in study.skus), "+".join(m.name for m in study.models)
-    modes = "+".join(m.name for m in study.modes)
-    return f"{cfg.study}: {skus}/{models}/{modes} @ {run_dir.parent.name}/{run_dir.name}"
+def sweep_run_name(study: Study, cells: list[Cell]) -> str:
+    """e.g. 'keystone-cpu: cpu/small-llama/eager/tp1': what its cells' names leave out."""
+    return f"{study.config.study}: {engines_label(study, [c.engine.tp for c in cells] or [1])}"
 
 
 def sweep_params(study: Study, cells: list[Cell]) -> dict[str, object]:
@@ -82,17 +82,6 @@ def record_study_summary(study: Study, rows: list[dict[str, object]], tracker: S
             log.info("study summary: %s", ", ".join(f"{k}={v:.3g}" for k, v in sorted(metrics.items())))
     except Exception as exc:  # noqa: BLE001 - a summary must never cost the measurements
         log.warning("study summary skipped: %s", redact(str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
-
-
-def where_results_are(tracker: SweepTracker, table: CellTable) -> str:
-    uri = redact(tracker.tracking_uri)
-    ui = ui_command(uri)
-    return (
-        f"cell table: {table.path}\n"
-        f"MLflow: experiment {tracker.experiment_id}, parent run {tracker.parent_run_id} in {uri}\n"
-        f"open the UI: {ui}\n"
-        f"  then browse {tracker.runs_table_url()}"
-    )
 
 
 def skip_finished(cells: list[Cell], tracker: SweepTracker,
@@ -160,14 +149,15 @@ def run(raw_cfg: DictConfig, run_dir: Path, backend: Optional[WorkerBackend] = N
         log.info("%d cells on %d engine(s)", len(grid), len(group_by_engine(runnable(grid))))
         if backend is not None:
             return _sweep(study, raw_cfg, grid, run_dir, backend)
-        started_here = cluster.connect(cfg.ray.address, cfg.ray.confine_daemons, cfg.ray.idle_daemons)
+        started_here = cluster.connect(cfg.ray.address, cfg.ray.confine_daemons, cfg.ray.idle_daemons,
+                                       log_to_driver=cfg.verbose)
         if started_here:
             record_cluster(machine_lock, descendant_pids(os.getpid()))
         try:
             cluster.check_feasible(group_by_engine(runnable(grid)), cluster.live_nodes())
             from hostsweep.run.backend import RayBackend
 
-            return _sweep(study, raw_cfg, grid, run_dir, RayBackend())
+            return _sweep(study, raw_cfg, grid, run_dir, RayBackend(worker_log_dir(study, run_dir)))
         finally:
             cluster.disconnect(started_here)
     finally:
@@ -175,25 +165,37 @@ def run(raw_cfg: DictConfig, run_dir: Path, backend: Optional[WorkerBackend] = N
             machine_lock.close()
 
 
+def worker_log_dir(study: Study, run_dir: Path) -> Optional[Path]:
+    """Where workers log (run_dir/workers), None with verbose=true: their output streams here."""
+    if study.config.verbose:
+        return None
+    folder = run_dir / LOG_FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def _sweep(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, backend: WorkerBackend) -> int:
     cfg = study.config
+    started = time.time()
     options = MeasureOptions.of(cfg)
     pending = pending_folder(Path(cfg.output.pending_dir), cfg.tracking.uri, experiment_name(study))
     journal = Journal.create(run_dir / JOURNAL_FILE, pending)  # refuses a run dir another sweep uses
     try:
         with tracking_answers(cfg.tracking.uri):
-            tracker = SweepTracker(cfg.tracking.uri, experiment_name(study))
+            tracker = SweepTracker(cfg.tracking.uri, experiment_name(study), experiment_description(cfg.study))
             tidy_experiment(tracker, study, pending)
             cells, resumed = skip_finished(grid, tracker, options) if cfg.resume else (grid, [])
-            tracker.start_sweep(sweep_run_name(study, run_dir), redact(OmegaConf.to_yaml(raw_cfg)),
-                                sweep_params(study, cells), {**driver_tags(), "run_dir": str(run_dir)})
+            tracker.start_sweep(sweep_run_name(study, grid), redact(OmegaConf.to_yaml(raw_cfg)),
+                                sweep_params(study, cells), {**driver_tags(), "run_dir": str(run_dir)},
+                                varying_axes([c.params() for c in grid]))
             cells, claims = claim_cells(tracker, cells, cfg.tracking.stale_after_s)
     except BaseException:
         journal.close()
         raise
     table = CellTable(run_dir / cfg.output.cells_file, resumed)
-    recorder = SweepRecorder(tracker, journal, table, claims, {**driver_tags(), PARENT_TAG: tracker.parent_run_id or ""},
-                             len(cells), cfg.tracking.outage_s, cfg.tracking.heartbeat_s)
+    tags = {**driver_tags(), PARENT_TAG: tracker.parent_run_id or ""}
+    recorder = SweepRecorder(tracker, journal, table, claims, tags, len(cells), cfg.tracking.outage_s,
+                             cfg.tracking.heartbeat_s)
 
     def should_stop() -> Optional[str]:
         signals.check()  # a stop signal whose KeyboardInterrupt was swallowed on the way
@@ -204,7 +206,7 @@ def _sweep(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, b
             recorder.on_result(skipped_result(cell.key, cell.params(), cell.skip))
     to_run = runnable(cells)
     dispatcher = Dispatcher(to_run, options, recorder.on_result, backend, FaultPolicy.of(cfg.faults),
-                            ProgressReporter(len(to_run)), should_stop)
+                            ProgressReporter(len(to_run)), should_stop, worker_log_dir(study, run_dir))
     status, stop = "KILLED", "sweep interrupted"
     try:
         dispatcher.run()
@@ -215,10 +217,10 @@ def _sweep(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, b
         status = "FAILED" if failed or stop else "FINISHED"
     finally:
         unlogged = close_records(tracker, recorder, journal, claims, status, stop, cfg.tracking.outage_s)
-    print(format_table(table.study_rows(grid)))
-    if table.resumed:
-        print(f"({len(table.resumed)} of these cells were FINISHED by earlier runs: `resumed` in {table.path.name})")
-    print(where_results_are(tracker, table))
+    mlflow_up = not (recorder.uploader.failure() or unlogged)
+    summary = write_results(study, tracker, table, run_dir, status, tags, started, mlflow_up,
+                            [c.key for c in grid])
+    print_results(table.study_rows(grid), len(table.resumed), tracker, table, summary)
     if unlogged or stop:
         print(f"hostsweep: stopped early: {stop or 'MLflow did not take every cell'}; {unlogged} measured cell(s) are "
               f"kept in {journal.path} for MLflow: rerun the same command to upload them and measure the rest",

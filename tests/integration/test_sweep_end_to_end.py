@@ -1,7 +1,8 @@
 """A 2-cell sweep through the real CLI, a real local Ray cluster, the real vLLM CPU
 engine and a real MLflow sqlite store, read back with mlflow.search_runs.
 
-One sweep (one engine start) serves every test in this module.
+One sweep (one engine start) serves every test in this module but the verbose one, which
+starts a minimal engine of its own to show what verbose=true streams.
 """
 from __future__ import annotations
 
@@ -16,10 +17,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import json
+import re
+
 import mlflow
 import pandas as pd
 import pytest
 
+from hostsweep.report.summary import rows_from_summary
+from hostsweep.report.tables import format_table
 from tests.conftest import run_hostsweep
 
 pytestmark = pytest.mark.integration
@@ -71,7 +77,7 @@ def test_every_cell_is_split_into_device_and_host_time(runs):
         step, device = run["metrics.step_ms"], run["metrics.device_ms"]
         assert 0 < device < step
         assert 0 < run["metrics.host_frac"] < 1
-        assert run["metrics.host_ms"] == pytest.approx(step - device)
+        assert run["metrics.host_ms"] == pytest.approx(step - device, abs=2e-3)  # each kept to the µs
         assert run["metrics.overlap_gap_ms"] >= 0
         assert run["metrics.profiler_overhead"] > 0
     assert set(children["tags.kernel_source"]) == {"cpu-ops"}
@@ -131,6 +137,68 @@ def test_cell_table_lands_in_the_run_directory_and_stdout(sweep):
     assert "workflowType=machine_learning" in out
 
 
+# What only a worker, its EngineCore or Ray print (vLLM's log prefix, Ray's forwarding prefix,
+# the torch profiler's table, Triton's notice), never hostsweep.
+WORKER_LINE = re.compile(r"\(SweepWorker pid=|\((EngineCore|VllmWorker|Worker|MainProcess)[^)]* pid=\d+\)|"
+                         r"Self CPU time total|Triton is installed|\[(raylet|gcs_server)\]")
+
+
+def test_the_console_has_no_worker_lines_and_ends_with_the_table(sweep):
+    console = sweep["proc"].stdout + sweep["proc"].stderr
+    assert not [line for line in console.splitlines() if WORKER_LINE.search(line)]
+    assert len(console.splitlines()) < 30  # hostsweep's own lines only
+    table = format_table(pd.read_csv(sweep["root"] / "run" / "cells.csv").to_dict("records"))
+    assert sweep["proc"].stdout.rstrip().endswith(table.rstrip())
+
+
+def test_worker_output_is_in_its_log_file_without_the_profiler_tables(sweep):
+    (log,) = (sweep["root"] / "run" / "workers").glob("*.log")
+    text = log.read_text()
+    assert log.name == "cpu-tiny-llama-eager-tp1.log"
+    assert re.search(r"\(EngineCore pid=\d+\)", text) and "profiler_start" in text
+    assert "Self CPU time total" not in text  # vLLM's table at every stop_profile is off (engines/vllm_ext.py)
+    assert (sweep["root"] / "run" / "hostsweep.log").is_file()
+
+
+def test_summary_json_round_trips_to_the_printed_table(sweep):
+    summary = json.loads((sweep["root"] / "run" / "summary.json").read_text())
+    assert format_table(rows_from_summary(summary)) in sweep["proc"].stdout
+    assert summary["versions"]["vllm"] and summary["git_sha"] and len(summary["cells"]) == 2
+    for cell in summary["cells"]:
+        step = cell["step_ms"]
+        assert step["ci95_low"] <= step["median"] <= step["ci95_high"] and step["p10"] <= step["p90"]
+
+
+def test_the_run_directory_and_mlflow_agree_cell_for_cell(sweep, runs, tmp_path):
+    table = pd.read_csv(sweep["root"] / "run" / "cells.csv").set_index("mlflow_run_id")
+    children = runs[runs["tags.mlflow.parentRunId"].notna()].set_index("run_id")
+    assert sorted(table.index) == sorted(children.index)
+    for run_id, row in table.iterrows():
+        run = children.loc[run_id]
+        assert run["tags.cell_key"] == row["cell_key"] and run["tags.hostname"] == row["hostname"]
+        for metric in ("step_ms", "step_ci_low_ms", "step_ci_high_ms", "step_p10_ms", "device_ms", "host_frac"):
+            assert run[f"metrics.{metric}"] == row[metric], metric
+        assert run["tags.mlflow.runName"] == f"b{row['batch']}-ctx{row['ctx']}"
+        seconds = (run["end_time"] - run["start_time"]).total_seconds()
+        assert seconds == pytest.approx(row["cell_duration_s"], abs=0.01)  # the measurement, not the logging
+    parent = runs[runs["tags.mlflow.parentRunId"].isna()].iloc[0]
+    note = parent["tags.mlflow.note.content"]
+    assert all(f"/runs/{run_id}?workflowType=machine_learning)" in note for run_id in table.index)
+    figures = mlflow.artifacts.list_artifacts(run_id=parent["run_id"], artifact_path="figures")
+    assert {f.path for f in figures} == {"figures/split_composition.png", "figures/host_fraction_by_batch.png",
+                                         "figures/step_times.png"}
+
+
+def test_verbose_streams_the_workers_output_to_the_console(tmp_path):
+    proc = run_hostsweep(["+sku=cpu", "batch=[1]", "ctx=[32]", "measure.T=5", "measure.reps=2", "measure.warmups=0",
+                          "split.enabled=false", "verbose=true", f"tracking.uri=sqlite:///{tmp_path}/m.db",
+                          "study=verbose", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    console = proc.stdout + proc.stderr
+    assert re.search(r"\(SweepWorker pid=\d+\).*\(EngineCore pid=\d+\)", console)
+    assert not list((tmp_path / "run").glob("workers/*.log"))
+
+
 def test_infeasible_sku_fails_fast_naming_what_the_cluster_has(tmp_path):
     """A GPU SKU on a cluster without it: the cluster's inventory is named. (Without
     ray.address, preflight refuses it before any cluster starts: tests/test_cli.py.)"""
@@ -172,3 +240,24 @@ def test_engines_run_at_normal_priority_beside_idled_ray_daemons(runs):
     children = runs[runs["tags.mlflow.parentRunId"].notna()]
     assert set(children["tags.sched_policy"]) == {"other"}
     assert all(n.endswith("->0") for n in children["tags.niceness"])
+
+
+def test_an_engine_that_cannot_start_is_one_console_line_with_its_cause_and_log(tmp_path):
+    """block_size=7 passes hostsweep's checks (it is a vLLM argument) and fails in vLLM's
+    CPU worker at engine start."""
+    proc = run_hostsweep(["+sku=cpu", "batch=[1]", "ctx=[32]", "measure.reps=2", "measure.warmups=0",
+                          "+engine.engine_args.block_size=7", f"tracking.uri=sqlite:///{tmp_path}/m.db",
+                          "study=nostart", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, timeout=900)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = tmp_path / "run" / "workers" / "cpu-tiny-llama-eager-tp1.log"
+    (line,) = [line for line in proc.stdout.splitlines() if "FAILED:" in line]
+    assert "No common block size for 7" in line and line.endswith(f"(worker log: {log})")
+    assert not [line for line in (proc.stdout + proc.stderr).splitlines() if WORKER_LINE.search(line)]
+    assert "No common block size for 7" in log.read_text()
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/m.db")
+    runs = mlflow.search_runs(experiment_names=["hostsweep-nostart"])
+    cell = runs[runs["tags.cell_key"].notna()].iloc[0]
+    assert cell["status"] == "FAILED" and "No common block size" in cell["tags.failure_reason"]
+    tail = mlflow.artifacts.download_artifacts(run_id=cell["run_id"], artifact_path="worker_log_tail.txt",
+                                               dst_path=str(tmp_path))
+    assert "No common block size for 7" in Path(tail).read_text()

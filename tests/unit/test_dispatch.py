@@ -183,3 +183,39 @@ def test_an_interrupt_kills_the_workers_at_once_instead_of_waiting_for_their_cel
     with pytest.raises(KeyboardInterrupt):
         Dispatcher(grid, options(), results.append, backend, POLICY).run()
     assert len(results) == 1 and all(w.released for w in backend.workers) and backend.closed == []
+
+
+def test_an_engine_that_did_not_start_is_reported_by_the_error_it_raised_not_rays_wrapper():
+    from hostsweep.run.faults import root_cause
+
+    ray_text = (
+        "The actor died because of an error raised in its creation task, \x1b[36mray::SweepWorker.__init__()\x1b[39m "
+        "(pid=693, ip=127.0.0.1)\n  File \"/x/worker.py\", line 84, in __init__\n"
+        "Traceback (most recent call last):\n  File \"/v/core.py\", line 1, in run\n"
+        "RuntimeError: Worker failed with error 'No common block size for 7 (CPU_ATTN: [MultipleOf(32)]).', "
+        "please check the stack trace above for the root cause\n\nThe above exception was the direct cause of the "
+        "following exception:\n\nray.exceptions.RayTaskError(RuntimeError): wrapped\n"
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
+    assert root_cause(ray_text).startswith("RuntimeError: Worker failed with error 'No common block size for 7")
+    assert root_cause("The actor died unexpectedly before finishing this task.") == \
+        "The actor died unexpectedly before finishing this task."
+
+
+def test_an_engine_start_failure_is_reported_by_the_first_error_in_its_workers_log(tmp_path):
+    grid = cells("batch=[1,2]")
+    label = grid[0].engine.label
+    from hostsweep.run.worklog import worker_log_path
+
+    log = worker_log_path(tmp_path / "workers", label)
+    log.parent.mkdir()
+    log.write_text("===== 2026-11-29 worker (pid 1)\n(Worker pid=1) ERROR x ValueError: an earlier start\n"
+                   "===== 2026-11-30 worker (pid 2)\n(MainProcess pid=2) INFO loading\n"
+                   "(Worker pid=3) ERROR 11-30 10:09:29 [multiproc_executor.py:1063] ValueError: No common block size "
+                   "for 7 (CPU_ATTN: [MultipleOf(32)]).\nRuntimeError: Engine core initialization failed.\n")
+    backend = FakeBackend(tmp_path, start_fails=frozenset({label}))
+    results = []
+    Dispatcher(grid, options(), results.append, backend, POLICY, log_dir=tmp_path / "workers").run()
+    assert [r.status for r in results] == ["FAILED", "FAILED"]
+    assert results[0].error == f"worker for {label} failed to start: ValueError: No common block size for 7 " \
+                               "(CPU_ATTN: [MultipleOf(32)])."
+    assert results[0].host["worker_log"] == str(log) and "Engine core initialization failed" in results[0].log_tail

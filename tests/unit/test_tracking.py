@@ -9,6 +9,7 @@ from hostsweep.measure.protocol import CellMeasurement, RepTiming
 from hostsweep.measure.results import CellResult, cell_row
 from hostsweep.measure.split import SplitResult
 from hostsweep.record.tracking import SweepTracker, read_cells
+from hostsweep.record.views import experiment_description
 
 PARAMS = {"sku": "cpu", "model": "tiny-llama", "mode": "eager", "tp": 1, "batch": 2, "ctx": 128,
           "T": 33, "reps": 2, "warmups": 1, "dtype": "float32", "engine": "fake", "tp_executor": "mp"}
@@ -19,7 +20,7 @@ SPLIT = SplitResult("cpu-ops", 1.25, 1.75, 0.5833, 0.01, 0.0, 0.0, 3.5, 1.1667, 
 
 @pytest.fixture
 def tracker(tmp_path):
-    tracker = SweepTracker(f"sqlite:///{tmp_path}/store/mlflow.db", "hostsweep-unit")
+    tracker = SweepTracker(f"sqlite:///{tmp_path}/store/mlflow.db", "hostsweep-unit", experiment_description("unit"))
     tracker.start_sweep("unit sweep", "study: unit\n", {"n_cells": 2}, {"git_sha": "abc"})
     return tracker
 
@@ -50,9 +51,9 @@ def test_finished_cells_read_back_as_the_rows_they_were_logged_with(tracker):
     finished = tracker.finished_cells()
     assert set(finished) == {"key-ok"}  # a FAILED cell is measured again on resume
     logged, written = finished["key-ok"], cell_row(result, run_id)
-    for column in ("step_ms", "device_ms", "host_frac", "regime", "host", "device", "cell_key", "mlflow_run_id"):
-        assert logged[column] == pytest.approx(written[column]) if isinstance(written[column], float) \
-            else logged[column] == written[column], column
+    for column in ("step_ms", "step_p90_ms", "device_ms", "host_frac", "regime", "hostname", "device_name",
+                   "cell_key", "mlflow_run_id"):
+        assert logged[column] == written[column], column  # rounded alike: equal, not approximately
 
 
 def test_read_cells_gives_the_model_stage_one_row_per_finished_cell_with_its_ci(tracker):
@@ -72,6 +73,74 @@ def test_read_cells_gives_the_model_stage_one_row_per_finished_cell_with_its_ci(
 def test_runs_table_link_opens_the_runs_view_not_the_genai_overview(tracker):
     url = tracker.runs_table_url(5001)
     assert url == f"http://127.0.0.1:5001/#/experiments/{tracker.experiment_id}/runs?workflowType=machine_learning"
+    assert tracker.run_url("abc").endswith(f"/#/experiments/{tracker.experiment_id}/runs/abc?workflowType=machine_learning")
+
+
+def test_links_to_a_tracking_server_point_at_the_server_without_its_credentials():
+    from hostsweep.record.views import runs_table_url, ui_base
+
+    base = ui_base("https://alice:s3cret@mlflow.example.org:8443/")
+    assert base == "https://mlflow.example.org:8443"
+    assert runs_table_url("7", base=base).startswith(base + "/#/experiments/7/runs?workflowType=machine_learning")
+
+
+def test_the_ui_command_quotes_an_absolute_store_path(tmp_path, monkeypatch):
+    from hostsweep.record.views import ui_command
+
+    monkeypatch.chdir(tmp_path)
+    command = ui_command("sqlite:///outputs/mlflow.db")
+    assert f"--backend-store-uri sqlite:///{tmp_path}/outputs/mlflow.db" in command
+    assert "--host 127.0.0.1 --port 5000" in command
+    assert "sqlite:////abs/m.db" in ui_command("sqlite:////abs/m.db")
+
+
+def test_the_experiment_says_what_it_holds_and_how_to_open_its_runs_table(tracker):
+    experiment = tracker.client.get_experiment(tracker.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert "workflowType=machine_learning" in experiment.tags["mlflow.note.content"]
+    assert "hostsweep study `unit`" in experiment.tags["mlflow.note.content"]
+
+
+def test_a_measured_cell_run_starts_and_ends_with_its_measurement_and_replaces_its_claim(tracker):
+    claims, _ = tracker.claim({"key-ok": PARAMS}, 300)
+    measured = CellResult("key-ok", PARAMS, "FINISHED", CellMeasurement(3.0, 2.9, 3.1, 10.5, 106.5, REPS), None,
+                          {}, 8.25, SPLIT, started_at=1_700_000_000.0, ended_at=1_700_000_008.25)
+    run_id = tracker.log_cell(measured, {"journal_entry": "e1"}, claims["key-ok"])
+    again = tracker.log_cell(measured, {"journal_entry": "e1"}, claims["key-ok"])  # a retried delivery
+    run = tracker.client.get_run(run_id)
+    assert again == run_id and run_id != claims["key-ok"]
+    assert (run.info.start_time, run.info.end_time) == (1_700_000_000_000, 1_700_000_008_250)
+    assert tracker.client.get_run(claims["key-ok"]).info.lifecycle_stage == "deleted"
+    assert run.info.run_name == "b2-ctx128-eager-tp1-cpu-tiny-llama"  # no sweep context: every axis
+    assert run.data.tags["mlflow.note.content"].startswith("**b2 ctx128 on cpu/tiny-llama/eager/tp1**: 3.000 ms")
+    assert list(tracker.finished_cells()) == ["key-ok"]
+
+
+def test_cell_run_names_lead_with_what_varies_in_the_sweep():
+    from hostsweep.record.views import cell_run_name, varying_axes
+
+    cells = [{**PARAMS, "batch": b, "mode": m, "workload": "random"} for b in (1, 4) for m in ("eager", "graph")]
+    assert varying_axes(cells) == ("mode",)
+    assert cell_run_name(cells[3], varying_axes(cells)) == "b4-ctx128-graph"
+    assert cell_run_name(cells[0], varying_axes(cells[:1])) == "b1-ctx128"
+    assert cell_run_name({**PARAMS, "workload": "repeat"}, ("tp", "workload")) == "b2-ctx128-tp1-repeat"
+
+
+def test_a_sweep_description_and_figures_land_on_the_parent_run(tracker, tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], [3, 4])
+    (tmp_path / "cells.csv").write_text("batch,step_ms\n1,3.0\n")
+    tracker.describe_sweep("### unit\n| batch | step_ms |\n|---|---|\n| 1 | 3.000 |")
+    tracker.log_sweep_files([tmp_path / "cells.csv"], {"step_times": fig})
+    parent = tracker.client.get_run(tracker.parent_run_id)
+    assert parent.data.tags["mlflow.note.content"].startswith("### unit")
+    assert {a.path for a in tracker.client.list_artifacts(tracker.parent_run_id, "figures")} == {"figures/step_times.png"}
+    assert "cells.csv" in {a.path for a in tracker.client.list_artifacts(tracker.parent_run_id)}
 
 
 def test_a_skipped_cell_is_a_killed_run_with_its_reason_and_is_not_resumed(tracker):

@@ -169,8 +169,8 @@ def test_speculation_accepts_more_on_the_models_own_text_and_a_token_costs_less(
     from hostsweep.measure.results import cell_metrics
 
     metrics = cell_metrics(repeat_result)
-    assert metrics["spec_cycle_ms"] == pytest.approx(repeat_result.measurement.step_ms * 4.0)
-    assert metrics["spec_host_cycle_ms"] == pytest.approx(repeat_result.split.host_ms * 4.0)
+    assert metrics["spec_cycle_ms"] == pytest.approx(repeat_result.measurement.step_ms * 4.0, abs=5e-4)  # kept to the µs
+    assert metrics["spec_host_cycle_ms"] == pytest.approx(repeat_result.split.host_ms * 4.0, abs=5e-4)
     assert repeat_result.host["prompt_digest"] != random_result.host["prompt_digest"]
 
 

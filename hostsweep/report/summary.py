@@ -1,0 +1,119 @@
+"""What a finished sweep hands a person and a script (pure): summary.json, the machine-
+readable record of every cell (the counterpart of `vllm bench latency --output-json` and
+optimum-benchmark's benchmark_report.json), and the Markdown description of the sweep's
+MLflow parent run.
+
+Both are built from the cell table (cells.csv as a DataFrame), never from a list of
+results held in memory, so they cost the same for 6 cells or 10,000.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import pandas as pd
+
+from hostsweep.report.tables import format_markdown
+
+SUMMARY_FILE = "summary.json"
+SUMMARY_FORMAT = 1
+PARAMS = ("sku", "model", "mode", "tp", "batch", "ctx", "T", "reps", "warmups", "dtype", "engine", "workload")
+INT_PARAMS = ("tp", "batch", "ctx", "T", "reps", "warmups")
+STEP = {"median": "step_ms", "ci95_low": "step_ci_low_ms", "ci95_high": "step_ci_high_ms",
+        "p10": "step_p10_ms", "p25": "step_p25_ms", "p75": "step_p75_ms", "p90": "step_p90_ms"}
+SPLIT = ("device_ms", "host_ms", "host_frac", "regime", "kernel_source")
+WHERE = ("hostname", "device_name", "vllm_version", "torch_version")
+# MLflow's run tags cap at 8,000 characters and longer values are cut silently (server side):
+# the parent's description stays under that, and says where the rest is.
+NOTE_LIMIT = 7_900
+# Columns of the printed table that summary.json rebuilds exactly (tests/unit/test_summary.py).
+ROW_KEYS = (*PARAMS, "status", *STEP.values(), *SPLIT, "hostname", "cell_key", "mlflow_run_id", "error")
+
+
+def _plain(value: Any) -> Any:
+    """A JSON value: None for NaN/empty, Python ints and floats for numpy's."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    if hasattr(value, "item"):
+        value = value.item()
+        if isinstance(value, float) and math.isnan(value):
+            return None
+    return None if value == "" else value
+
+
+def cell_entry(row: dict[str, Any], run_url: Optional[Callable[[str], str]] = None) -> dict[str, Any]:
+    """One cell of summary.json from its cells.csv row."""
+    params = {k: _plain(row.get(k)) for k in PARAMS if k in row}
+    for key in INT_PARAMS:
+        if params.get(key) is not None:
+            params[key] = int(params[key])
+    run_id = _plain(row.get("mlflow_run_id"))
+    return {
+        "cell_key": row.get("cell_key"),
+        "status": row.get("status"),
+        "params": params,
+        "step_ms": {name: _plain(row.get(column)) for name, column in STEP.items()},
+        "split": {k: _plain(row.get(k)) for k in SPLIT},
+        "where": {k: _plain(row.get(k)) for k in WHERE},
+        "resumed": bool(_plain(row.get("resumed")) or False),
+        "mlflow_run_id": run_id,
+        "mlflow_url": run_url(run_id) if run_url and run_id else None,
+        "error": _plain(row.get("error")),
+    }
+
+
+def build_summary(cells: pd.DataFrame, meta: dict[str, Any],
+                  run_url: Optional[Callable[[str], str]] = None) -> dict[str, Any]:
+    """summary.json: the sweep's meta (study, status, versions, git SHA, where its runs are)
+    and one entry per cell, in the table's order."""
+    rows = cells.to_dict("records") if len(cells) else []
+    return {
+        "format": SUMMARY_FORMAT,
+        **meta,
+        "units": {"*_ms": "milliseconds per decode step (per output token), to the microsecond",
+                  "host_frac": "host_ms / step_ms, a fraction",
+                  "step_ms": "median over the timed reps with its bootstrap 95% CI, and percentiles of the reps"},
+        "cells": [cell_entry(row, run_url) for row in rows],
+    }
+
+
+def rows_from_summary(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The cell-table rows summary.json holds (ROW_KEYS): what the printed table shows."""
+    rows = []
+    for cell in summary["cells"]:
+        row = {**cell["params"], "status": cell["status"], "cell_key": cell["cell_key"],
+               "mlflow_run_id": cell["mlflow_run_id"], "error": cell["error"], "hostname": cell["where"]["hostname"]}
+        row.update({column: cell["step_ms"][name] for name, column in STEP.items()})
+        row.update(cell["split"])
+        rows.append(row)
+    return rows
+
+
+def sweep_description(meta: dict[str, Any], rows: list[dict[str, Any]],
+                      run_url: Optional[Callable[[str], str]] = None, limit: int = NOTE_LIMIT) -> str:
+    """The parent run's Markdown description: what was measured, how, the cell table (cut
+    to fit MLflow's 8,000-character tag, with a pointer to cells.csv), where the rest is."""
+    counts = pd.Series([str(r.get("status")) for r in rows]).value_counts().to_dict() if rows else {}
+    head = [
+        f"**{meta['what']}**, {len(rows)} cells (" + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) +
+        f"), sweep {meta['status']}. Milliseconds per decode step; `host_frac` = host / step; "
+        "a batch links to its cell's run.",
+        "",
+    ]
+    tail = [
+        "",
+        f"Each step is the difference of a T=1 and a T={meta['T']} generate over T−1 steps ({meta['reps']} timed "
+        f"pairs after {meta['warmups']} warm-ups; median and bootstrap 95% CI), split into device "
+        f"(`{meta['kernel_source']}`) and host time from profiler traces.",
+        "",
+        f"Run directory `{meta['run_dir']}`: cells.csv, summary.json, figures/, workers/*.log. `cells.csv` and "
+        "`summary.json` are artifacts of this run too, with the figures under `figures/`. "
+        f"hostsweep {meta['versions'].get('hostsweep', '?')}, vLLM {meta['versions'].get('vllm', '?')}, "
+        f"git {str(meta.get('git_sha', '?'))[:12]}. Links carry `?workflowType=machine_learning` "
+        "(mlflow/mlflow#24498: without it MLflow 3 opens the GenAI overview).",
+    ]
+    budget = limit - sum(len(line) + 1 for line in head + tail)
+    link = (lambda row: run_url(str(row["mlflow_run_id"])) if row.get("mlflow_run_id") else None) if run_url else None
+    table = format_markdown(rows, budget, link,
+                            overflow="… {shown} of {total} cells shown: every cell is in `cells.csv` (artifact).")
+    return "\n".join([*head, table, *tail])[:limit]

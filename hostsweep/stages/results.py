@@ -1,0 +1,141 @@
+"""What a finished sweep leaves for people: summary.json and figures/ in the run directory,
+the parent run's description, figures and files in MLflow, and the console's last lines
+(where everything is, then the cell table).
+
+Everything here is read back from cells.csv, so it costs the same whatever the sweep's
+size, and none of it may cost a measurement: a failure is one warning line.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import pandas as pd
+
+from hostsweep.config.redact import redact
+from hostsweep.config.resolve import Study
+from hostsweep.record.celltable import CellTable
+from hostsweep.record.provenance import package_version
+from hostsweep.record.tracking import SweepTracker
+from hostsweep.record.views import absolute_store_uri, ui_command
+from hostsweep.report.modes import cell_frame
+from hostsweep.report.summary import SUMMARY_FILE, build_summary, sweep_description
+from hostsweep.report.tables import format_table
+
+log = logging.getLogger(__name__)
+FIGURES_FOLDER = "figures"
+
+
+def engines_label(study: Study, tps: list[int]) -> str:
+    """'cpu/tiny-llama/eager/tp1': the SKUs, models, modes and TP degrees of a sweep."""
+    skus = "+".join(s.name for s in study.skus)
+    models = "+".join(m.name for m in study.models)
+    modes = "+".join(m.name for m in study.modes)
+    return f"{skus}/{models}/{modes}/tp{'+'.join(map(str, sorted(set(tps))))}"
+
+
+def _values(cells: pd.DataFrame, column: str) -> str:
+    """The distinct non-empty values of a column, joined ('' when none)."""
+    if column not in cells:
+        return ""
+    return ",".join(sorted({str(v) for v in cells[column].dropna() if str(v)}))
+
+
+def sweep_meta(study: Study, tracker: SweepTracker, cells: pd.DataFrame, run_dir: Path, status: str,
+               tags: dict[str, str], started: float) -> dict[str, Any]:
+    cfg = study.config
+    tps = [int(t) for t in cells["tp"].dropna()] if "tp" in cells else []
+    return {
+        "study": cfg.study, "what": engines_label(study, tps or [int(cfg.tp) if isinstance(cfg.tp, int) else 1]),
+        "status": status, "T": cfg.measure.T, "reps": cfg.measure.reps, "warmups": cfg.measure.warmups,
+        "kernel_source": _values(cells, "kernel_source") or "none",
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "ended": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "run_dir": str(run_dir),
+        "versions": {"hostsweep": tags.get("hostsweep_version", package_version("hostsweep")),
+                     "vllm": _values(cells, "vllm_version"), "torch": _values(cells, "torch_version"),
+                     "ray": tags.get("ray_version", package_version("ray")), "mlflow": package_version("mlflow")},
+        "git_sha": tags.get("git_sha", "unknown"),
+        "mlflow": {"tracking_uri": redact(absolute_store_uri(tracker.tracking_uri)), "experiment": tracker.experiment,
+                   "experiment_id": tracker.experiment_id, "parent_run_id": tracker.parent_run_id,
+                   "runs_table": tracker.runs_table_url()},
+    }
+
+
+def sweep_figures(study: Study, rows: list[dict[str, object]]) -> dict[str, Any]:
+    """The sweep's figures by name (empty when no cell finished)."""
+    from hostsweep.report import figures
+
+    cells = cell_frame(rows)
+    if cells.empty:
+        return {}
+    for column in ("step_ms", "step_ci_low_ms", "step_ci_high_ms"):
+        cells[column] = pd.to_numeric(cells[column], errors="coerce")
+    return {"split_composition": figures.split_composition(cells),
+            "host_fraction_by_batch": figures.host_fraction_by_batch(cells, study.config.split.host_bound_threshold),
+            "step_times": figures.step_times(cells)}
+
+
+def write_results(study: Study, tracker: SweepTracker, table: CellTable, run_dir: Path, status: str,
+                  tags: dict[str, str], started: float, mlflow_up: bool, order: list[str]) -> Optional[Path]:
+    """summary.json and figures/*.png in the run directory and, when MLflow answers, on the
+    parent run with its description; cells in `order` (cell keys: the grid's, as printed).
+    Returns summary.json's path (None if it failed)."""
+    try:
+        cells = pd.read_csv(table.path) if table.path.is_file() else pd.DataFrame()
+        if len(cells):
+            rank = {key: i for i, key in enumerate(order)}
+            cells = cells.sort_values("cell_key", key=lambda keys: keys.map(lambda k: rank.get(k, len(rank))),
+                                      kind="stable").reset_index(drop=True)
+        meta = sweep_meta(study, tracker, cells, run_dir, status, tags, started)
+        summary = build_summary(cells, meta, tracker.run_url)
+        path = run_dir / SUMMARY_FILE
+        path.write_text(json.dumps(summary, indent=1, allow_nan=False))
+        rows = cells.to_dict("records")
+        figs = sweep_figures(study, rows)
+        from hostsweep.report.figures import SAVE_KWARGS
+
+        for name, fig in figs.items():
+            (run_dir / FIGURES_FOLDER).mkdir(exist_ok=True)
+            fig.savefig(run_dir / FIGURES_FOLDER / f"{name}.png", **SAVE_KWARGS)
+        if mlflow_up:
+            relative = f"#/experiments/{tracker.experiment_id}/runs/{{}}?workflowType=machine_learning"
+            tracker.describe_sweep(sweep_description(meta, rows, relative.format))
+            tracker.log_sweep_files([p for p in (table.path, path) if p.is_file()], figs, SAVE_KWARGS)
+        _close(figs)
+        return path
+    except Exception as exc:  # noqa: BLE001 - the measurements are in cells.csv and MLflow already
+        log.warning("sweep summary not written: %s", redact(str(exc).splitlines()[0] if str(exc) else repr(exc)))
+        return None
+
+
+def _close(figs: dict[str, Any]) -> None:
+    import matplotlib.pyplot as plt
+
+    for fig in figs.values():
+        plt.close(fig)
+
+
+def where_results_are(tracker: SweepTracker, table: CellTable, summary: Optional[Path]) -> str:
+    """The lines that say where the results are and how to browse them."""
+    lines = [f"results: {table.path.parent}  (cells.csv"
+             f"{', summary.json' if summary else ''}, figures/, workers/*.log, hostsweep.log)",
+             f"MLflow: experiment {tracker.experiment} ({tracker.experiment_id}), parent run {tracker.parent_run_id} "
+             f"in {redact(absolute_store_uri(tracker.tracking_uri))}"]
+    if not tracker.tracking_uri.startswith(("http://", "https://")):
+        lines.append(f"open the UI: {ui_command(tracker.tracking_uri)}")
+    lines.append(f"  then browse {tracker.runs_table_url()}")
+    return "\n".join(lines)
+
+
+def print_results(rows: list[dict[str, object]], resumed: int, tracker: SweepTracker, table: CellTable,
+                  summary: Optional[Path]) -> None:
+    """The console's last lines: where things are, then the table itself."""
+    print(where_results_are(tracker, table, summary))
+    print()
+    print(format_table(rows))
+    if resumed:
+        print(f"({resumed} of these cells were FINISHED by earlier runs: `resumed` in {table.path.name})")
