@@ -21,9 +21,9 @@ import yaml
 
 from hostsweep.config.options import load_sku
 from hostsweep.config.schema import DEFAULT_TRACKING_URI, ConfigError
-from hostsweep.model.fit_command import (fit_arguments, fit_command, measured_cells, quiet_mlflow, synth_arguments,
-                                         synth_command)
+from hostsweep.model.fit_command import fit_arguments, fit_command, measured_cells, synth_arguments, synth_command
 from hostsweep.model.tpmodel import tp_scaling
+from hostsweep.record.store import quiet_mlflow
 
 
 def whatif_command(args: argparse.Namespace) -> int:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
@@ -205,12 +203,3 @@ def synth_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--below-bound", nargs="*", default=[], metavar="SKU:TP",
                         help="groups measured at --below-factor x (S(N) + T_ar): cells that falsify the model")
     parser.add_argument("--below-factor", type=float, default=0.75, help="see --below-bound")
-
-
-def quiet_mlflow() -> None:
-    """MLflow logs at INFO on every store open (table creation, input-example checks): not
-    for a console. Its level comes from MLFLOW_LOGGING_LEVEL when it is first imported;
-    loggers already set up are lowered directly."""
-    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
-    for name in ("mlflow", "alembic"):
-        logging.getLogger(name).setLevel(logging.WARNING)

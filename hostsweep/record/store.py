@@ -1,8 +1,11 @@
-"""Does the tracking store answer? Checked in seconds, before Ray starts, without MLflow
-(whose client retries a dead server for about four minutes)."""
+"""The tracking store from outside MLflow: does it answer (checked in seconds, before Ray
+starts; MLflow's client retries a dead server for about four minutes), and keeping
+MLflow's INFO chatter off the console. Imports no MLflow."""
 from __future__ import annotations
 
 import base64
+import logging
+import os
 import socket
 import tempfile
 import urllib.error
@@ -81,3 +84,13 @@ def check_store(uri: str, timeout_s: float = TIMEOUT_S) -> None:
         check_writable_folder(Path(uri[len("sqlite:///"):]).parent, "tracking.uri (sqlite folder)")
     elif scheme in DEFAULT_PORTS:
         _check_database(uri, scheme, timeout_s)
+
+
+def quiet_mlflow() -> None:
+    """No INFO lines from MLflow on the console ("Creating initial MLflow database tables",
+    input-example checks): MLflow gives its loggers their own stderr handler at INFO. Its
+    level comes from MLFLOW_LOGGING_LEVEL when it is first imported; loggers already set up
+    are lowered directly."""
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    for name in ("mlflow", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)

@@ -29,6 +29,7 @@ from mlflow.tracking import MlflowClient
 
 from hostsweep.measure.results import CellResult, cell_metrics, logged_row, split_tags
 from hostsweep.record.artifacts import linearity_table, timings_table, top_ops_table
+from hostsweep.record.store import quiet_mlflow
 from hostsweep.record.views import KIND, KIND_TAG, NOTE_TAG, cell_note, cell_run_name, runs_table_url, ui_base
 from hostsweep.record.claims import (
     HEARTBEAT_TAG, KILLED_REASON_TAG, LIVE_HERE, OWNER_TAG, PARENT_TAG, RunView, claim_winner, stale_reason,
@@ -64,13 +65,6 @@ def bounded_requests() -> None:
         os.environ.setdefault(key, value)
 
 
-def quiet_mlflow_logs() -> None:
-    """No INFO lines from MLflow on the console ("Creating initial MLflow database tables"):
-    MLflow gives its loggers their own stderr handler at INFO."""
-    for name in ("mlflow", "alembic"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-
-
 def _ms(seconds: float) -> Optional[int]:
     return int(seconds * 1000) if seconds > 0 else None
 
@@ -87,7 +81,7 @@ class SweepTracker:
 
     def __init__(self, tracking_uri: str, experiment: str, description: Optional[str] = None) -> None:
         bounded_requests()
-        quiet_mlflow_logs()
+        quiet_mlflow()
         prepare_store(tracking_uri)
         self.tracking_uri = tracking_uri
         self.experiment = experiment

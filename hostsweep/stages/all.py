@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from hostsweep.config.grid import build_cells
 from hostsweep.config.resolve import Study, resolve
 from hostsweep.config.schema import ConfigError
-from hostsweep.model.fit_command import quiet_mlflow
+from hostsweep.record.store import quiet_mlflow
 from hostsweep.stages import compare, sweep
 from hostsweep.stages.fit import fit_options
 from hostsweep.stages.select import fit_cells, planned_cells, train_selection

@@ -23,9 +23,9 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from hostsweep.config.resolve import Study, resolve
-from hostsweep.model.fit_command import quiet_mlflow
 from hostsweep.record.reports import ReportRun, load_fit_json
 from hostsweep.record.views import runs_table_url, ui_command
+from hostsweep.record.store import quiet_mlflow
 from hostsweep.report.compare_report import Context, build
 from hostsweep.report.document import to_html, to_markdown
 from hostsweep.stages.fit import fit_selection

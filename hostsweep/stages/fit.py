@@ -17,9 +17,10 @@ from omegaconf import DictConfig
 
 from hostsweep.config.resolve import Study, resolve
 from hostsweep.config.schema import ConfigError
-from hostsweep.model.fit_command import FitOutcome, fit_and_log, quiet_mlflow
+from hostsweep.model.fit_command import FitOutcome, fit_and_log
 from hostsweep.model.fit_console import render
 from hostsweep.model.study_fit import FitOptions
+from hostsweep.record.store import quiet_mlflow
 from hostsweep.stages.select import Selection, fit_cells, select_cells, train_selection
 from hostsweep.stages.terms import FixedTerms, check_fit_sources, fixed_terms
 
