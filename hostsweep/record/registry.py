@@ -7,6 +7,7 @@ function by reference, so loading the model back needs hostsweep installed.
 """
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from typing import Any, Callable, Mapping
@@ -56,8 +57,15 @@ def log_model_fit(tracking_uri: str, experiment: str, run_name: str, params: dic
             mlflow.log_text(table.to_csv(index=False), f"{name}.csv")
         for name, text in (texts or {}).items():
             mlflow.log_text(text, name)
-        mlflow.pyfunc.log_model(name="model", python_model=TPLatencyPyfunc(spec, predict_rows), signature=signature,
-                                input_example=example, pip_requirements=["hostsweep", "pandas", "numpy"])
+        # MLflow warns on every Python-object pyfunc that cloudpickle runs code on load: true of
+        # any pickle, and the model is our own; the warning is all its logger says here.
+        pyfunc_log = logging.getLogger("mlflow.pyfunc")
+        level, pyfunc_log.level = pyfunc_log.level, logging.ERROR
+        try:
+            mlflow.pyfunc.log_model(name="model", python_model=TPLatencyPyfunc(spec, predict_rows), signature=signature,
+                                    input_example=example, pip_requirements=["hostsweep", "pandas", "numpy"])
+        finally:
+            pyfunc_log.setLevel(level)
         return run.info.run_id
 
 
