@@ -111,8 +111,8 @@ def test_fit_with_an_unknown_calibration_fails_in_one_line(workspace, capsys):
 def test_allreduce_microbenchmark_on_gloo_fits_positive_terms(tmp_path, capsys):
     out_file = tmp_path / "calib.yaml"
     uri = f"sqlite:///{tmp_path}/c.db"
-    code = run_main(["--tracking-uri", uri, "allreduce", "--ranks", "2", "--reps", "3", "--points", "5",
-                     "--max-bytes", "4e6", "--out", str(out_file)])
+    code = run_main(["--tracking-uri", uri, "allreduce", "--ranks", "2", "--reps", "10", "--points", "6",
+                     "--max-bytes", "16e6", "--out", str(out_file)])
     assert code == 0
     fitted = yaml.safe_load(out_file.read_text())["allreduce"]["cpu"]
     assert fitted["bandwidth_gbps"] > 0

@@ -10,6 +10,9 @@ import time
 import numpy as np
 import pandas as pd
 
+INNER_MAX = 20  # all-reduces per timed sample for the smallest messages
+INNER_BYTES = 4e6  # ... and fewer as messages grow: about this many bytes per sample
+
 
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -32,14 +35,18 @@ def _rank_main(rank: int, world: int, port: int, sizes: list[int], reps: int, ba
         for _ in range(3):  # warm-up: connection setup and allocator
             dist.all_reduce(tensor)
         sync()
+        # A sample is the mean of several back-to-back all-reduces (as nccl-tests does): one
+        # small all-reduce is ~0.1 ms, below a shared machine's scheduling jitter.
+        inner = max(1, min(INNER_MAX, int(INNER_BYTES // max(nbytes, 1))))
         times = []
         for _ in range(reps):
             dist.barrier()
             sync()
             start = time.perf_counter()
-            dist.all_reduce(tensor)
+            for _ in range(inner):
+                dist.all_reduce(tensor)
             sync()
-            times.append(time.perf_counter() - start)
+            times.append((time.perf_counter() - start) / inner)
         results.append((tensor.numel() * tensor.element_size(), statistics.median(times)))
     if rank == 0:
         queue.put(results)

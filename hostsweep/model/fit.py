@@ -19,7 +19,7 @@ from typing import Mapping, Union
 
 import numpy as np
 import pandas as pd
-from scipy.optimize import lsq_linear
+from scipy.optimize import least_squares, lsq_linear
 
 SHAPE_COLUMNS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "vocab_size")
@@ -95,11 +95,28 @@ def allreduce_s(cells: pd.DataFrame, fit: AllReduceTerms) -> np.ndarray:
 
 
 def fit_allreduce(message_bytes: np.ndarray, seconds: np.ndarray) -> AllReduceFit:
-    """λ and β by least squares of t = λ + bytes/β over a message-size sweep."""
-    slope, intercept = np.polyfit(np.asarray(message_bytes, float), np.asarray(seconds, float), 1)
-    if slope <= 0:
-        raise ValueError("all-reduce time does not grow with message size; cannot fit a bandwidth")
-    return AllReduceFit(latency_s=float(intercept), bandwidth_Bps=float(1.0 / slope))
+    """λ and β of t = λ + bytes/β over a message-size sweep, with λ ≥ 0 and 1/β ≥ 0.
+
+    Residuals are relative (t spans 3–4 decades: absolute ones would let the largest
+    message alone set λ) and soft-L1 (a shared machine's scheduling spikes are a few
+    ms on a 0.1 ms message: one must not tilt the line).
+    """
+    size, time = np.asarray(message_bytes, float), np.asarray(seconds, float)
+    if size.size < 2 or np.ptp(size) == 0:
+        raise ValueError("an all-reduce fit needs at least two distinct message sizes")
+    scale = float(np.median(time / size))  # order of 1/β: keeps both parameters O(1)
+
+    def relative_residual(params: np.ndarray) -> np.ndarray:
+        return (params[0] + params[1] * scale * size) / time - 1.0
+
+    fit = least_squares(relative_residual, x0=[float(time.min()) / 2, 0.5], bounds=([0.0, 0.0], [np.inf, np.inf]),
+                        loss="soft_l1", f_scale=0.1)
+    latency, per_byte = float(fit.x[0]), float(fit.x[1]) * scale
+    if per_byte * size.max() < 0.05 * max(latency, float(time.min())):
+        raise ValueError(f"all-reduce time does not grow with message size up to {size.max():.3g} B "
+                         f"(median {np.median(time) * 1e6:.0f} µs at every size); cannot fit a bandwidth: "
+                         "measure larger messages or on a quieter machine")
+    return AllReduceFit(latency_s=latency, bandwidth_Bps=1.0 / per_byte)
 
 
 def fit_host(batch: np.ndarray, seconds: np.ndarray) -> HostFit:

@@ -102,8 +102,9 @@ def _message_bytes(cells: pd.DataFrame) -> np.ndarray:
 
 def _allreduce(sku: str, spec: dict[str, Any], cells: pd.DataFrame, calibration: CalibrationConfig, fit: FitConfig,
                uri: str, address: Optional[str], fixed: FixedTerms) -> None:
-    """λ, β of a SKU with TP > 1 cells: the calibration's, or measured over the decode
-    message sizes of its cells (latency-dominated: the large-message end would bias λ)."""
+    """λ, β of a SKU with TP > 1 cells: the calibration's, or measured from its cells'
+    smallest decode message up to at least 16 MiB, where time clearly grows with size
+    (fit_allreduce weighs residuals relatively, so the large end does not set λ)."""
     from hostsweep.model.allreduce_bench import run_allreduce_sweep
     from hostsweep.model.fit import fit_allreduce
 
@@ -116,7 +117,7 @@ def _allreduce(sku: str, spec: dict[str, Any], cells: pd.DataFrame, calibration:
         gpu = spec.get("accelerator_type") is not None
         ranks, backend = int(cells["tp"].max()), "nccl" if gpu else "gloo"
         message = _message_bytes(cells)
-        sizes = np.unique(np.geomspace(message.min(), max(16 * message.max(), 2 ** 20), 10).astype(int))
+        sizes = np.unique(np.geomspace(message.min(), max(16 * message.max(), 2 ** 24), 12).astype(int))
         frame = run_on_sku(run_allreduce_sweep, spec.get("accelerator_type"), ranks if gpu else 0, address,
                            ranks, sizes, ALLREDUCE_REPS, backend)
         measured = fit_allreduce(frame["bytes"], frame["seconds"])
