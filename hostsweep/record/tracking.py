@@ -344,7 +344,9 @@ def read_cells(tracking_uri: str, experiments: list[str], parent_run_id: Optiona
     """Finished cell runs of the given sweep experiments as a measured-cell table (step_ms
     with its 95% CI, host/device split where the cell was split, every other metric the
     cells have, and each cell's run id, name, parent sweep run and start time). Only the
-    children of `parent_run_id` when given; `filter_string` is an MLflow search filter."""
+    children of `parent_run_id` when given; `filter_string` is an MLflow search filter.
+    A cell measured again by a later sweep (same cell_key) counts once, its newest run:
+    a fit must not weigh a re-measured cell twice."""
     mlflow.set_tracking_uri(tracking_uri)
     clauses = [f"tags.mlflow.parentRunId = '{parent_run_id}'"] if parent_run_id else []
     clauses += [filter_string] if filter_string else []
@@ -353,6 +355,7 @@ def read_cells(tracking_uri: str, experiments: list[str], parent_run_id: Optiona
         return pd.DataFrame()
     # cell runs carry a cell_key; a sweep's parent run has list-valued params (batch "[1, 4]")
     cells = runs[runs["tags.cell_key"].notna() & (runs["status"] == "FINISHED")]
+    cells = cells.sort_values("start_time", ascending=False).drop_duplicates("tags.cell_key").sort_index()
     nan = pd.Series(float("nan"), index=cells.index)
     frame = pd.DataFrame({
         "sku": cells["params.sku"], "model": cells["params.model"],

@@ -51,5 +51,15 @@ def test_cells_are_narrowed_by_their_sweep_or_a_filter(store):
     assert sorted(filtered["model"]) == ["small-llama", "tiny-llama"] and set(filtered["batch"]) == {4}
 
 
+def test_a_cell_measured_again_by_a_later_sweep_counts_once_with_its_newest_run(store):
+    uri, parents = store
+    tracker = SweepTracker(uri, "hostsweep-unit")
+    again = sweep(tracker, [4], "tiny-llama")  # the same cell key, newer
+    frame = read_cells(uri, ["hostsweep-unit"])
+    assert len(frame) == 4 and frame["cell_key"].is_unique
+    tiny4 = frame[frame["cell_key"] == "tiny-llama/4"].iloc[0]
+    assert tiny4["parent_run_id"] == again != parents["tiny-llama"]
+
+
 def test_a_cell_run_name_reads_batch_context_mode_tp_then_sku_and_model():
     assert cell_run_name({**PARAMS, "batch": 4, "ctx": 512}) == "b4-ctx512-eager-tp1-cpu-tiny-llama"
