@@ -4,7 +4,7 @@ MLflow UI served on loopback over that store and opened in headless Chromium, wh
 runs table lists the cell runs by their names and the compare run's artifacts hold the
 report and its figures.
 
-One sweep (four engine starts) serves every test in this module. Screenshots of the UI
+One sweep (two engine starts) serves every test in this module. Screenshots of the UI
 are written under the test's temporary folder (printed with -s).
 """
 from __future__ import annotations
@@ -29,8 +29,8 @@ from tests.conftest import run_hostsweep
 pytestmark = pytest.mark.integration
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium") or "/usr/bin/chromium", shutil.which("chromedriver")
-# the preset, shortened: one context, three reps of 9-token generates
-OVERRIDES = ["+experiment=generalize-cpu", "stage=all", "batch=[1,4]", "ctx=[64]", "measure.reps=3", "measure.T=9",
+# the preset, shortened: one shape (two engines: TP 1 and 2), one context, three reps of 9-token generates
+OVERRIDES = ["+experiment=generalize-cpu", "stage=all", "models=[tiny-llama]", "batch=[1,4]", "ctx=[64]", "measure.reps=3", "measure.T=9",
              "fit.resamples=500"]
 FIGURES = ("step_composition", "predicted_vs_measured", "heldout_mape", "regime_map", "step_times")
 
@@ -69,12 +69,23 @@ def test_stage_all_writes_a_report_that_states_the_verdict_on_tp2(study):
 def test_every_cell_is_a_named_run_and_every_one_is_in_the_report(study):
     runs = study["runs"]
     cells = runs[runs["tags.cell_key"].notna()]
-    assert len(cells) == 8 and set(cells["status"]) == {"FINISHED"}
+    assert len(cells) == 4 and set(cells["status"]) == {"FINISHED"}
     names = set(cells["tags.mlflow.runName"])
-    expected = {f"b{b}-ctx64-eager-tp{k}-cpu-{m}" for b in (1, 4) for k in (1, 2) for m in ("tiny-llama", "small-llama")}
+    expected = {f"b{b}-ctx64-tp{k}" for b in (1, 4) for k in (1, 2)}  # only TP varies here
     assert names == expected
     report = (study["report"] / "report.md").read_text()
     assert all(run_id in report for run_id in cells["run_id"])
+
+
+def test_tp2_cells_run_two_ranks_record_their_all_reduce_and_the_tp_floor_of_both_degrees(study):
+    runs = study["runs"]
+    tp2 = runs[(runs["params.tp"] == "2") & runs["tags.cell_key"].notna()]
+    assert len(tp2) == 2 and all(b.startswith("CpuCommunicator/") for b in tp2["tags.allreduce_backend"])
+    sweep_parent = runs[runs["tags.mlflow.parentRunId"].isna() & runs["tags.mlflow.runName"].str.startswith("generalize-cpu: ")]
+    assert len(sweep_parent) == 1
+    floor = {k: sweep_parent.iloc[0][f"metrics.tp_floor/cpu/tiny-llama/eager/tp{k}/host_ms"] for k in (1, 2)}
+    assert all(value > 0 for value in floor.values()), floor
+    print(f"all-reduce: {tp2['tags.allreduce_backend'].iloc[0]}; host floor TP-1 {floor[1]:.3f} ms, TP-2 {floor[2]:.3f} ms")
 
 
 def test_the_figures_are_written_and_not_empty(study):
@@ -152,7 +163,7 @@ def test_the_printed_link_opens_the_runs_table_listing_the_cell_runs_by_name(stu
     parent = wait_for(browser, "//*[starts-with(text(), 'generalize-cpu: cpu/')]")
     wait_for(browser, "//*[text()='compare-generalize-cpu']")
     parent.find_element(By.XPATH, "./ancestor::*[@role='row'][1]").find_element(By.CSS_SELECTOR, "button").click()
-    wait_for(browser, "//*[text()='b4-ctx64-eager-tp2-cpu-small-llama']")
+    wait_for(browser, "//*[text()='b4-ctx64-tp2']")
     shown = {e.text for e in browser.find_elements(By.CSS_SELECTOR, "[role='row'] [col-id*='Run Name'] a")}
     browser.save_screenshot(str(study["root"] / "ui-runs-table.png"))
     print(f"screenshot: {study['root'] / 'ui-runs-table.png'}")

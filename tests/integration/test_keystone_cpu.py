@@ -1,7 +1,9 @@
-"""The CPU keystone analog: two synthetic shapes a decade apart, split and logged.
+"""The CPU keystone preset as a Hydra multirun (-m): its sweeper's two shapes become two
+jobs, through the real CLI, a local Ray cluster and MLflow, each logged with a split.
 
-The seeds predict a larger host fraction for the smaller shape; this test reports what
-this machine measures and asserts only that both were measured and split.
+The fake engine answers: the real vLLM CPU engine measures and splits both shapes in
+tests/integration/test_compare_end_to_end.py (this preset's engines, started again, would
+add two minutes and test nothing new).
 """
 from __future__ import annotations
 
@@ -13,10 +15,10 @@ from tests.conftest import run_hostsweep
 pytestmark = pytest.mark.integration
 
 
-def test_keystone_cpu_preset_logs_both_shapes_with_a_split(tmp_path):
+def test_keystone_cpu_multirun_logs_one_job_per_shape_with_a_split(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     proc = run_hostsweep(
-        ["-m", "+experiment=keystone-cpu", "+sku=cpu", "measure.T=17", "ctx=[64]", "measure.reps=3",
+        ["-m", "+experiment=keystone-cpu", "+sku=cpu", "engine.name=fake", "measure.T=17", "ctx=[64]", "measure.reps=3",
          "measure.warmups=1", f"tracking.uri={uri}", f"hydra.sweep.dir={tmp_path}/multi"],
         cwd=tmp_path, timeout=900,
     )
@@ -26,5 +28,4 @@ def test_keystone_cpu_preset_logs_both_shapes_with_a_split(tmp_path):
     cells = runs[runs["tags.mlflow.parentRunId"].notna()]
     assert sorted(cells["params.model"]) == ["small-llama", "tiny-llama"]
     assert ((cells["metrics.host_frac"] > 0) & (cells["metrics.host_frac"] < 1)).all()
-    measured = dict(zip(cells["params.model"], cells["metrics.host_frac"]))
-    print(f"host fraction measured here: {measured}")  # reported, never forced
+    assert len(set(cells["tags.mlflow.parentRunId"])) == 2  # one parent run per multirun job
