@@ -32,7 +32,7 @@ from hostsweep.model.tpmodel import INPUT_COLUMNS, model_spec, predict_rows
 def measured_cells(args: argparse.Namespace) -> pd.DataFrame:
     frames = [pd.read_csv(path) for path in args.cells]
     if args.experiment:
-        from hostsweep.record.tracking import read_cells
+        from hostsweep.record.readback import read_cells
 
         frames.append(read_cells(args.tracking_uri, args.experiment))
     measured = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()

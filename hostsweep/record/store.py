@@ -11,6 +11,7 @@ import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Optional
 from urllib.parse import urlsplit, urlunsplit
 
 from hostsweep.config.redact import redact
@@ -94,3 +95,11 @@ def quiet_mlflow() -> None:
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     for name in ("mlflow", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def local_artifact_root(tracking_uri: str) -> Optional[Path]:
+    """Artifacts beside a local sqlite store (outputs/mlartifacts), None for servers."""
+    prefix = "sqlite:///"
+    if not tracking_uri.startswith(prefix):
+        return None
+    return Path(tracking_uri[len(prefix):]).resolve().parent / "mlartifacts"

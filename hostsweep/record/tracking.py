@@ -1,7 +1,8 @@
 """MLflow recording of sweeps: one experiment per study, a parent run per sweep, a child
 per cell.
 
-With registry.py (fitted models, calibrations), the only modules that import mlflow. It
+With registry.py (fitted models, calibrations) and readback.py (cells read back), the
+only modules that import mlflow. It
 uses MlflowClient with explicit run ids, so results can be logged from the driver's
 result loop in any order.
 
@@ -22,14 +23,13 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-import mlflow
 import pandas as pd
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from hostsweep.measure.results import CellResult, cell_metrics, logged_row, split_tags
 from hostsweep.record.artifacts import linearity_table, timings_table, top_ops_table
-from hostsweep.record.store import quiet_mlflow
+from hostsweep.record.store import local_artifact_root, quiet_mlflow
 from hostsweep.record.views import KIND, KIND_TAG, NOTE_TAG, cell_note, cell_run_name, runs_table_url, ui_base
 from hostsweep.record.claims import (
     HEARTBEAT_TAG, KILLED_REASON_TAG, LIVE_HERE, OWNER_TAG, PARENT_TAG, RunView, claim_winner, stale_reason,
@@ -37,14 +37,6 @@ from hostsweep.record.claims import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def local_artifact_root(tracking_uri: str) -> Optional[Path]:
-    """Artifacts beside a local sqlite store (outputs/mlartifacts), None for servers."""
-    prefix = "sqlite:///"
-    if not tracking_uri.startswith(prefix):
-        return None
-    return Path(tracking_uri[len(prefix):]).resolve().parent / "mlartifacts"
 
 
 # Each MLflow HTTP call fails within seconds instead of retrying for ~4 min (MLflow's
@@ -336,44 +328,3 @@ class SweepTracker:
 
 
 # Cell metrics read back as columns besides step_ms (absent ones come back as NaN).
-CELL_METRICS = ("step_ci_low_ms", "step_ci_high_ms", "host_ms", "device_ms", "host_frac")
-
-
-def read_cells(tracking_uri: str, experiments: list[str], parent_run_id: Optional[str] = None,
-               filter_string: Optional[str] = None) -> pd.DataFrame:
-    """Finished cell runs of the given sweep experiments as a measured-cell table (step_ms
-    with its 95% CI, host/device split where the cell was split, every other metric the
-    cells have, and each cell's run id, name, parent sweep run and start time). Only the
-    children of `parent_run_id` when given; `filter_string` is an MLflow search filter.
-    A cell measured again by a later sweep (same cell_key) counts once, its newest run:
-    a fit must not weigh a re-measured cell twice."""
-    mlflow.set_tracking_uri(tracking_uri)
-    clauses = [f"tags.mlflow.parentRunId = '{parent_run_id}'"] if parent_run_id else []
-    clauses += [filter_string] if filter_string else []
-    runs = mlflow.search_runs(experiment_names=experiments, filter_string=" and ".join(clauses))
-    if runs.empty or "tags.cell_key" not in runs:
-        return pd.DataFrame()
-    # cell runs carry a cell_key; a sweep's parent run has list-valued params (batch "[1, 4]")
-    cells = runs[runs["tags.cell_key"].notna() & (runs["status"] == "FINISHED")]
-    cells = cells.sort_values("start_time", ascending=False).drop_duplicates("tags.cell_key").sort_index()
-    nan = pd.Series(float("nan"), index=cells.index)
-    frame = pd.DataFrame({
-        "sku": cells["params.sku"], "model": cells["params.model"],
-        "mode": cells.get("params.mode", pd.Series("eager", index=cells.index)),
-        "tp": cells["params.tp"].astype(int), "batch": cells["params.batch"].astype(int),
-        "ctx": cells["params.ctx"].astype(int), "T": cells["params.T"].astype(int), "dtype": cells["params.dtype"],
-        "step_ms": cells["metrics.step_ms"].astype(float),
-        **{name: cells.get(f"metrics.{name}", nan).astype(float) for name in CELL_METRICS},
-        "cell_key": cells["tags.cell_key"], "run_id": cells["run_id"],
-        "run_name": cells.get("tags.mlflow.runName", nan),
-        "parent_run_id": cells.get("tags.mlflow.parentRunId", nan),
-        "start_time": cells["start_time"],
-    })
-    others = {c[len("metrics."):]: cells[c].astype(float) for c in cells if c.startswith("metrics.")
-              and c[len("metrics."):] not in frame}
-    return frame.assign(**others).reset_index(drop=True)
-
-
-def experiment_ids(tracking_uri: str) -> dict[str, str]:
-    """Every experiment of the store by name (what a selection error lists)."""
-    return {e.name: e.experiment_id for e in MlflowClient(tracking_uri).search_experiments()}

@@ -16,7 +16,8 @@ from hostsweep.config.grid import Cell
 from hostsweep.config.resolve import Study
 from hostsweep.config.schema import ConfigError, FitConfig
 from hostsweep.config.validation import positive_ints
-from hostsweep.record.tracking import experiment_ids, local_artifact_root, read_cells
+from hostsweep.record.readback import experiment_ids, read_cells
+from hostsweep.record.store import local_artifact_root
 
 log = logging.getLogger(__name__)
 

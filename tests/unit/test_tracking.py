@@ -8,7 +8,8 @@ import pytest
 from hostsweep.measure.protocol import CellMeasurement, RepTiming
 from hostsweep.measure.results import CellResult, cell_row
 from hostsweep.measure.split import SplitResult
-from hostsweep.record.tracking import SweepTracker, read_cells
+from hostsweep.record.readback import read_cells
+from hostsweep.record.tracking import SweepTracker
 from hostsweep.record.views import experiment_description
 
 PARAMS = {"sku": "cpu", "model": "tiny-llama", "mode": "eager", "tp": 1, "batch": 2, "ctx": 128,

@@ -1,0 +1,51 @@
+"""Cell runs read back from MLflow as one measured-cell table: what the fit and compare
+stages (and `hostsweep-model fit --experiment`) work from, never a sweep's private files."""
+from __future__ import annotations
+
+from typing import Optional
+
+import mlflow
+import pandas as pd
+from mlflow.tracking import MlflowClient
+
+CELL_METRICS = ("step_ci_low_ms", "step_ci_high_ms", "host_ms", "device_ms", "host_frac")
+
+
+def read_cells(tracking_uri: str, experiments: list[str], parent_run_id: Optional[str] = None,
+               filter_string: Optional[str] = None) -> pd.DataFrame:
+    """Finished cell runs of the given sweep experiments as a measured-cell table (step_ms
+    with its 95% CI, host/device split where the cell was split, every other metric the
+    cells have, and each cell's run id, name, parent sweep run and start time). Only the
+    children of `parent_run_id` when given; `filter_string` is an MLflow search filter.
+    A cell measured again by a later sweep (same cell_key) counts once, its newest run:
+    a fit must not weigh a re-measured cell twice."""
+    mlflow.set_tracking_uri(tracking_uri)
+    clauses = [f"tags.mlflow.parentRunId = '{parent_run_id}'"] if parent_run_id else []
+    clauses += [filter_string] if filter_string else []
+    runs = mlflow.search_runs(experiment_names=experiments, filter_string=" and ".join(clauses))
+    if runs.empty or "tags.cell_key" not in runs:
+        return pd.DataFrame()
+    # cell runs carry a cell_key; a sweep's parent run has list-valued params (batch "[1, 4]")
+    cells = runs[runs["tags.cell_key"].notna() & (runs["status"] == "FINISHED")]
+    cells = cells.sort_values("start_time", ascending=False).drop_duplicates("tags.cell_key").sort_index()
+    nan = pd.Series(float("nan"), index=cells.index)
+    frame = pd.DataFrame({
+        "sku": cells["params.sku"], "model": cells["params.model"],
+        "mode": cells.get("params.mode", pd.Series("eager", index=cells.index)),
+        "tp": cells["params.tp"].astype(int), "batch": cells["params.batch"].astype(int),
+        "ctx": cells["params.ctx"].astype(int), "T": cells["params.T"].astype(int), "dtype": cells["params.dtype"],
+        "step_ms": cells["metrics.step_ms"].astype(float),
+        **{name: cells.get(f"metrics.{name}", nan).astype(float) for name in CELL_METRICS},
+        "cell_key": cells["tags.cell_key"], "run_id": cells["run_id"],
+        "run_name": cells.get("tags.mlflow.runName", nan),
+        "parent_run_id": cells.get("tags.mlflow.parentRunId", nan),
+        "start_time": cells["start_time"],
+    })
+    others = {c[len("metrics."):]: cells[c].astype(float) for c in cells if c.startswith("metrics.")
+              and c[len("metrics."):] not in frame}
+    return frame.assign(**others).reset_index(drop=True)
+
+
+def experiment_ids(tracking_uri: str) -> dict[str, str]:
+    """Every experiment of the store by name (what a selection error lists)."""
+    return {e.name: e.experiment_id for e in MlflowClient(tracking_uri).search_experiments()}
