@@ -65,6 +65,7 @@ def test_fit_prints_writes_fit_json_and_logs_a_model_that_loads_back_as_pyfunc(w
     run_data = mlflow.get_run(run.run_id).data
     assert float(run_data.params["g"]) == pytest.approx(G, rel=0.05) and run_data.params["verdict"] == "k-invariant"
     assert run_data.metrics["heldout_mape_mean"] < 3.0 and run_data.metrics["heldout_n"] == 12
+    assert "fitted models" in mlflow.get_experiment_by_name("models").tags["mlflow.note.content"]
     logged = mlflow.artifacts.load_text(f"runs:/{run.run_id}/fit.json")
     assert json.loads(logged)["verdict"] == data["verdict"]
     model = mlflow.pyfunc.load_model(model_uri)
@@ -119,6 +120,7 @@ def test_allreduce_microbenchmark_on_gloo_fits_positive_terms(tmp_path, capsys):
     mlflow.set_tracking_uri(uri)
     runs = mlflow.search_runs(experiment_names=["calibration"])
     assert list(runs["tags.calibration_kind"]) == ["allreduce"] and runs["metrics.beta_gbps"].iloc[0] > 0
+    assert "calibrations" in mlflow.get_experiment_by_name("calibration").tags["mlflow.note.content"]
 
 
 def test_roofs_microbenchmark_logs_measured_next_to_datasheet_and_feeds_the_fit(tmp_path, capsys, workspace):
@@ -164,3 +166,19 @@ def test_every_option_of_every_subcommand_says_what_it_is():
         return found
 
     assert silent(parser(), "hostsweep-model") == []
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["fit", "--cells", "nowhere.csv", "--calibration", "seed002-h100", "--train-sku", "h100"],
+     "--cells nowhere.csv: no such file"),
+    (["synth", "--calibration", "seed002-h100", "--below-bound", "h200:4"],
+     "--below-bound h200:4 matches no cell: the grid has sku h100 and tp 2, 4"),
+    (["synth", "--calibration", "seed002-h100", "--below-bound", "h100"], "--below-bound h100 matches no cell"),
+])
+def test_cli_mistakes_are_one_line_errors_that_write_nothing(argv, needle, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = ["--out", str(tmp_path / "s.csv")] if argv[0] == "synth" else []
+    code = run_main(["--tracking-uri", f"sqlite:///{tmp_path}/x.db", *argv, *out])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and needle in err[0], err
+    assert not (tmp_path / "s.csv").exists()

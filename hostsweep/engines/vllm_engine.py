@@ -194,7 +194,15 @@ class VllmEngine:
             "device_name": device_name(self.spec.accelerator_type is not None),
             **compiled_path(self.llm.llm_engine.vllm_config),
             "allreduce_backend": self._allreduce_backend(),
+            **self._sizing(),
         }
+
+    def _sizing(self) -> dict[str, str]:
+        """How the engine was sized for its grid: not in the cell key (widening a grid must
+        resume), so recorded here."""
+        config = self.llm.llm_engine.vllm_config
+        return {"max_model_len": str(config.model_config.max_model_len),
+                "max_num_seqs": str(config.scheduler_config.max_num_seqs)}
 
     def _allreduce_backend(self) -> str:
         """Each TP rank's all-reduce path (engines/vllm_ext.py); 'none' at TP-1."""

@@ -30,6 +30,9 @@ from hostsweep.model.tpmodel import INPUT_COLUMNS, model_spec, predict_rows
 
 
 def measured_cells(args: argparse.Namespace) -> pd.DataFrame:
+    missing = [str(path) for path in args.cells if not Path(path).is_file()]
+    if missing:
+        raise ConfigError(f"--cells {', '.join(missing)}: no such file")
     frames = [pd.read_csv(path) for path in args.cells]
     if args.experiment:
         from hostsweep.record.readback import read_cells
@@ -149,7 +152,11 @@ def synth_command(args: argparse.Namespace) -> int:
     below = np.zeros(len(out), bool)
     for sku_tp in args.below_bound:
         sku, _, tp = sku_tp.partition(":")
-        below |= ((out["sku"] == sku) & (out["tp"] == int(tp or 0))).to_numpy()
+        group = ((out["sku"] == sku) & (out["tp"] == int(tp) if tp.isdigit() else False)).to_numpy()
+        if not group.any():
+            raise ConfigError(f"--below-bound {sku_tp} matches no cell: the grid has sku {', '.join(args.sku)} "
+                              f"and tp {', '.join(map(str, args.tp))} (give SKU:TP, and the SKU in --sku)")
+        below |= group
     out = below_bound(out, below, terms.allreduce, terms.host, args.below_factor)
     columns = ["sku", "model", "tp", "batch", "ctx", "T", "step_ms", "step_ci_low_ms", "step_ci_high_ms"]
     out.assign(status="FINISHED")[columns + ["status"]].to_csv(args.out, index=False)

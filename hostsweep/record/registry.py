@@ -17,6 +17,7 @@ import mlflow.pyfunc
 import pandas as pd
 from mlflow.entities import Metric, Param
 
+from hostsweep.record.views import CALIBRATION_DESCRIPTION, MODELS_DESCRIPTION
 from hostsweep.record.tracking import SweepTracker
 
 # (spec, rows of model/sku/tp/batch/ctx) -> the rows with a step_ms column
@@ -43,7 +44,7 @@ def log_model_fit(tracking_uri: str, experiment: str, run_name: str, params: dic
     (e.g. fit.json, by file name) and the pyfunc model."""
     from mlflow.models import infer_signature
 
-    tracker_experiment = SweepTracker(tracking_uri, experiment).experiment_id
+    tracker_experiment = SweepTracker(tracking_uri, experiment, MODELS_DESCRIPTION).experiment_id
     mlflow.set_tracking_uri(tracking_uri)
     example = pd.DataFrame([{"model": next(iter(spec["shapes"])), "sku": next(iter(spec["skus"])),
                              "tp": 2, "batch": 1, "ctx": 512}])[list(input_columns)]
@@ -79,7 +80,7 @@ def log_calibration(tracking_uri: str, kind: str, sku: str, params: dict[str, ob
                     metrics: dict[str, float], table: pd.DataFrame, experiment: str = "calibration") -> str:
     """One calibration microbenchmark (allreduce, roofs, host) as a run: params, the
     fitted values as metrics, and the raw measurements as a table artifact."""
-    tracker = SweepTracker(tracking_uri, experiment)
+    tracker = SweepTracker(tracking_uri, experiment, CALIBRATION_DESCRIPTION)
     run = tracker.client.create_run(tracker.experiment_id, run_name=f"{kind}/{sku}",
                                     tags={"calibration_kind": kind, "sku": sku})
     run_id = run.info.run_id

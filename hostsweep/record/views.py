@@ -85,6 +85,17 @@ def experiment_description(study: str) -> str:
             "MLflow 3 otherwise opens experiments on a GenAI overview (mlflow/mlflow#24498).")
 
 
+MODELS_DESCRIPTION = (
+    "**hostsweep fitted models**: one run per fit of the closed-form TP decode model (seed 002: "
+    "g·T_cmp/k + T_ar(k) + H(N)) on a study's training cells. Params say which cells trained it and "
+    "where every fixed term came from; metrics are held-out MAPE per host form; the artifacts hold "
+    "fit.json, predictions.csv and a pyfunc `model` (load it with `mlflow.pyfunc.load_model`).")
+CALIBRATION_DESCRIPTION = (
+    "**hostsweep calibrations**: microbenchmark runs (all-reduce λ/β, achieved GEMM FLOP/s and copy "
+    "bandwidth, single-device host overhead H(N)), one per SKU and kind (`<kind>/<sku>`), each with "
+    "its raw table; the fit and compare stages cite the run they used.")
+
+
 def cell_note(params: dict[str, object], metrics: dict[str, float], regime: Optional[str]) -> str:
     """A measured cell's run description: the cell and its numbers in one line."""
     what = (f"b{params['batch']} ctx{params['ctx']} on {params['sku']}/{params['model']}/{params['mode']}/"

@@ -55,6 +55,8 @@ def test_eager_and_the_compiled_path_are_measured_and_recorded_as_such(study):
     assert json.loads(graph["params.engine_args"]) == {"enforce_eager": False}
     for run in (eager, graph):
         assert 0 < run["metrics.device_ms"] < run["metrics.step_ms"] and run["metrics.kernels_per_step"] > 0
+        # the engine's sizing, not in the cell key, is on the run: ctx 256 + a 17-token generate, batch 1
+        assert int(run["tags.max_model_len"]) >= 256 + 17 and run["tags.max_num_seqs"] == "1"
     print(f"eager {eager['metrics.step_ms']:.3f} ms/step, compiled {graph['metrics.step_ms']:.3f} ms/step")
 
 
