@@ -6,7 +6,13 @@ from typing import Optional
 
 import mlflow
 import pandas as pd
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
+
+
+class FilterRefused(ValueError):
+    """MLflow refused a search filter (the first line of its message)."""
+
 
 CELL_METRICS = ("step_ci_low_ms", "step_ci_high_ms", "host_ms", "device_ms", "host_frac")
 
@@ -22,7 +28,10 @@ def read_cells(tracking_uri: str, experiments: list[str], parent_run_id: Optiona
     mlflow.set_tracking_uri(tracking_uri)
     clauses = [f"tags.mlflow.parentRunId = '{parent_run_id}'"] if parent_run_id else []
     clauses += [filter_string] if filter_string else []
-    runs = mlflow.search_runs(experiment_names=experiments, filter_string=" and ".join(clauses))
+    try:
+        runs = mlflow.search_runs(experiment_names=experiments, filter_string=" and ".join(clauses))
+    except MlflowException as exc:  # a malformed filter
+        raise FilterRefused(str(exc).splitlines()[0]) from None
     if runs.empty or "tags.cell_key" not in runs:
         return pd.DataFrame()
     # cell runs carry a cell_key; a sweep's parent run has list-valued params (batch "[1, 4]")

@@ -17,7 +17,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from hostsweep.config.grid import build_cells
-from hostsweep.config.resolve import Study, resolve
+from hostsweep.config.resolve import Study
 from hostsweep.config.schema import ConfigError
 from hostsweep.record.store import quiet_mlflow
 from hostsweep.stages import compare, sweep
@@ -50,7 +50,7 @@ def check_plan(study: Study) -> list[str]:
 
 def run(raw_cfg: DictConfig, run_dir: Path) -> int:
     quiet_mlflow()
-    study = resolve(raw_cfg)
+    study = sweep.resolve_sweep(raw_cfg)  # as the sweep will: the same engine_args check
     keys = check_plan(study)
     swept = sweep.run(raw_cfg, run_dir)
     log.info("sweep finished (exit %d); comparing its %d cells", swept, len(keys))

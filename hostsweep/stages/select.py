@@ -10,13 +10,12 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 import pandas as pd
-from mlflow.exceptions import MlflowException
 
 from hostsweep.config.grid import Cell
 from hostsweep.config.resolve import Study
 from hostsweep.config.schema import ConfigError, FitConfig
 from hostsweep.config.validation import positive_ints
-from hostsweep.record.readback import experiment_ids, read_cells
+from hostsweep.record.readback import FilterRefused, experiment_ids, read_cells
 from hostsweep.record.store import local_artifact_root
 
 log = logging.getLogger(__name__)
@@ -62,13 +61,10 @@ def select_cells(study: Study, keys: Optional[Iterable[str]] = None) -> Selectio
                           f"{', '.join(sorted(known)) or 'none'}")
     try:
         cells = read_cells(uri, [name], cfg.select.parent_run, cfg.select.filter)
-    except MlflowException as exc:  # a malformed filter
-        raise ConfigError(f"select.filter={cfg.select.filter!r} was refused by MLflow: "
-                          f"{str(exc).splitlines()[0]}") from None
-    if not cells.empty:
-        cells = cells.sort_values("start_time").drop_duplicates("cell_key", keep="last")
-        if keys is not None:
-            cells = cells[cells["cell_key"].isin(set(keys))]
+    except FilterRefused as exc:
+        raise ConfigError(f"select.filter={cfg.select.filter!r} was refused by MLflow: {exc}") from None
+    if not cells.empty and keys is not None:  # read_cells keeps one run per cell key, the newest
+        cells = cells[cells["cell_key"].isin(set(keys))]
     if cells.empty:
         where = _where(study)
         raise ConfigError(f"select: no FINISHED cell runs in experiment {name!r}{' (' + where + ')' if where else ''}"

@@ -136,12 +136,16 @@ def tracking_answers(uri: str) -> Iterator[None]:
         raise ConfigError(f"tracking.uri={redact(uri)} failed before anything was measured: {redact(first)}") from None
 
 
+def resolve_sweep(raw_cfg: DictConfig) -> Study:
+    """The study, or ConfigError on bad input before Ray starts; engine_args are checked
+    against the installed vLLM's EngineArgs where the driver has vLLM, else the shipped snapshot."""
+    return resolve(raw_cfg, engine_arg_fields() or ENGINE_ARG_FIELDS)
+
+
 def run(raw_cfg: DictConfig, run_dir: Path, backend: Optional[WorkerBackend] = None) -> int:
     """Run the sweep the config describes; return the process exit code. `backend`: where
     workers run (default: Ray, a local cluster unless ray.address is set)."""
-    # Raises ConfigError on bad input, before Ray starts; engine_args are checked against the
-    # installed vLLM's EngineArgs where the driver has vLLM, else the shipped snapshot.
-    study = resolve(raw_cfg, engine_arg_fields() or ENGINE_ARG_FIELDS)
+    study = resolve_sweep(raw_cfg)
     cfg = study.config
     machine_lock = preflight(study, run_dir)  # ConfigError if the world says no, still before Ray
     try:
