@@ -121,8 +121,10 @@ def _close(figs: dict[str, Any]) -> None:
 
 def where_results_are(tracker: SweepTracker, table: CellTable, summary: Optional[Path]) -> str:
     """The lines that say where the results are and how to browse them."""
-    lines = [f"results: {table.path.parent}  (cells.csv"
-             f"{', summary.json' if summary else ''}, figures/, workers/*.log, hostsweep.log)",
+    run_dir = table.path.parent
+    present = ["cells.csv", "summary.json" if summary else "", "figures/" if any(run_dir.glob("figures/*.png")) else "",
+               "workers/*.log" if any(run_dir.glob("workers/*.log")) else "", "hostsweep.log"]
+    lines = [f"results: {run_dir}  ({', '.join(p for p in present if p)})",
              f"MLflow: experiment {tracker.experiment} ({tracker.experiment_id}), parent run {tracker.parent_run_id} "
              f"in {redact(absolute_store_uri(tracker.tracking_uri))}"]
     if not tracker.tracking_uri.startswith(("http://", "https://")):
