@@ -21,7 +21,9 @@ import numpy as np
 from hostsweep.engines.base import Engine, start_engine
 from hostsweep.config.grid import Cell, EngineSpec
 from hostsweep.config.machine import hostname
-from hostsweep.measure.protocol import own_text_seeds, prompt_digest, random_prompts, run_protocol, summarize
+from hostsweep.measure.protocol import (
+    ci_target_rule, own_text_seeds, prompt_digest, random_prompts, run_protocol, summarize,
+)
 from hostsweep.measure.results import CellResult, MeasureOptions
 from hostsweep.measure.speculative import spec_summary
 from hostsweep.run.faults import EngineDied
@@ -211,8 +213,11 @@ class SweepWorker:
         try:
             prompts = self.prompts(cell)
             self._spec_log = []
-            timings = run_protocol(self._timed_generate(prompts), cell.T, cell.warmups, cell.reps, self._tell)
-            spec = spec_summary(self._spec_log[-cell.reps:], cell.T)
+            m = options.measure
+            stop = None if cell.target_ci_pct is None else \
+                ci_target_rule(cell.target_ci_pct, cell.min_reps, m.bootstrap_resamples, m.ci_level, cell.seed)
+            timings = run_protocol(self._timed_generate(prompts), cell.T, cell.warmups, cell.reps, self._tell, stop)
+            spec = spec_summary(self._spec_log[-len(timings):], cell.T)
             measurement = summarize(timings, options.measure.bootstrap_resamples, options.measure.ci_level, cell.seed)
             split = self._split(cell, prompts, measurement.step_ms, options, keep) \
                 if options.split.enabled and self.spec.profile else None
