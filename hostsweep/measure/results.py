@@ -127,7 +127,8 @@ def _raw_metrics(result: CellResult) -> dict[str, float]:
         sp = result.split
         metrics.update(device_ms=sp.device_ms, host_ms=sp.host_ms, host_frac=sp.host_frac,
                        overlap_gap_ms=sp.overlap_gap_ms, profiled_step_ms=sp.profiled_step_ms,
-                       profiler_overhead=sp.profiler_overhead, kernels_per_step=sp.kernels_per_step)
+                       profiler_overhead=sp.profiler_overhead, kernels_per_step=sp.kernels_per_step,
+                       split_s=sp.split_s, split_overhead_s=sp.split_overhead_s)
         if sp.kernel_source == "cuda":
             metrics.update(copy_ms=sp.copy_ms, copy_bytes_per_step=sp.copy_bytes,
                            launches_per_step=sp.launches_per_step)

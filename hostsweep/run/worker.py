@@ -7,6 +7,8 @@ Given a log file, the worker sends its output, and its engine's, there (run/work
 """
 from __future__ import annotations
 
+import dataclasses
+import gzip
 import logging
 import os
 import shutil
@@ -22,7 +24,7 @@ from hostsweep.engines.base import Engine, start_engine
 from hostsweep.config.grid import Cell, EngineSpec
 from hostsweep.config.machine import hostname
 from hostsweep.measure.protocol import (
-    ci_target_rule, own_text_seeds, prompt_digest, random_prompts, run_protocol, summarize,
+    CellMeasurement, ci_target_rule, own_text_seeds, prompt_digest, random_prompts, run_protocol, summarize,
 )
 from hostsweep.measure.results import CellResult, MeasureOptions
 from hostsweep.measure.speculative import spec_summary
@@ -153,13 +155,28 @@ class SweepWorker:
         rank_totals = [totals(load_trace(path)) for path in files]
         for path in files:  # traces are large: keep only when asked, never accumulate
             if keep is not None:
-                keep[path.name] = path.read_bytes()
+                data = path.read_bytes()
+                gz = path.name.endswith(".gz")
+                keep[path.name if gz else path.name + ".gz"] = data if gz else gzip.compress(data, 6)
             path.unlink(missing_ok=True)
         return rank_totals, wall
 
-    def _split(self, cell: Cell, prompts: list[list[int]], step_ms: float, opts: MeasureOptions,
+    def _split(self, cell: Cell, prompts: list[list[int]], measurement: CellMeasurement, opts: MeasureOptions,
                keep: Optional[dict[str, bytes]]) -> SplitResult:
-        """Profiled pairs, separate from the timed reps; the median-device pair wins."""
+        """Profiled pairs, separate from the timed reps; the median-device pair wins.
+
+        Its cost is logged as split_overhead_s: the wall time of the whole split phase
+        (profiler start and stop, the profiled generates, trace export, reading and parsing
+        the traces) minus what the same number of unprofiled pairs takes (the timed reps'
+        median wall_1 + wall_T per pair), i.e. what profiling adds to the cell."""
+        started = time.perf_counter()
+        split = self._profiled_pairs(cell, prompts, measurement.step_ms, opts, keep)
+        split_s = time.perf_counter() - started
+        plain_s = opts.split.reps * (measurement.wall_1_ms + measurement.wall_T_ms) / 1e3
+        return dataclasses.replace(split, split_s=split_s, split_overhead_s=split_s - plain_s)
+
+    def _profiled_pairs(self, cell: Cell, prompts: list[list[int]], step_ms: float, opts: MeasureOptions,
+                        keep: Optional[dict[str, bytes]]) -> SplitResult:
         splits = []
         for rep in range(opts.split.reps):
             self._tell("profiling", rep + 1, opts.split.reps)
@@ -219,7 +236,7 @@ class SweepWorker:
             timings = run_protocol(self._timed_generate(prompts), cell.T, cell.warmups, cell.reps, self._tell, stop)
             spec = spec_summary(self._spec_log[-len(timings):], cell.T)
             measurement = summarize(timings, options.measure.bootstrap_resamples, options.measure.ci_level, cell.seed)
-            split = self._split(cell, prompts, measurement.step_ms, options, keep) \
+            split = self._split(cell, prompts, measurement, options, keep) \
                 if options.split.enabled and self.spec.profile else None
             lin = self._linearity(prompts, options, keep) if options.linearity_T else None
             self._phase = "py-spy" if options.pyspy_seconds > 0 else self._phase

@@ -64,7 +64,7 @@ class SweepRecorder:
         self.table.append(cell_row(result, run_id or "", self.tags))
         self.uploader.submit(Measured(entry, result, run_id, self.tags))
         level = logging.WARNING if result.status == "FAILED" else logging.INFO
-        log.log(level, "[%d/%d] %s: %s", len(self.table.rows), self.total, cell_label(result.params),
+        log.log(level, "[%d/%d] %s: %s", self.table.count, self.total, cell_label(result.params),
                 describe(result))
 
     def _deliver(self, item: Measured) -> None:

@@ -213,14 +213,14 @@ def _sweep(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, b
         stop = dispatcher.stopped
         if not stop:
             record_study_summary(study, table.study_rows(grid), tracker)
-        failed = sum(r["status"] not in ("FINISHED", "SKIPPED") for r in table.rows)
+        failed = table.failed()
         status = "FAILED" if failed or stop else "FINISHED"
     finally:
         unlogged = close_records(tracker, recorder, journal, claims, status, stop, cfg.tracking.outage_s)
     mlflow_up = not (recorder.uploader.failure() or unlogged)
     summary = write_results(study, tracker, table, run_dir, status, tags, started, mlflow_up,
                             [c.key for c in grid])
-    print_results(table.study_rows(grid), len(table.resumed), tracker, table, summary)
+    print_results(table.study_rows(grid), table.resumed_count, tracker, table, summary)
     if unlogged or stop:
         print(f"hostsweep: stopped early: {stop or 'MLflow did not take every cell'}; {unlogged} measured cell(s) are "
               f"kept in {journal.path} for MLflow: rerun the same command to upload them and measure the rest",
@@ -238,10 +238,10 @@ def close_records(tracker: SweepTracker, recorder: SweepRecorder, journal: Journ
     down = recorder.uploader.failure() or (unlogged and "MLflow did not answer")
     if not down:
         try:
-            measured = {row["cell_key"] for row in recorder.table.rows}
+            measured = recorder.table.measured_keys()
             tracker.release([run_id for key, run_id in claims.items() if key not in measured],
                             f"not measured: {stop or 'sweep interrupted'}")
-            tracker.finish_sweep(status, {"cells_done": float(len(recorder.table.rows))})
+            tracker.finish_sweep(status, {"cells_done": float(recorder.table.count)})
         except Exception as exc:  # noqa: BLE001 - the journal and cells.csv have every measured cell
             log.error("could not close the sweep's MLflow runs: %s", redact(str(exc).splitlines()[0]))
     left = journal.close()
