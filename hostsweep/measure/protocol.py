@@ -40,6 +40,7 @@ class CellMeasurement:
     wall_1_ms: float
     wall_T_ms: float
     reps: tuple[RepTiming, ...]
+    timed_s: float = 0.0  # wall time of the warm-ups and timed pairs (the worker sets it)
 
     @property
     def ci_half_width_pct(self) -> float:

@@ -121,7 +121,7 @@ def _raw_metrics(result: CellResult) -> dict[str, float]:
         "step_ms": m.step_ms, "step_ci_low_ms": m.step_ci_low_ms, "step_ci_high_ms": m.step_ci_high_ms,
         **step_percentiles(m),
         "wall_1_ms": m.wall_1_ms, "wall_T_ms": m.wall_T_ms, "cell_duration_s": result.duration_s,
-        "reps_used": float(len(m.reps)), "ci_half_width_pct": m.ci_half_width_pct,
+        "timed_s": m.timed_s, "reps_used": float(len(m.reps)), "ci_half_width_pct": m.ci_half_width_pct,
     }
     if result.split is not None:
         sp = result.split

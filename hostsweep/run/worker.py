@@ -233,9 +233,12 @@ class SweepWorker:
             m = options.measure
             stop = None if cell.target_ci_pct is None else \
                 ci_target_rule(cell.target_ci_pct, cell.min_reps, m.bootstrap_resamples, m.ci_level, cell.seed)
+            timed_start = time.perf_counter()
             timings = run_protocol(self._timed_generate(prompts), cell.T, cell.warmups, cell.reps, self._tell, stop)
+            timed_s = time.perf_counter() - timed_start
             spec = spec_summary(self._spec_log[-len(timings):], cell.T)
-            measurement = summarize(timings, options.measure.bootstrap_resamples, options.measure.ci_level, cell.seed)
+            measurement = dataclasses.replace(summarize(timings, m.bootstrap_resamples, m.ci_level, cell.seed),
+                                              timed_s=timed_s)
             split = self._split(cell, prompts, measurement, options, keep) \
                 if options.split.enabled and self.spec.profile else None
             lin = self._linearity(prompts, options, keep) if options.linearity_T else None

@@ -205,6 +205,8 @@ def _sweep(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, b
         if cell.skip is not None:
             recorder.on_result(skipped_result(cell.key, cell.params(), cell.skip))
     to_run = runnable(cells)
+    log.info("planned: %d cell(s) to measure, %d resumed, %.1f s after the sweep began", len(to_run),
+             table.resumed_count, time.time() - started)
     dispatcher = Dispatcher(to_run, options, recorder.on_result, backend, FaultPolicy.of(cfg.faults),
                             ProgressReporter(len(to_run)), should_stop, worker_log_dir(study, run_dir))
     status, stop = "KILLED", "sweep interrupted"
