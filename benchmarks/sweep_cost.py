@@ -113,6 +113,11 @@ def report_hostsweep(started: float, wall: float, run_dir: Path, store: Path) ->
           f"{overhead.median():.2f} s, range {overhead.min():.2f}-{overhead.max():.2f})")
     print(f"  the rest               {wall - (first_start - started) - timed - profiled:6.1f} s  "
           "(recording, dispatch, between cells, shutdown)")
+    order = runs.sort_values("start_time")
+    gaps = (order["start_time"].iloc[1:].to_numpy() - order["end_time"].iloc[:-1].to_numpy()) / np.timedelta64(1, "s")
+    inside = runs["metrics.cell_duration_s"] - runs["metrics.timed_s"] - runs["metrics.split_s"]
+    print(f"  between cells          median {np.median(gaps):.2f} s (one cell's end to the next one's start); "
+          f"in a cell beyond its pairs median {inside.median():.2f} s")
     print(f"  floor                  {floor:6.1f} s  (engine start + timed + profiled pairs); wall / floor "
           f"{wall / floor:.2f}")
     print(f"  harness overhead       {wall - floor:6.1f} s  = {(wall - floor) / wall:.0%} of the wall")

@@ -174,24 +174,41 @@ def worker_log_dir(study: Study, run_dir: Path) -> Optional[Path]:
     return folder
 
 
+def open_study(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, options: MeasureOptions,
+               pending: Path) -> tuple[SweepTracker, list[Cell], list[dict[str, object]], dict[str, str]]:
+    """The study's MLflow side before measuring: the tracker, the cells still to measure,
+    the resumed cells' rows, and this sweep's claims."""
+    cfg = study.config
+    with tracking_answers(cfg.tracking.uri):
+        tracker = SweepTracker(cfg.tracking.uri, experiment_name(study), experiment_description(cfg.study))
+        tidy_experiment(tracker, study, pending)
+        cells, resumed = skip_finished(grid, tracker, options) if cfg.resume else (grid, [])
+        tracker.start_sweep(sweep_run_name(study, grid), redact(OmegaConf.to_yaml(raw_cfg)),
+                            sweep_params(study, cells), {**driver_tags(), "run_dir": str(run_dir)},
+                            varying_axes([c.params() for c in grid]))
+        cells, claims = claim_cells(tracker, cells, cfg.tracking.stale_after_s)
+    return tracker, cells, resumed, claims
+
+
 def _sweep(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, backend: WorkerBackend) -> int:
     cfg = study.config
     started = time.time()
     options = MeasureOptions.of(cfg)
     pending = pending_folder(Path(cfg.output.pending_dir), cfg.tracking.uri, experiment_name(study))
     journal = Journal.create(run_dir / JOURNAL_FILE, pending)  # refuses a run dir another sweep uses
+    # Engines start (actor, vLLM import, engine init: tens of seconds) while MLflow is opened,
+    # earlier cells are looked up and claims are made; those left with nothing to do go back.
+    prestarted = {spec: (backend.start(spec), backend.now()) for spec in group_by_engine(runnable(grid))}
     try:
-        with tracking_answers(cfg.tracking.uri):
-            tracker = SweepTracker(cfg.tracking.uri, experiment_name(study), experiment_description(cfg.study))
-            tidy_experiment(tracker, study, pending)
-            cells, resumed = skip_finished(grid, tracker, options) if cfg.resume else (grid, [])
-            tracker.start_sweep(sweep_run_name(study, grid), redact(OmegaConf.to_yaml(raw_cfg)),
-                                sweep_params(study, cells), {**driver_tags(), "run_dir": str(run_dir)},
-                                varying_axes([c.params() for c in grid]))
-            cells, claims = claim_cells(tracker, cells, cfg.tracking.stale_after_s)
+        tracker, cells, resumed, claims = open_study(study, raw_cfg, grid, run_dir, options, pending)
     except BaseException:
+        for worker, _ in prestarted.values():
+            backend.release(worker)
         journal.close()
         raise
+    needed = group_by_engine(runnable(cells))
+    for spec in [s for s in prestarted if s not in needed]:
+        backend.release(prestarted.pop(spec)[0])
     table = CellTable(run_dir / cfg.output.cells_file, resumed)
     tags = {**driver_tags(), PARENT_TAG: tracker.parent_run_id or ""}
     recorder = SweepRecorder(tracker, journal, table, claims, tags, len(cells), cfg.tracking.outage_s,
@@ -208,7 +225,7 @@ def _sweep(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, b
     log.info("planned: %d cell(s) to measure, %d resumed, %.1f s after the sweep began", len(to_run),
              table.resumed_count, time.time() - started)
     dispatcher = Dispatcher(to_run, options, recorder.on_result, backend, FaultPolicy.of(cfg.faults),
-                            ProgressReporter(len(to_run)), should_stop, worker_log_dir(study, run_dir))
+                            ProgressReporter(len(to_run)), should_stop, worker_log_dir(study, run_dir), prestarted)
     status, stop = "KILLED", "sweep interrupted"
     try:
         dispatcher.run()
