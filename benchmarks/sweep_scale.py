@@ -15,7 +15,6 @@ ways hostsweep does (the model stage's read_cells, resume's finished_runs).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import shutil
@@ -32,11 +31,14 @@ STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")
 
 
 def grid(cells: int) -> tuple[list[int], list[int]]:
-    """batch x ctx lists with exactly `cells` cells (batches 1..b, contexts from 8)."""
-    batches = max(1, int(math.sqrt(cells)) // 10 * 10 or 1)
-    while cells % batches:
-        batches -= 1
-    return list(range(1, batches + 1)), list(range(8, 8 + cells // batches))
+    """batch x ctx lists with exactly `cells` cells of the same sizes whatever their number:
+    batch 1..100 and contexts spread evenly over 8..107, so a cell costs the same in every
+    sweep and only the count changes."""
+    batches = min(100, cells)
+    contexts = max(1, cells // batches)
+    step = 100 // contexts if contexts <= 100 else 1
+    ctx = [8 + i * step for i in range(contexts)]
+    return list(range(1, batches + 1)), ctx
 
 
 def command(cells: int, store: Path, run_dir: Path) -> list[str]:

@@ -76,9 +76,9 @@ class SweepRecorder:
     def should_stop(self) -> Optional[str]:
         return self.uploader.failure()
 
-    def close(self, timeout_s: float) -> int:
-        """Let MLflow take what is queued (within timeout_s); the count it did not take."""
-        return self.uploader.close(timeout_s)
+    def close(self, timeout_s: float, patient: bool = True) -> int:
+        """Let MLflow take what is queued (BackgroundLogger.close); the count it did not take."""
+        return self.uploader.close(timeout_s, patient)
 
 
 def upload_orphans(tracker: SweepTracker, pending: Path) -> int:

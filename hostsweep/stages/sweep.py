@@ -252,7 +252,7 @@ def close_records(tracker: SweepTracker, recorder: SweepRecorder, journal: Journ
     """Drain the MLflow queue, end the claims of unmeasured cells and the parent run; the
     count of measured cells MLflow did not take (they stay in the journal)."""
     interrupted = status == "KILLED"
-    unlogged = recorder.close(INTERRUPTED_DRAIN_S if interrupted else outage_s)
+    unlogged = recorder.close(INTERRUPTED_DRAIN_S, patient=False) if interrupted else recorder.close(outage_s)
     tracker.end()
     down = recorder.uploader.failure() or (unlogged and "MLflow did not answer")
     if not down:
