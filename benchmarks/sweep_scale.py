@@ -51,19 +51,24 @@ def command(cells: int, store: Path, run_dir: Path) -> list[str]:
 
 
 def run(cmd: list[str], cwd: Path, log: Path) -> dict[str, float]:
-    """Run one sweep process; its wall, peak RSS (MiB) and exit code."""
+    """Run one sweep process; its wall, peak RSS (MiB), exit code, and RSS samples."""
     env = {**os.environ, "HOSTSWEEP_FAKE_TIME_SCALE": "0"}
     started = time.time()
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
-        watched, peak = psutil.Process(proc.pid), 0
+        watched, samples = psutil.Process(proc.pid), []
         while proc.poll() is None:
             try:
-                peak = max(peak, watched.memory_info().rss)
+                samples.append((time.time(), watched.memory_info().rss / 2**20))
             except psutil.Error:
                 pass
             time.sleep(0.1)
-    return {"started": started, "wall": time.time() - started, "rss_mib": peak / 2**20, "rc": proc.returncode}
+    return {"started": started, "wall": time.time() - started, "rss_mib": max(r for _, r in samples),
+            "rc": proc.returncode, "samples": samples}
+
+
+def peak_between(samples: list[tuple[float, float]], start: float, end: float) -> float:
+    return max((rss for when, rss in samples if start <= when <= end), default=float("nan"))
 
 
 def log_times(run_dir: Path, cells: int) -> dict[str, float]:
@@ -106,6 +111,10 @@ def bench(cells: int, root: Path) -> None:
     measured = len(open(first_dir / "cells.csv").readlines()) - 1
     print(f"\n{cells} cells: rc {first['rc']}, {measured} rows in cells.csv, wall {first['wall']:.1f} s, "
           f"driver peak RSS {first['rss_mib']:.0f} MiB")
+    if "last" in times:
+        end = first["started"] + first["wall"]
+        print(f"  driver peak RSS while measuring {peak_between(first['samples'], 0, times['last']):.0f} MiB, "
+              f"after (MLflow drain, summary, figures) {peak_between(first['samples'], times['last'], end):.0f} MiB")
     if {"planned", "first", "last"} <= set(times):
         plan_s = times["planned"] - first["started"]
         measuring = max(times["last"] - times["first"], 1e-9)

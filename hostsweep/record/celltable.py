@@ -85,14 +85,20 @@ class CellTable:
         with self.lock:
             self._apply_pending()
 
-    def study_rows(self, cells: list[Cell]) -> list[dict[str, object]]:
-        """Every row, earlier and new, in grid order (read back from the file, as the summary is)."""
-        order = {cell.key: i for i, cell in enumerate(cells)}
+    def study_frame(self, cells: list[Cell]) -> pd.DataFrame:
+        """Every row, earlier and new, in grid order (read back from the file, as the summary
+        is: a frame, not a list of dicts, which for 10,000 cells is ten times the memory)."""
         self.flush()
         if not self.path.is_file():
-            return []
-        rows = pd.read_csv(self.path).to_dict("records")
-        return sorted(rows, key=lambda row: order.get(str(row["cell_key"]), len(order)))
+            return pd.DataFrame()
+        frame = pd.read_csv(self.path)
+        order = {cell.key: i for i, cell in enumerate(cells)}
+        rank = frame["cell_key"].map(lambda key: order.get(str(key), len(order)))
+        return frame.iloc[rank.argsort(kind="stable")].reset_index(drop=True)
+
+    def study_rows(self, cells: list[Cell]) -> list[dict[str, object]]:
+        """study_frame as one dict per row."""
+        return self.study_frame(cells).to_dict("records")
 
     def _apply_pending(self) -> None:
         if not self._pending or not self.path.is_file():

@@ -65,7 +65,7 @@ MAX_PRINTED_ROWS = 200
 def format_overview(rows: Iterable[dict[str, object]]) -> str:
     """A few lines for a sweep too large to print cell by cell: cells by status, and the
     spread of step_ms and host_frac over the measured ones."""
-    frame = pd.DataFrame(list(rows))
+    frame = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
     counts = frame["status"].value_counts() if "status" in frame else pd.Series(dtype=int)
     lines = [f"{len(frame)} cells: " + ", ".join(f"{n} {status}" for status, n in counts.items())]
     for column in ("step_ms", "device_ms", "host_frac"):

@@ -65,7 +65,7 @@ def sweep_meta(study: Study, tracker: SweepTracker, cells: pd.DataFrame, run_dir
     }
 
 
-def sweep_figures(study: Study, rows: list[dict[str, object]]) -> dict[str, Any]:
+def sweep_figures(study: Study, rows: pd.DataFrame) -> dict[str, Any]:
     """The sweep's figures by name (empty when no cell finished)."""
     from hostsweep.report import figures
 
@@ -95,8 +95,8 @@ def write_results(study: Study, tracker: SweepTracker, table: CellTable, run_dir
         summary = build_summary(cells, meta, tracker.run_url)
         path = run_dir / SUMMARY_FILE
         path.write_text(json.dumps(summary, indent=1, allow_nan=False))
+        figs = sweep_figures(study, cells)
         rows = cells.to_dict("records")
-        figs = sweep_figures(study, rows)
         from hostsweep.report.figures import SAVE_KWARGS
 
         for name, fig in figs.items():
@@ -132,7 +132,7 @@ def where_results_are(tracker: SweepTracker, table: CellTable, summary: Optional
     return "\n".join(lines)
 
 
-def print_results(rows: list[dict[str, object]], resumed: int, tracker: SweepTracker, table: CellTable,
+def print_results(rows: pd.DataFrame, resumed: int, tracker: SweepTracker, table: CellTable,
                   summary: Optional[Path]) -> None:
     """The console's last lines: where things are, then the table itself."""
     print(where_results_are(tracker, table, summary))
@@ -141,6 +141,6 @@ def print_results(rows: list[dict[str, object]], resumed: int, tracker: SweepTra
         print(format_overview(rows))
         print(f"(one line per cell for up to {MAX_PRINTED_ROWS} cells; these are in {table.path.name})")
     else:
-        print(format_table(rows))
+        print(format_table(rows.to_dict("records")))
     if resumed:
         print(f"({resumed} of these cells were FINISHED by earlier runs: `resumed` in {table.path.name})")

@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
+import pandas as pd
+
 from omegaconf import DictConfig, OmegaConf
 
 from hostsweep.config.grid import Cell, build_cells, group_by_engine, runnable
@@ -72,7 +74,7 @@ def sweep_params(study: Study, cells: list[Cell]) -> dict[str, object]:
     }
 
 
-def record_study_summary(study: Study, rows: list[dict[str, object]], tracker: SweepTracker) -> None:
+def record_study_summary(study: Study, rows: pd.DataFrame, tracker: SweepTracker) -> None:
     """Mode comparisons and the TP floor over the whole study, on the parent run."""
     pairs = mode_pairs((m.name, m.baseline, m.engine_args) for m in study.modes)
     try:
@@ -231,7 +233,7 @@ def _sweep(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, b
         dispatcher.run()
         stop = dispatcher.stopped
         if not stop:
-            record_study_summary(study, table.study_rows(grid), tracker)
+            record_study_summary(study, table.study_frame(grid), tracker)
         failed = table.failed()
         status = "FAILED" if failed or stop else "FINISHED"
     finally:
@@ -239,7 +241,7 @@ def _sweep(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, b
     mlflow_up = not (recorder.uploader.failure() or unlogged)
     summary = write_results(study, tracker, table, run_dir, status, tags, started, mlflow_up,
                             [c.key for c in grid])
-    print_results(table.study_rows(grid), table.resumed_count, tracker, table, summary)
+    print_results(table.study_frame(grid), table.resumed_count, tracker, table, summary)
     if unlogged or stop:
         print(f"hostsweep: stopped early: {stop or 'MLflow did not take every cell'}; {unlogged} measured cell(s) are "
               f"kept in {journal.path} for MLflow: rerun the same command to upload them and measure the rest",
