@@ -27,7 +27,7 @@ from hostsweep.measure.protocol import (
     CellMeasurement, ci_target_rule, own_text_seeds, prompt_digest, random_prompts, run_protocol, summarize,
 )
 from hostsweep.measure.results import CellResult, MeasureOptions
-from hostsweep.measure.speculative import spec_summary
+from hostsweep.measure.speculative import SpecResult, spec_summary
 from hostsweep.run.faults import EngineDied
 from hostsweep.run.hygiene import (
     descendant_pids, new_scratch_folder, release_ray_thread_limits, remove_stale_scratch, restore_affinity,
@@ -214,6 +214,21 @@ class SweepWorker:
         self.engine.generate(seeds, cell.ctx - len(seeds[0]))
         return [seed + text for seed, text in zip(seeds, self.engine.last_tokens())]
 
+    def _timed(self, cell: Cell, prompts: list[list[int]],
+               options: MeasureOptions) -> tuple[CellMeasurement, Optional[SpecResult]]:
+        """Warm-ups and timed pairs, fewer when the cell's CI target is met early; summarized,
+        with their wall time (timed_s) and, with speculation, the T-token generates' counts."""
+        m = options.measure
+        stop = None if cell.target_ci_pct is None else \
+            ci_target_rule(cell.target_ci_pct, cell.min_reps, m.bootstrap_resamples, m.ci_level, cell.seed)
+        self._spec_log = []
+        started = time.perf_counter()
+        timings = run_protocol(self._timed_generate(prompts), cell.T, cell.warmups, cell.reps, self._tell, stop)
+        timed_s = time.perf_counter() - started
+        spec = spec_summary(self._spec_log[-len(timings):], cell.T)
+        return dataclasses.replace(summarize(timings, m.bootstrap_resamples, m.ci_level, cell.seed),
+                                   timed_s=timed_s), spec
+
     def measure(self, cell: Cell, options: MeasureOptions) -> CellResult:
         """Run the differencing protocol on one cell; failures become FAILED results."""
         try:
@@ -229,16 +244,7 @@ class SweepWorker:
             raise EngineDied(dead)
         try:
             prompts = self.prompts(cell)
-            self._spec_log = []
-            m = options.measure
-            stop = None if cell.target_ci_pct is None else \
-                ci_target_rule(cell.target_ci_pct, cell.min_reps, m.bootstrap_resamples, m.ci_level, cell.seed)
-            timed_start = time.perf_counter()
-            timings = run_protocol(self._timed_generate(prompts), cell.T, cell.warmups, cell.reps, self._tell, stop)
-            timed_s = time.perf_counter() - timed_start
-            spec = spec_summary(self._spec_log[-len(timings):], cell.T)
-            measurement = dataclasses.replace(summarize(timings, m.bootstrap_resamples, m.ci_level, cell.seed),
-                                              timed_s=timed_s)
+            measurement, spec = self._timed(cell, prompts, options)
             split = self._split(cell, prompts, measurement, options, keep) \
                 if options.split.enabled and self.spec.profile else None
             lin = self._linearity(prompts, options, keep) if options.linearity_T else None
