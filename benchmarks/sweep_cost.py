@@ -134,10 +134,11 @@ def report_hostsweep(started: float, wall: float, run_dir: Path, store: Path) ->
     print(f"  harness overhead       {wall - floor:6.1f} s  = {(wall - floor) / wall:.0%} of the wall")
     print(f"  engines started        {engines}")
     print(f"  cells per minute       {len(runs) / wall * 60:.1f}")
-    widths = ", ".join(f"{w:.1f}" for w in runs["metrics.ci_half_width_pct"])
+    ordered = runs.sort_values(["params.batch", "params.ctx"], key=lambda c: c.astype(int))
+    widths = ", ".join(f"{w:.1f}" for w in ordered["metrics.ci_half_width_pct"])
     print(f"reps a CI target needs here (12 logged pairs per cell, their half-widths {widths} %; '~' = extrapolated):")
     steps = {f"b{int(r['params.batch'])} ctx{int(r['params.ctx'])}": raw_steps(store, r["run_id"])
-             for _, r in runs.sort_values(["params.batch", "params.ctx"], key=lambda c: c.astype(int)).iterrows()}
+             for _, r in ordered.iterrows()}
     for target in TARGETS:
         print(f"  {target:g}%: " + ", ".join(f"{cell} {reps_needed(s, target)}" for cell, s in steps.items()))
 
