@@ -74,6 +74,10 @@ class Cell:
     seed: int
     workload: str = "random"
     skip: Optional[str] = None  # why the SKU cannot run this mode; never part of the key
+    # Adaptive repetitions: stop once the CI half-width is <= this % of the median, after
+    # min_reps pairs; `reps` is then the most it may take (measure.max_reps).
+    target_ci_pct: Optional[float] = None
+    min_reps: int = 0
 
     @property
     def key(self) -> str:
@@ -81,8 +85,9 @@ class Cell:
 
         The fields keys always held, then, each only when off its earlier default (so keys
         logged before it existed still match): the TP executor, the user's engine arguments
-        (mode and engine.engine_args, canonical JSON), the workload and random weights. The sixth field was
-        the mode's quantization; it is now inside the engine arguments and stays null."""
+        (mode and engine.engine_args, canonical JSON), the workload, random weights and the
+        adaptive-repetition rule. The sixth field was the mode's quantization; it is now
+        inside the engine arguments and stays null."""
         e = self.engine
         fields: list[Any] = [e.sku, e.model, e.shape_json, e.model_path, e.mode, None, e.tp,
                              e.dtype, e.engine, self.batch, self.ctx, self.T, self.warmups, self.reps]
@@ -94,6 +99,8 @@ class Cell:
             fields.append({"workload": self.workload})
         if e.random_weights:
             fields.append({"weights": "random"})
+        if self.target_ci_pct is not None:
+            fields.append({"target_ci_pct": self.target_ci_pct, "min_reps": self.min_reps})
         identity = json.dumps(fields, sort_keys=True)
         digest = hashlib.sha1(identity.encode()).hexdigest()[:10]
         return f"{e.label}/b{self.batch}/ctx{self.ctx}/T{self.T}/{digest}"
@@ -101,12 +108,14 @@ class Cell:
     def params(self) -> dict[str, object]:
         """The parameters users filter by, as logged to MLflow and the cell table."""
         e = self.engine
+        adaptive = {} if self.target_ci_pct is None else \
+            {"target_ci_pct": self.target_ci_pct, "min_reps": self.min_reps, "max_reps": self.reps}
         return {
             "sku": e.sku, "model": e.model, "mode": e.mode, "tp": e.tp,
             "batch": self.batch, "ctx": self.ctx, "T": self.T,
             "reps": self.reps, "warmups": self.warmups, "dtype": e.dtype, "engine": e.engine,
             "tp_executor": e.tp_executor, "workload": self.workload,
-            "engine_args": canonical_json(e.keyed_args),
+            "engine_args": canonical_json(e.keyed_args), **adaptive,
         }
 
 
@@ -141,12 +150,15 @@ def build_cells(study: Study) -> list[Cell]:
     """Every cell of the study, grouped by engine spec (SKU-major, then model, mode, TP,
     batch, ctx, workload). Cells of a mode their SKU cannot run carry the reason in `skip`."""
     cfg, m = study.config, study.config.measure
+    adaptive = m.target_ci_pct is not None
+    reps = m.max_reps if adaptive else m.reps
+    rule = (float(m.target_ci_pct), m.min_reps) if adaptive else (None, 0)
     cells = []
     for sku, model, mode, tp in product(study.skus, study.models, study.modes, cfg.tp):
         spec = engine_spec(study, sku, tp, mode, model)
         skip = unsupported_reason(mode, sku, spec.keyed_args)
         for batch, ctx, workload in product(cfg.batch, cfg.ctx, cfg.workload):
-            cells.append(Cell(spec, batch, ctx, m.T, m.warmups, m.reps, m.seed, workload, skip))
+            cells.append(Cell(spec, batch, ctx, m.T, m.warmups, reps, m.seed, workload, skip, *rule))
     return cells
 
 

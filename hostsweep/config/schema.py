@@ -100,6 +100,12 @@ class MeasureConfig:
     bootstrap_resamples: int = 2000
     ci_level: float = 0.95
     seed: int = 0
+    # Adaptive repetitions: a cell stops once its CI half-width is at most this % of its
+    # median step, after min_reps and by max_reps at the latest (`reps` is then unused).
+    # None: every cell runs exactly `reps` pairs (and keeps the key it always had).
+    target_ci_pct: Optional[float] = None
+    min_reps: int = 5
+    max_reps: int = 48
 
 
 @dataclass

@@ -4,6 +4,8 @@ Its wall time is a fixed overhead plus a per-step cost linear in batch and conte
 and its "profiler" writes synthetic chrome traces in which a known share of every
 step (`device_share`) is compute ops, so differencing and the split have known
 answers. Everything it produces is tagged engine=fake; it is never the default.
+HOSTSWEEP_FAKE_TIME_SCALE (environment, inherited by Ray workers) scales every sleep:
+0 answers instantly, for benchmarks of the harness itself (benchmarks/sweep_scale.py).
 
 Its "model" writes the next token of a 16-token ring (token c is followed by the next one
 in its block of 16), so its own text repeats every 16 tokens and random prompts do not.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -79,6 +82,7 @@ class FakeEngine:
         speculative = spec.engine_args.get("speculative_config") or {}
         self.k = int(speculative.get("num_speculative_tokens", 0))
         self._last: list[tuple[list[int], dict[str, int]]] = []
+        self.time_scale = float(os.environ.get("HOSTSWEEP_FAKE_TIME_SCALE", "1"))
 
     def step_seconds(self, batch: int, ctx: int) -> float:
         return self.step_s * (1.0 + 0.1 * (batch - 1)) * (1.0 + ctx / 4096)
@@ -90,7 +94,8 @@ class FakeEngine:
         decoded = [decode(p, max_tokens, self.k) for p in prompts]
         steps = max(d[1] for d in decoded)  # a batch steps until its longest request is done
         cycle = self.cycle_seconds(len(prompts), len(prompts[0]))
-        time.sleep(self.overhead_s + cycle * steps)
+        if self.time_scale > 0:
+            time.sleep((self.overhead_s + cycle * steps) * self.time_scale)
         if self._profiling is not None:
             self._recorded.append((steps, len(prompts), len(prompts[0]), cycle))
         self._last = [(text, stats) for text, _, stats in decoded]

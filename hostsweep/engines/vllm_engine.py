@@ -54,13 +54,16 @@ def profiler_config(trace_dir: Path) -> dict[str, object]:
     """Torch profiler in the engine's worker processes, one chrome trace per rank.
 
     No Python stacks: they multiply the profiler's own overhead and the split needs
-    only op and kernel events.
+    only op and kernel events. No gzip: compressing a trace the worker reads back at once
+    and then deletes cost ~0.9 s per stop_profile on the CPU build (vllm_notes §4); the
+    worker compresses only the traces it is asked to keep.
     """
     return {
         "profiler": "torch",
         "torch_profiler_dir": str(trace_dir),
         "torch_profiler_with_stack": False,
         "torch_profiler_dump_cuda_time_total": False,
+        "torch_profiler_use_gzip": False,
     }
 
 

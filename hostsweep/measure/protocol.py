@@ -19,6 +19,8 @@ import numpy as np
 TimedGenerate = Callable[[int], float]
 # Told before each pair: ("warm-up" or "rep", k, n), 1-based; the worker shows it as its phase.
 PairHook = Callable[[str, int, int], None]
+# Asked after each timed pair, with the pairs so far: may the cell stop now?
+StopRule = Callable[[Sequence["RepTiming"]], bool]
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,16 @@ class CellMeasurement:
     wall_1_ms: float
     wall_T_ms: float
     reps: tuple[RepTiming, ...]
+    timed_s: float = 0.0  # wall time of the warm-ups and timed pairs (the worker sets it)
+
+    @property
+    def ci_half_width_pct(self) -> float:
+        """Half the CI's width as a percentage of the median step (what target_ci_pct bounds)."""
+        return half_width_pct(self.step_ms, self.step_ci_low_ms, self.step_ci_high_ms)
+
+
+def half_width_pct(median: float, low: float, high: float) -> float:
+    return (high - low) / 2.0 / abs(median) * 100.0 if median else float("inf")
 
 
 def step_time(wall_1_s: float, wall_T_s: float, T: int) -> float:
@@ -48,8 +60,9 @@ def step_time(wall_1_s: float, wall_T_s: float, T: int) -> float:
 
 
 def run_protocol(timed_generate: TimedGenerate, T: int, warmups: int, reps: int,
-                 on_pair: Optional[PairHook] = None) -> list[RepTiming]:
-    """Warm up, then time `reps` interleaved (T=1, T) pairs; warm-up pairs are discarded."""
+                 on_pair: Optional[PairHook] = None, stop: Optional[StopRule] = None) -> list[RepTiming]:
+    """Warm up, then time up to `reps` interleaved (T=1, T) pairs; warm-up pairs are discarded.
+    With `stop`, the pairs end early once it says the ones so far suffice."""
     tell = on_pair or (lambda kind, k, n: None)
     for warmup in range(warmups):
         tell("warm-up", warmup + 1, warmups)
@@ -66,7 +79,23 @@ def run_protocol(timed_generate: TimedGenerate, T: int, warmups: int, reps: int,
             wall_T = timed_generate(T)
             wall_1 = timed_generate(1)
         timings.append(RepTiming(rep, t1_first, wall_1, wall_T, step_time(wall_1, wall_T, T)))
+        if stop is not None and stop(timings):
+            break
     return timings
+
+
+def ci_target_rule(target_pct: float, min_reps: int, resamples: int, level: float, seed: int) -> StopRule:
+    """Stop once at least `min_reps` pairs give a bootstrap CI of the median step whose
+    half-width is at most `target_pct` % of the median. The CI is the one summarize() will
+    report (same resamples, level and seed), so the logged half-width is the one that stopped."""
+    def enough(timings: Sequence[RepTiming]) -> bool:
+        if len(timings) < min_reps:
+            return False
+        steps = np.array([t.step_s for t in timings]) * 1e3
+        low, high = bootstrap_median_ci(steps, resamples, level, np.random.default_rng(seed))
+        return half_width_pct(float(np.median(steps)), low, high) <= target_pct
+
+    return enough
 
 
 def bootstrap_median_ci(

@@ -121,12 +121,14 @@ def _raw_metrics(result: CellResult) -> dict[str, float]:
         "step_ms": m.step_ms, "step_ci_low_ms": m.step_ci_low_ms, "step_ci_high_ms": m.step_ci_high_ms,
         **step_percentiles(m),
         "wall_1_ms": m.wall_1_ms, "wall_T_ms": m.wall_T_ms, "cell_duration_s": result.duration_s,
+        "timed_s": m.timed_s, "reps_used": float(len(m.reps)), "ci_half_width_pct": m.ci_half_width_pct,
     }
     if result.split is not None:
         sp = result.split
         metrics.update(device_ms=sp.device_ms, host_ms=sp.host_ms, host_frac=sp.host_frac,
                        overlap_gap_ms=sp.overlap_gap_ms, profiled_step_ms=sp.profiled_step_ms,
-                       profiler_overhead=sp.profiler_overhead, kernels_per_step=sp.kernels_per_step)
+                       profiler_overhead=sp.profiler_overhead, kernels_per_step=sp.kernels_per_step,
+                       split_s=sp.split_s, split_overhead_s=sp.split_overhead_s)
         if sp.kernel_source == "cuda":
             metrics.update(copy_ms=sp.copy_ms, copy_bytes_per_step=sp.copy_bytes,
                            launches_per_step=sp.launches_per_step)

@@ -31,6 +31,8 @@ class SplitResult:
     top_ops: tuple[tuple[str, float], ...]  # (name, ms per step), largest first
     kernels_per_step: float = 0.0  # CUDA kernels, or counted CPU compute ops, per step
     launches_per_step: float = 0.0  # host launch calls per step (cuda traces only)
+    split_s: float = 0.0  # wall time of the whole split phase (the worker sets it)
+    split_overhead_s: float = 0.0  # split_s minus as many unprofiled pairs (see SweepWorker._split)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
-"""The cell table in the Hydra run directory (cells.csv), rewritten after every cell."""
+"""The cell table in the Hydra run directory (cells.csv): one row appended per cell."""
 from __future__ import annotations
 
+import csv
+import math
 import threading
 from pathlib import Path
 
@@ -8,43 +10,117 @@ import pandas as pd
 
 from hostsweep.config.grid import Cell
 
+# Run-id corrections wait until they are this share of the rows (or the table is read), so
+# a sweep rewrites the file O(log n) times instead of once per cell.
+REWRITE_SHARE = 0.1
+REWRITE_MIN = 20
+
+
+def csv_value(value: object) -> object:
+    """A value as pandas' to_csv writes it: missing and NaN empty, the rest unchanged."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return value
+
 
 class CellTable:
-    """The cell table in the run directory, rewritten after every cell so none is lost.
+    """The cell table in the run directory; every cell's row is appended (and flushed) as
+    soon as it is measured, so none is lost and a 10,000-cell sweep writes O(n), not O(n²).
 
     A resumed sweep's table holds the whole study: the cells FINISHED by earlier runs
-    (`resumed` true, their own MLflow run ids) and the ones measured now (`rows`). A row
-    names the MLflow run that claimed its cell as soon as it is measured, and the run the
-    cell was logged into once MLflow has it (`set_run_id`, from the uploader's thread)."""
+    (`resumed` true, their own MLflow run ids) and the ones measured now. A row names the
+    MLflow run that claimed its cell as soon as it is measured, and the run the cell was
+    logged into once MLflow has it (`set_run_id`, from the uploader's thread): those
+    corrections are applied in batches and always before the table is read (`flush`).
+    The rows themselves are not kept in memory; only each new cell's key and status are."""
 
     def __init__(self, path: Path, resumed: list[dict[str, object]] | None = None) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.resumed = [{**row, "resumed": True} for row in resumed or []]
-        self.rows: list[dict[str, object]] = []
+        self.resumed_count = len(resumed or [])
+        self.columns: list[str] = []
+        self.run_ids: dict[str, str] = {}  # cell key -> run id, for the cells measured now
+        self.statuses: dict[str, str] = {}  # cell key -> status, for the cells measured now
+        self._pending: dict[str, str] = {}  # run-id corrections not yet in the file
         self.lock = threading.Lock()
-        self._write()
+        if resumed:
+            self._rewrite(pd.DataFrame([{**row, "resumed": True} for row in resumed]))
+
+    @property
+    def count(self) -> int:
+        """Rows measured by this sweep."""
+        return len(self.statuses)
+
+    def measured_keys(self) -> set[str]:
+        with self.lock:
+            return set(self.statuses)
+
+    def failed(self) -> int:
+        """Cells of this sweep neither FINISHED nor SKIPPED."""
+        with self.lock:
+            return sum(status not in ("FINISHED", "SKIPPED") for status in self.statuses.values())
 
     def append(self, row: dict[str, object]) -> None:
+        row = {**row, "resumed": False}
         with self.lock:
-            self.rows.append({**row, "resumed": False})
-            self._write()
+            key = str(row["cell_key"])
+            self.run_ids[key], self.statuses[key] = str(row["mlflow_run_id"]), str(row["status"])
+            if not self.columns or any(column not in self.columns for column in row):
+                self._rewrite(self._read_all_text(), extra=row)
+                return
+            with self.path.open("a", newline="") as handle:
+                csv.writer(handle).writerow([csv_value(row.get(column)) for column in self.columns])
 
     def set_run_id(self, key: str, run_id: str) -> None:
         """The cell `key` was logged into `run_id`."""
         with self.lock:
-            for row in self.rows:
-                if row["cell_key"] == key and row["mlflow_run_id"] != run_id:
-                    row["mlflow_run_id"] = run_id
-                    self._write()
+            if key not in self.run_ids or self.run_ids[key] == run_id:
+                return
+            self.run_ids[key] = self._pending[key] = run_id
+            if len(self._pending) >= max(REWRITE_MIN, REWRITE_SHARE * len(self.run_ids)):
+                self._apply_pending()
+
+    def flush(self) -> None:
+        """Write the run-id corrections still pending."""
+        with self.lock:
+            self._apply_pending()
+
+    def study_frame(self, cells: list[Cell]) -> pd.DataFrame:
+        """Every row, earlier and new, in grid order (read back from the file, as the summary
+        is: a frame, not a list of dicts, which for 10,000 cells is ten times the memory)."""
+        self.flush()
+        if not self.path.is_file():
+            return pd.DataFrame()
+        frame = pd.read_csv(self.path)
+        order = {cell.key: i for i, cell in enumerate(cells)}
+        rank = frame["cell_key"].map(lambda key: order.get(str(key), len(order)))
+        return frame.iloc[rank.argsort(kind="stable")].reset_index(drop=True)
 
     def study_rows(self, cells: list[Cell]) -> list[dict[str, object]]:
-        """Every row, earlier and new, in grid order."""
-        order = {cell.key: i for i, cell in enumerate(cells)}
-        with self.lock:
-            rows = self.resumed + self.rows
-        return sorted(rows, key=lambda row: order.get(str(row["cell_key"]), len(order)))
+        """study_frame as one dict per row."""
+        return self.study_frame(cells).to_dict("records")
 
-    def _write(self) -> None:
-        if self.resumed or self.rows:
-            pd.DataFrame(self.resumed + self.rows).to_csv(self.path, index=False)
+    def _apply_pending(self) -> None:
+        if not self._pending or not self.path.is_file():
+            return
+        frame = self._read_all_text()
+        fixes = frame["cell_key"].map(self._pending).where(frame["resumed"] != "True")
+        mask = fixes.notna()
+        frame.loc[mask, "mlflow_run_id"] = fixes[mask]
+        self._pending.clear()
+        self._rewrite(frame)
+
+    def _read_all_text(self) -> pd.DataFrame:
+        """The file as written, every value a string (so a rewrite changes nothing else)."""
+        if not self.path.is_file():
+            return pd.DataFrame()
+        return pd.read_csv(self.path, dtype=str, keep_default_na=False)
+
+    def _rewrite(self, frame: pd.DataFrame, extra: dict[str, object] | None = None) -> None:
+        if extra is not None:
+            frame = pd.concat([frame, pd.DataFrame([{k: csv_value(v) for k, v in extra.items()}])],
+                              ignore_index=True)
+        self.columns = list(frame.columns)
+        temporary = self.path.with_suffix(".tmp")
+        frame.to_csv(temporary, index=False)
+        temporary.replace(self.path)  # a crash mid-rewrite leaves the old table, never half of one

@@ -5,6 +5,10 @@ failed call is retried with backoff; when MLflow has refused everything for long
 `outage_s` the uploader gives up and `failure()` says why, which stops the sweep (the
 journal keeps the cells for the next run). While idle it touches the sweep's heartbeat,
 so other sweeps can tell this one is alive.
+
+At most `max_backlog` cells wait in memory: when MLflow is that far behind, `submit` waits
+for it (a sweep of instant cells then goes at MLflow's pace, with flat memory; real cells
+take far longer than their logging). Closing waits for as long as MLflow keeps taking cells.
 """
 from __future__ import annotations
 
@@ -20,16 +24,19 @@ log = logging.getLogger(__name__)
 
 Item = TypeVar("Item")
 MAX_BACKOFF_S = 15.0
+MAX_BACKLOG = 500
 
 
 class BackgroundLogger(Generic[Item]):
     def __init__(self, deliver: Callable[[Item], None], heartbeat: Callable[[], None], outage_s: float,
-                 heartbeat_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+                 heartbeat_s: float, clock: Callable[[], float] = time.monotonic,
+                 max_backlog: int = MAX_BACKLOG) -> None:
         self.deliver, self.heartbeat = deliver, heartbeat
         self.outage_s, self.heartbeat_s, self.clock = outage_s, heartbeat_s, clock
-        self.items: "queue.Queue[Item]" = queue.Queue()
+        self.items: "queue.Queue[Item]" = queue.Queue(maxsize=max_backlog)
         self.wake = threading.Event()  # set to cut a backoff short (closing)
         self.closing = False
+        self.given_up = False  # closing gave up waiting: deliver nothing more
         self.down_since: Optional[float] = None
         self._failure: Optional[str] = None
         self.last_beat = clock()
@@ -79,7 +86,7 @@ class BackgroundLogger(Generic[Item]):
         return False
 
     def _loop(self) -> None:
-        while True:
+        while not self.given_up:
             try:
                 item = self.items.get(timeout=min(1.0, self.heartbeat_s))
             except queue.Empty:
@@ -92,13 +99,22 @@ class BackgroundLogger(Generic[Item]):
             if not self._failure and self._attempt(lambda: self.deliver(item), "a measured cell"):
                 self.delivered += 1
 
-    def close(self, timeout_s: float) -> int:
-        """Deliver what is queued (within timeout_s), stop the thread; returns how many
-        items MLflow did not get (they are in the journal)."""
-        deadline = self.clock() + timeout_s
-        while self.pending() and not self._failure and self.clock() < deadline and self.thread.is_alive():
+    def close(self, timeout_s: float, patient: bool = True) -> int:
+        """Deliver what is queued, stop the thread; returns how many items MLflow did not get
+        (they are in the journal). Patient: wait while MLflow keeps taking cells, until it
+        has taken none for timeout_s (a long backlog drains however long it is); else wait
+        timeout_s at most."""
+        started = progress_at = self.clock()
+        last = self.delivered
+        while self.pending() and not self._failure and self.thread.is_alive():
+            now = self.clock()
+            if self.delivered != last:
+                last, progress_at = self.delivered, now
+            if now - (progress_at if patient else started) >= timeout_s:
+                self.given_up = True
+                break
             time.sleep(0.05)
         self.closing = True
         self.wake.set()
-        self.thread.join(timeout=max(1.0, deadline - self.clock()) + 15)
+        self.thread.join(timeout=max(1.0, timeout_s - (self.clock() - progress_at)) + 15)
         return self.pending()

@@ -26,7 +26,7 @@ KINDS = ("graph", "fp8", "spec", "ratio")
 
 def cell_frame(rows: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
     """FINISHED cells as a typed frame (resumed rows come back from MLflow as strings)."""
-    frame = pd.DataFrame(list(rows))
+    frame = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
     if frame.empty or "status" not in frame:
         return pd.DataFrame(columns=[*AXES, "mode"])
     frame = frame[frame["status"] == "FINISHED"].copy()

@@ -58,6 +58,24 @@ def format_table(rows: Iterable[dict[str, object]]) -> str:
     return "\n".join("  ".join(v.ljust(widths[c]) for c, v in zip(columns, line)).rstrip() for line in lines)
 
 
+# Above this many cells the console gets an overview instead of one line per cell.
+MAX_PRINTED_ROWS = 200
+
+
+def format_overview(rows: Iterable[dict[str, object]]) -> str:
+    """A few lines for a sweep too large to print cell by cell: cells by status, and the
+    spread of step_ms and host_frac over the measured ones."""
+    frame = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
+    counts = frame["status"].value_counts() if "status" in frame else pd.Series(dtype=int)
+    lines = [f"{len(frame)} cells: " + ", ".join(f"{n} {status}" for status, n in counts.items())]
+    for column in ("step_ms", "device_ms", "host_frac"):
+        values = pd.to_numeric(frame[column], errors="coerce").dropna() if column in frame else pd.Series()
+        if len(values):
+            low, mid, high = values.quantile([0.0, 0.5, 1.0])
+            lines.append(f"  {column}: median {mid:.3f}, min {low:.3f}, max {high:.3f} over {len(values)} cells")
+    return "\n".join(lines)
+
+
 def format_markdown(rows: Iterable[dict[str, object]], max_chars: int,
                     link: Optional[Callable[[dict[str, object]], Optional[str]]] = None,
                     overflow: str = "") -> str:

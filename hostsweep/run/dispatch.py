@@ -78,7 +78,8 @@ class Dispatcher:
     def __init__(self, cells: list[Cell], options: MeasureOptions, on_result: Callable[[CellResult], None],
                  backend: WorkerBackend, policy: FaultPolicy = FaultPolicy(),
                  progress: Optional[ProgressReporter] = None,
-                 should_stop: Callable[[], Optional[str]] = lambda: None, log_dir: Optional[Path] = None) -> None:
+                 should_stop: Callable[[], Optional[str]] = lambda: None, log_dir: Optional[Path] = None,
+                 prestarted: Optional[dict[EngineSpec, tuple[object, float]]] = None) -> None:
         self.queues = {spec: deque(group) for spec, group in group_by_engine(cells).items()}
         self.log_dir = log_dir  # where workers log (workers/<spec>.log), None: not to files
         self.options, self.on_result, self.policy = options, on_result, policy
@@ -96,6 +97,9 @@ class Dispatcher:
         # Seconds the finished cells took once their engine was ready (for the ETA, which
         # leaves engine starts out): their sum and count, not a list, for huge sweeps.
         self.measured_s, self.measured_n = 0.0, 0
+        # Workers the sweep started while it still planned (worker, when it was started).
+        for spec, (worker, started_at) in (prestarted or {}).items():
+            self.workers[spec], self.started_at[spec] = worker, started_at
 
     def _report(self, result: CellResult, lost_last: bool = False) -> None:
         """Hand a cell's final result on, with its attempts: the lost ones, plus the one that

@@ -7,6 +7,8 @@ Given a log file, the worker sends its output, and its engine's, there (run/work
 """
 from __future__ import annotations
 
+import dataclasses
+import gzip
 import logging
 import os
 import shutil
@@ -21,9 +23,11 @@ import numpy as np
 from hostsweep.engines.base import Engine, start_engine
 from hostsweep.config.grid import Cell, EngineSpec
 from hostsweep.config.machine import hostname
-from hostsweep.measure.protocol import own_text_seeds, prompt_digest, random_prompts, run_protocol, summarize
+from hostsweep.measure.protocol import (
+    CellMeasurement, ci_target_rule, own_text_seeds, prompt_digest, random_prompts, run_protocol, summarize,
+)
 from hostsweep.measure.results import CellResult, MeasureOptions
-from hostsweep.measure.speculative import spec_summary
+from hostsweep.measure.speculative import SpecResult, spec_summary
 from hostsweep.run.faults import EngineDied
 from hostsweep.run.hygiene import (
     descendant_pids, new_scratch_folder, release_ray_thread_limits, remove_stale_scratch, restore_affinity,
@@ -151,13 +155,28 @@ class SweepWorker:
         rank_totals = [totals(load_trace(path)) for path in files]
         for path in files:  # traces are large: keep only when asked, never accumulate
             if keep is not None:
-                keep[path.name] = path.read_bytes()
+                data = path.read_bytes()
+                gz = path.name.endswith(".gz")
+                keep[path.name if gz else path.name + ".gz"] = data if gz else gzip.compress(data, 6)
             path.unlink(missing_ok=True)
         return rank_totals, wall
 
-    def _split(self, cell: Cell, prompts: list[list[int]], step_ms: float, opts: MeasureOptions,
+    def _split(self, cell: Cell, prompts: list[list[int]], measurement: CellMeasurement, opts: MeasureOptions,
                keep: Optional[dict[str, bytes]]) -> SplitResult:
-        """Profiled pairs, separate from the timed reps; the median-device pair wins."""
+        """Profiled pairs, separate from the timed reps; the median-device pair wins.
+
+        Its cost is logged as split_overhead_s: the wall time of the whole split phase
+        (profiler start and stop, the profiled generates, trace export, reading and parsing
+        the traces) minus what the same number of unprofiled pairs takes (the timed reps'
+        median wall_1 + wall_T per pair), i.e. what profiling adds to the cell."""
+        started = time.perf_counter()
+        split = self._profiled_pairs(cell, prompts, measurement.step_ms, opts, keep)
+        split_s = time.perf_counter() - started
+        plain_s = opts.split.reps * (measurement.wall_1_ms + measurement.wall_T_ms) / 1e3
+        return dataclasses.replace(split, split_s=split_s, split_overhead_s=split_s - plain_s)
+
+    def _profiled_pairs(self, cell: Cell, prompts: list[list[int]], step_ms: float, opts: MeasureOptions,
+                        keep: Optional[dict[str, bytes]]) -> SplitResult:
         splits = []
         for rep in range(opts.split.reps):
             self._tell("profiling", rep + 1, opts.split.reps)
@@ -195,6 +214,21 @@ class SweepWorker:
         self.engine.generate(seeds, cell.ctx - len(seeds[0]))
         return [seed + text for seed, text in zip(seeds, self.engine.last_tokens())]
 
+    def _timed(self, cell: Cell, prompts: list[list[int]],
+               options: MeasureOptions) -> tuple[CellMeasurement, Optional[SpecResult]]:
+        """Warm-ups and timed pairs, fewer when the cell's CI target is met early; summarized,
+        with their wall time (timed_s) and, with speculation, the T-token generates' counts."""
+        m = options.measure
+        stop = None if cell.target_ci_pct is None else \
+            ci_target_rule(cell.target_ci_pct, cell.min_reps, m.bootstrap_resamples, m.ci_level, cell.seed)
+        self._spec_log = []
+        started = time.perf_counter()
+        timings = run_protocol(self._timed_generate(prompts), cell.T, cell.warmups, cell.reps, self._tell, stop)
+        timed_s = time.perf_counter() - started
+        spec = spec_summary(self._spec_log[-len(timings):], cell.T)
+        return dataclasses.replace(summarize(timings, m.bootstrap_resamples, m.ci_level, cell.seed),
+                                   timed_s=timed_s), spec
+
     def measure(self, cell: Cell, options: MeasureOptions) -> CellResult:
         """Run the differencing protocol on one cell; failures become FAILED results."""
         try:
@@ -210,11 +244,8 @@ class SweepWorker:
             raise EngineDied(dead)
         try:
             prompts = self.prompts(cell)
-            self._spec_log = []
-            timings = run_protocol(self._timed_generate(prompts), cell.T, cell.warmups, cell.reps, self._tell)
-            spec = spec_summary(self._spec_log[-cell.reps:], cell.T)
-            measurement = summarize(timings, options.measure.bootstrap_resamples, options.measure.ci_level, cell.seed)
-            split = self._split(cell, prompts, measurement.step_ms, options, keep) \
+            measurement, spec = self._timed(cell, prompts, options)
+            split = self._split(cell, prompts, measurement, options, keep) \
                 if options.split.enabled and self.spec.profile else None
             lin = self._linearity(prompts, options, keep) if options.linearity_T else None
             self._phase = "py-spy" if options.pyspy_seconds > 0 else self._phase

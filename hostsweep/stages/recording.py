@@ -64,7 +64,7 @@ class SweepRecorder:
         self.table.append(cell_row(result, run_id or "", self.tags))
         self.uploader.submit(Measured(entry, result, run_id, self.tags))
         level = logging.WARNING if result.status == "FAILED" else logging.INFO
-        log.log(level, "[%d/%d] %s: %s", len(self.table.rows), self.total, cell_label(result.params),
+        log.log(level, "[%d/%d] %s: %s", self.table.count, self.total, cell_label(result.params),
                 describe(result))
 
     def _deliver(self, item: Measured) -> None:
@@ -76,9 +76,9 @@ class SweepRecorder:
     def should_stop(self) -> Optional[str]:
         return self.uploader.failure()
 
-    def close(self, timeout_s: float) -> int:
-        """Let MLflow take what is queued (within timeout_s); the count it did not take."""
-        return self.uploader.close(timeout_s)
+    def close(self, timeout_s: float, patient: bool = True) -> int:
+        """Let MLflow take what is queued (BackgroundLogger.close); the count it did not take."""
+        return self.uploader.close(timeout_s, patient)
 
 
 def upload_orphans(tracker: SweepTracker, pending: Path) -> int:

