@@ -30,7 +30,7 @@ from mlflow.tracking import MlflowClient
 from hostsweep.measure.results import CellResult, cell_metrics, logged_row, split_tags
 from hostsweep.record.artifacts import linearity_table, timings_table, top_ops_table
 from hostsweep.record.store import local_artifact_root, quiet_mlflow
-from hostsweep.record.views import KIND, KIND_TAG, NOTE_TAG, cell_note, cell_run_name, runs_table_url, ui_base
+from hostsweep.record.views import JOURNAL_TAG, KIND, KIND_TAG, NOTE_TAG, cell_note, cell_run_name, runs_table_url, ui_base
 from hostsweep.record.claims import (
     HEARTBEAT_TAG, KILLED_REASON_TAG, LIVE_HERE, OWNER_TAG, PARENT_TAG, RunView, claim_winner, stale_reason,
     this_owner,
@@ -49,7 +49,6 @@ CLIENT_ENV = {
     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
 }
 RUNNING = "attributes.status = 'RUNNING'"
-JOURNAL_TAG = "journal_entry"  # the run-directory journal entry a cell run was logged from
 
 
 def bounded_requests() -> None:

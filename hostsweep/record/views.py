@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 from hostsweep.config.redact import redact
 
+JOURNAL_TAG = "journal_entry"  # the run-directory journal entry a cell run was logged from
 NOTE_TAG = "mlflow.note.content"  # a run's or experiment's Markdown description
 # What MLflow's UI writes for an experiment created in its "model training" view; harmless,
 # and what an upstream fix of mlflow/mlflow#24498 would read.

@@ -6,13 +6,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from hostsweep.measure.results import CellResult, cell_metrics, cell_row
 from hostsweep.record.celltable import CellTable
 from hostsweep.record.journal import Journal, decode_result
-from hostsweep.record.tracking import JOURNAL_TAG, SweepTracker
+from hostsweep.record.views import JOURNAL_TAG
 from hostsweep.record.uploader import BackgroundLogger
+
+if TYPE_CHECKING:  # MLflow (1.5 s to import) loads only once a sweep records: bad input fails fast
+    from hostsweep.record.tracking import SweepTracker
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import pandas as pd
 
@@ -19,11 +19,13 @@ from hostsweep.config.redact import redact
 from hostsweep.config.resolve import Study
 from hostsweep.record.celltable import CellTable
 from hostsweep.record.provenance import package_version
-from hostsweep.record.tracking import SweepTracker
 from hostsweep.record.views import absolute_store_uri, ui_command
 from hostsweep.report.modes import cell_frame
 from hostsweep.report.summary import SUMMARY_FILE, build_summary, sweep_description
 from hostsweep.report.tables import MAX_PRINTED_ROWS, format_overview, format_table
+
+if TYPE_CHECKING:  # MLflow (1.5 s to import) loads only once a sweep records: bad input fails fast
+    from hostsweep.record.tracking import SweepTracker
 
 log = logging.getLogger(__name__)
 FIGURES_FOLDER = "figures"

@@ -16,7 +16,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import pandas as pd
 
@@ -33,7 +33,6 @@ from hostsweep.record.celltable import CellTable
 from hostsweep.record.claims import PARENT_TAG
 from hostsweep.record.journal import JOURNAL_FILE, Journal, pending_folder
 from hostsweep.record.provenance import driver_tags
-from hostsweep.record.tracking import SweepTracker
 from hostsweep.record.views import experiment_description, varying_axes
 from hostsweep.report.modes import cell_frame, mode_pairs, study_summary
 from hostsweep.run import cluster
@@ -46,6 +45,9 @@ from hostsweep.stages.preflight import preflight, record_cluster
 from hostsweep.stages import signals
 from hostsweep.stages.recording import SweepRecorder, upload_orphans
 from hostsweep.stages.results import engines_label, print_results, write_results
+
+if TYPE_CHECKING:  # MLflow (1.5 s to import) loads only once a sweep records: bad input fails fast
+    from hostsweep.record.tracking import SweepTracker
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +188,8 @@ def open_study(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Pat
     the resumed cells' rows, and this sweep's claims."""
     cfg = study.config
     with tracking_answers(cfg.tracking.uri):
+        from hostsweep.record.tracking import SweepTracker
+
         tracker = SweepTracker(cfg.tracking.uri, experiment_name(study), experiment_description(cfg.study))
         tidy_experiment(tracker, study, pending)
         cells, resumed = skip_finished(grid, tracker, options) if cfg.resume else (grid, [])
