@@ -54,8 +54,8 @@ def test_a_killed_engine_core_is_detected_its_cell_retried_and_every_cell_measur
     run_dir = tmp_path / "run"
     # T and reps give the two cells after the first several seconds: on a loaded machine this
     # test must still find the engine alive once the first cell is in the journal.
-    command = [sys.executable, "-m", "hostsweep", "+sku=cpu", "batch=[1,2,3]", "ctx=[32]", "measure.T=129",
-               "measure.reps=6", "measure.warmups=1", "split.enabled=false", f"tracking.uri={uri}",
+    command = [sys.executable, "-m", "hostsweep", "+sku=cpu", "batch=[1,2,3]", "ctx=[32]", "measure.T=49",
+               "measure.reps=4", "measure.warmups=1", "split.enabled=false", f"tracking.uri={uri}",
                "study=enginedeath", f"hydra.run.dir={run_dir}"]
     driver = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
