@@ -152,7 +152,7 @@ def synth_command(args: argparse.Namespace) -> int:
     below = np.zeros(len(out), bool)
     for sku_tp in args.below_bound:
         sku, _, tp = sku_tp.partition(":")
-        group = ((out["sku"] == sku) & (out["tp"] == int(tp) if tp.isdigit() else False)).to_numpy()
+        group = ((out["sku"] == sku) & (out["tp"] == int(tp))).to_numpy() if tp.isdigit() else np.zeros(len(out), bool)
         if not group.any():
             raise ConfigError(f"--below-bound {sku_tp} matches no cell: the grid has sku {', '.join(args.sku)} "
                               f"and tp {', '.join(map(str, args.tp))} (give SKU:TP, and the SKU in --sku)")

@@ -125,7 +125,7 @@ def _close(figs: dict[str, Any]) -> None:
 def where_results_are(tracker: SweepTracker, table: CellTable, summary: Optional[Path]) -> str:
     """The lines that say where the results are and how to browse them."""
     run_dir = table.path.parent
-    present = ["cells.csv", "summary.json" if summary else "", "figures/" if any(run_dir.glob("figures/*.png")) else "",
+    present = ["cells.csv", "summary.json" if summary else "", f"{FIGURES_FOLDER}/" if any((run_dir / FIGURES_FOLDER).glob("*.png")) else "",
                "workers/*.log" if any(run_dir.glob("workers/*.log")) else "", "hostsweep.log"]
     lines = [f"results: {run_dir}  ({', '.join(p for p in present if p)})",
              f"MLflow: experiment {tracker.experiment} ({tracker.experiment_id}), parent run {tracker.parent_run_id} "
