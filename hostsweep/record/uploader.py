@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 Item = TypeVar("Item")
 MAX_BACKOFF_S = 15.0
 MAX_BACKLOG = 500
+# Put on the queue by close(): the thread, waiting up to a second for an item, ends at once.
+_WAKE = object()
 
 
 class BackgroundLogger(Generic[Item]):
@@ -90,6 +92,8 @@ class BackgroundLogger(Generic[Item]):
             try:
                 item = self.items.get(timeout=min(1.0, self.heartbeat_s))
             except queue.Empty:
+                item = _WAKE  # nothing to log: a heartbeat may be due
+            if item is _WAKE:
                 if self.closing:
                     return
                 if self.clock() - self.last_beat >= self.heartbeat_s and not self._failure:
@@ -116,5 +120,9 @@ class BackgroundLogger(Generic[Item]):
             time.sleep(0.05)
         self.closing = True
         self.wake.set()
+        try:
+            self.items.put_nowait(_WAKE)  # type: ignore[arg-type]
+        except queue.Full:  # given up on a full backlog: the thread ends after its current item
+            pass
         self.thread.join(timeout=max(1.0, timeout_s - (self.clock() - progress_at)) + 15)
         return self.pending()

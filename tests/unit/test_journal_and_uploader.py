@@ -144,6 +144,20 @@ def test_an_interrupted_close_waits_timeout_s_at_most():
     assert 0 < left < 100 and time.monotonic() - started < 5
 
 
+def test_closing_an_idle_logger_ends_its_thread_at_once():
+    """The thread waits up to a second for the next cell; close wakes it instead (a sweep's
+    end is not held up by that wait)."""
+    store = FlakyStore(failures=0)
+    logger = BackgroundLogger(store.deliver, store.heartbeat, outage_s=10, heartbeat_s=60)
+    logger.submit(1)
+    while logger.pending():
+        time.sleep(0.01)
+    time.sleep(0.05)  # the thread is now waiting on an empty queue
+    started = time.monotonic()
+    assert logger.close(timeout_s=10) == 0
+    assert time.monotonic() - started < 0.5 and not logger.thread.is_alive()
+
+
 def test_at_most_max_backlog_cells_wait_in_memory():
     store = SlowStore(delay_s=0.005)
     logger = BackgroundLogger(store.deliver, store.heartbeat, outage_s=10, heartbeat_s=60, max_backlog=5)
