@@ -6,6 +6,7 @@ Examples: `python -m hostsweep` (the embedded default on this machine),
 SIGTERM and SIGHUP (what `timeout`, SLURM and Kubernetes send) stop a sweep the way
 Ctrl-C does: its runs are marked KILLED and its engines and Ray stopped.
 """
+import gc
 import logging
 import os
 import signal
@@ -96,6 +97,10 @@ def main() -> None:
         print(f"hostsweep: error: {exc}", file=sys.stderr)
         sys.exit(2)
     _sweep()
+    # The interpreter's last garbage collection walks every object the libraries left
+    # (pandas, MLflow, Ray, matplotlib): a second after the results are printed, for memory
+    # the OS frees anyway. Frozen objects are skipped; atexit handlers still run.
+    gc.freeze()
     sys.exit(max(_exit_codes))
 
 

@@ -59,7 +59,9 @@ class FakeBackend:
     cell_s: float = 1.0
     clock: float = 0.0
     workers: list[FakeWorker] = field(default_factory=list)
-    closed: list[FakeWorker] = field(default_factory=list)
+    closed: list[FakeWorker] = field(default_factory=list)  # asked to close cleanly (not killed)
+    closing: list[FakeWorker] = field(default_factory=list)  # asked to close, not yet ended
+    events: list[str] = field(default_factory=list)  # 'start/close/end <spec label>', in order
     measured: list[str] = field(default_factory=list)  # cell keys a worker really measured
     pending: list[FakePending] = field(default_factory=list)  # every submitted cell
     phases_asked: list[str] = field(default_factory=list)  # what phase() answered, in order
@@ -72,6 +74,8 @@ class FakeBackend:
         return self.clock
 
     def start(self, spec: EngineSpec) -> FakeWorker:
+        self.finish_closing()
+        self.events.append(f"start {spec.label}")
         real = None if spec.label in self.start_fails else SweepWorker(spec, str(self.workdir))
         worker = FakeWorker(spec, next(self._numbers), self.clock + self.start_s, real)
         self.workers.append(worker)
@@ -149,5 +153,12 @@ class FakeBackend:
 
     def close(self, workers: list[FakeWorker]) -> None:
         for worker in workers:
-            worker.released = True
             self.closed.append(worker)
+            self.closing.append(worker)
+            self.events.append(f"close {worker.spec.label}")
+
+    def finish_closing(self) -> None:
+        for worker in self.closing:
+            worker.released = True
+            self.events.append(f"end {worker.spec.label}")
+        self.closing.clear()

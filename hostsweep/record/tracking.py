@@ -21,7 +21,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import pandas as pd
 from mlflow.entities import Metric, Param, RunTag
@@ -273,16 +273,15 @@ class SweepTracker:
         if self.parent_run_id is not None:
             self.client.set_tag(self.parent_run_id, NOTE_TAG, markdown)
 
-    def log_sweep_files(self, files: Sequence[Path], figures: dict[str, Any],
-                        save_kwargs: Optional[dict[str, Any]] = None) -> None:
-        """Files of the run directory (cells.csv, summary.json) and matplotlib figures
-        (figures/<name>.png, written with `save_kwargs`) on the parent run."""
+    def log_sweep_files(self, files: Sequence[Path], figures: Sequence[Path] = ()) -> None:
+        """Files of the run directory (cells.csv, summary.json) and its figures, as written
+        (figures/<name>.png: uploaded, not drawn a second time), on the parent run."""
         if self.parent_run_id is None:
             return
         for path in files:
             self.client.log_artifact(self.parent_run_id, str(path))
-        for name, figure in figures.items():
-            self.client.log_figure(self.parent_run_id, figure, f"figures/{name}.png", save_kwargs=save_kwargs)
+        for path in figures:
+            self.client.log_artifact(self.parent_run_id, str(path), "figures")
 
     def run_url(self, run_id: str, port: int = 5000) -> str:
         return runs_table_url(self.experiment_id, port, run_id, ui_base(self.tracking_uri, port))

@@ -86,12 +86,18 @@ def new_worker(spec: EngineSpec, log_file: Optional[str] = None) -> WorkerHandle
     return WorkerHandle(remote_worker.options(**options).remote(spec, None, log_file))
 
 
-def stop_workers(workers: list[WorkerHandle]) -> None:
-    """Close engines cleanly (their EngineCore subprocesses exit), then end the actors."""
+def ask_engines_to_close(workers: list[WorkerHandle]) -> object:
+    """Ask the workers to close their engines cleanly (their EngineCore subprocesses exit);
+    the answers to wait for in end_workers_once_closed."""
+    return [worker.actor.close.remote() for worker in workers]
+
+
+def end_workers_once_closed(workers: list[WorkerHandle], answers: object) -> None:
+    """Wait (60 s at most) for the engines ask_engines_to_close asked to close, then end the actors."""
     import ray
 
     try:
-        ray.get([worker.actor.close.remote() for worker in workers], timeout=60)
+        ray.get(answers, timeout=60)
     except ray.exceptions.GetTimeoutError:  # a subclass of RayError: test it first
         log.warning("workers took over 60 s to close; killing them")
     except ray.exceptions.RayError as exc:

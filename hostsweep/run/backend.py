@@ -9,7 +9,9 @@ from typing import Optional
 
 from hostsweep.config.grid import Cell, EngineSpec
 from hostsweep.measure.results import MeasureOptions
-from hostsweep.run.actors import WATCH_GROUP, WorkerHandle, new_worker, release_worker, stop_workers
+from hostsweep.run.actors import (
+    WATCH_GROUP, WorkerHandle, ask_engines_to_close, end_workers_once_closed, new_worker, release_worker,
+)
 from hostsweep.run.faults import CallFailed, EngineDied, Outcome, WorkerLost, root_cause
 from hostsweep.run.worklog import worker_log_path
 
@@ -35,11 +37,15 @@ class RayBackend:
         self.phase_refs: dict[int, object] = {}
         self.phases: dict[int, str] = {}
         self.ready: set[int] = set()
+        # Workers whose engines were asked to close, with the answers awaited: the sweep's
+        # last close overlaps its recording and figures instead of delaying them.
+        self.closing: list[tuple[list[WorkerHandle], object]] = []
 
     def now(self) -> float:
         return time.monotonic()
 
     def start(self, spec: EngineSpec) -> WorkerHandle:
+        self.finish_closing()  # a closing worker may hold what the new one needs (a CPU node, GPUs)
         log_file = str(worker_log_path(self.log_dir, spec.label)) if self.log_dir is not None else None
         worker = new_worker(spec, log_file)
         # host_info answers once the constructor (the engine start) has finished.
@@ -133,8 +139,14 @@ class RayBackend:
 
     def close(self, workers: list[WorkerHandle]) -> None:
         started = [w for w in workers if self.started(w) and self._forget(w)]
-        stop_workers(started)
+        if started:
+            self.closing.append((started, ask_engines_to_close(started)))
         for worker in workers:
             if not any(worker is s for s in started):
                 self._forget(worker)
                 release_worker(worker, engine_started=False)
+
+    def finish_closing(self) -> None:
+        while self.closing:
+            workers, answers = self.closing.pop(0)
+            end_workers_once_closed(workers, answers)

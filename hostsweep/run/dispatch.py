@@ -62,7 +62,11 @@ class WorkerBackend(Protocol):
         """Kill the worker and its engine now; free what it holds."""
 
     def close(self, workers: list[object]) -> None:
-        """Close engines cleanly, then release the workers."""
+        """Begin closing engines cleanly; the workers are released once they have closed,
+        which the backend waits for before its next start and in finish_closing."""
+
+    def finish_closing(self) -> None:
+        """Wait for the engines close() began (a bounded time), then release their workers."""
 
 
 def failed_result(cell: Cell, reason: str, log_file: Optional[Path] = None) -> CellResult:
@@ -136,10 +140,13 @@ class Dispatcher:
 
     def _retire(self, spec: EngineSpec) -> None:
         """Close the engine of a spec with no cells left, so its resources go to the next
-        spec's worker (a CPU worker holds a whole node: two specs there run in turn)."""
+        spec's worker (a CPU worker holds a whole node: two specs there run in turn). The
+        sweep's last close is left to finish while the sweep records (finish_closing)."""
         if spec in self.workers and not any(s == spec for s, _, _ in self.inflight.values()):
             self.backend.close([self.workers.pop(spec)])
             self.ready_at.pop(spec, None)
+            if self.inflight or any(self.queues.values()):
+                self.backend.finish_closing()
 
     def _replace_worker(self, spec: EngineSpec) -> None:
         worker = self.workers.pop(spec, None)

@@ -101,14 +101,16 @@ def write_results(study: Study, tracker: SweepTracker, table: CellTable, run_dir
         rows = cells.to_dict("records")
         from hostsweep.report.figures import SAVE_KWARGS
 
+        pngs = []
         for name, fig in figs.items():
             (run_dir / FIGURES_FOLDER).mkdir(exist_ok=True)
-            fig.savefig(run_dir / FIGURES_FOLDER / f"{name}.png", **SAVE_KWARGS)
+            pngs.append(run_dir / FIGURES_FOLDER / f"{name}.png")
+            fig.savefig(pngs[-1], **SAVE_KWARGS)
+        _close(figs)
         if mlflow_up:
             relative = f"#/experiments/{tracker.experiment_id}/runs/{{}}?workflowType=machine_learning"
             tracker.describe_sweep(sweep_description(meta, rows, relative.format))
-            tracker.log_sweep_files([p for p in (table.path, path) if p.is_file()], figs, SAVE_KWARGS)
-        _close(figs)
+            tracker.log_sweep_files([p for p in (table.path, path) if p.is_file()], pngs)
         return path
     except Exception as exc:  # noqa: BLE001 - the measurements are in cells.csv and MLflow already
         log.warning("sweep summary not written: %s", redact(str(exc).splitlines()[0] if str(exc) else repr(exc)))

@@ -10,6 +10,7 @@ this sweep asks for) and the rest are claimed, so a concurrent sweep skips them.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -234,8 +235,20 @@ def _sweep(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, b
     to_run = runnable(cells)
     log.info("planned: %d cell(s) to measure, %d resumed, %.1f s after the sweep began", len(to_run),
              table.resumed_count, time.time() - started)
+    if prestarted:  # engines take tens of seconds to start: load matplotlib for the figures meanwhile
+        importlib.import_module("hostsweep.report.figures")
     dispatcher = Dispatcher(to_run, options, recorder.on_result, backend, FaultPolicy.of(cfg.faults),
                             ProgressReporter(len(to_run)), should_stop, worker_log_dir(study, run_dir), prestarted)
+    try:  # the last engine closes (seconds) while the sweep records and writes its results
+        return _measure_and_record(study, grid, run_dir, dispatcher, recorder, tracker, claims, tags, started)
+    finally:
+        backend.finish_closing()
+
+
+def _measure_and_record(study: Study, grid: list[Cell], run_dir: Path, dispatcher: Dispatcher,
+                        recorder: SweepRecorder, tracker: SweepTracker, claims: dict[str, str],
+                        tags: dict[str, str], started: float) -> int:
+    cfg, table, journal = study.config, recorder.table, recorder.journal
     status, stop = "KILLED", "sweep interrupted"
     try:
         dispatcher.run()

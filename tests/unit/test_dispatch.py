@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from hostsweep.config.grid import build_cells
+from hostsweep.config.grid import build_cells, group_by_engine
 from hostsweep.measure.results import MeasureOptions
 from hostsweep.run.dispatch import Dispatcher
 from hostsweep.run.faults import FaultPolicy, decode_steps
@@ -139,6 +139,23 @@ def test_workers_of_different_engines_measure_at_once(tmp_path):
     results, _ = dispatch(backend, grid)
     assert tally(grid, results, backend) == (4, 4, 0, 0)
     assert backend.clock == pytest.approx(5.0 + 2 * 10.0)  # two engines in parallel, not 2 x 25 s
+
+
+def test_an_engine_with_no_cells_left_is_closed_before_the_sweep_goes_on_and_the_last_one_while_it_records(
+        tmp_path):
+    """A closed worker frees its node for the next spec's (waiting) worker, so the sweep waits
+    for that close; the last close is only begun, and finishes while results are written."""
+    grid = cells("batch=[1,2]", "tp=[1,2]")
+    first, last = group_by_engine(grid)
+    short = [c for c in grid if c.engine == last] + [c for c in grid if c.engine == first][:1]
+    backend = FakeBackend(tmp_path, start_s=5.0, cell_s=10.0)
+    results, _ = dispatch(backend, short)
+    assert tally(short, results, backend) == (3, 3, 0, 0)
+    assert sorted(backend.events[:2]) == [f"start {first.label}", f"start {last.label}"]
+    assert backend.events[2:] == [f"close {first.label}", f"end {first.label}", f"close {last.label}"]
+    assert [w.spec for w in backend.closing] == [last]
+    backend.finish_closing()
+    assert backend.events[-1] == f"end {last.label}" and all(w.released for w in backend.workers)
 
 
 def test_a_stop_request_abandons_cells_in_flight_and_measures_nothing_more(tmp_path):

@@ -128,16 +128,12 @@ def test_cell_run_names_lead_with_what_varies_in_the_sweep():
 
 
 def test_a_sweep_description_and_figures_land_on_the_parent_run(tracker, tmp_path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots()
-    ax.plot([1, 2], [3, 4])
+    (tmp_path / "figures").mkdir()
+    png = tmp_path / "figures" / "step_times.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n")
     (tmp_path / "cells.csv").write_text("batch,step_ms\n1,3.0\n")
     tracker.describe_sweep("### unit\n| batch | step_ms |\n|---|---|\n| 1 | 3.000 |")
-    tracker.log_sweep_files([tmp_path / "cells.csv"], {"step_times": fig})
+    tracker.log_sweep_files([tmp_path / "cells.csv"], [png])
     parent = tracker.client.get_run(tracker.parent_run_id)
     assert parent.data.tags["mlflow.note.content"].startswith("### unit")
     assert {a.path for a in tracker.client.list_artifacts(tracker.parent_run_id, "figures")} == {"figures/step_times.png"}
