@@ -80,7 +80,7 @@ def test_the_worker_stops_a_cell_at_the_target_and_logs_reps_and_half_width(tmp_
     result = worker.measure(cell, MeasureOptions.of(compose_typed(loose).config))
     metrics = cell_metrics(result)
     assert 3 <= metrics["reps_used"] <= 6
-    assert metrics["ci_half_width_pct"] == pytest.approx(result.measurement.ci_half_width_pct, abs=1e-5)
+    assert metrics["ci_half_width_pct"] == pytest.approx(result.measurement.ci_half_width_pct, rel=1e-5)  # 6 digits
     row = cell_row(result, "run")
     assert row["reps_used"] == metrics["reps_used"] and row["target_ci_pct"] == 99.0
     assert (row["min_reps"], row["max_reps"]) == (3, 6)
