@@ -28,7 +28,9 @@ class CellTable:
     soon as it is measured, so none is lost and a 10,000-cell sweep writes O(n), not O(n²).
 
     A resumed sweep's table holds the whole study: the cells FINISHED by earlier runs
-    (`resumed` true, their own MLflow run ids) and the ones measured now. A row names the
+    (`resumed` true, their own MLflow run ids) and the ones measured now. A table an
+    earlier sweep left in the same run directory is replaced, never appended to, so each
+    cell has one row. A row names the
     MLflow run that claimed its cell as soon as it is measured, and the run the cell was
     logged into once MLflow has it (`set_run_id`, from the uploader's thread): those
     corrections are applied in batches and always before the table is read (`flush`).
@@ -45,6 +47,8 @@ class CellTable:
         self.lock = threading.Lock()
         if resumed:
             self._rewrite(pd.DataFrame([{**row, "resumed": True} for row in resumed]))
+        else:  # an earlier sweep's table in this run directory: its cells are in MLflow by now
+            path.unlink(missing_ok=True)
 
     @property
     def count(self) -> int:

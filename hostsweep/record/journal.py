@@ -87,6 +87,15 @@ def unlogged(entries: list[dict]) -> list[dict]:
     return [e for e in entries if e["event"] == "measured" and e["entry"] not in logged]
 
 
+def _torn(path: Path) -> bool:
+    """Whether the file's last line was cut short (it does not end in a newline)."""
+    with path.open("rb") as raw:
+        if raw.seek(0, os.SEEK_END) == 0:
+            return False
+        raw.seek(-1, os.SEEK_END)
+        return raw.read(1) != b"\n"
+
+
 def _lock(handle: IO[str]) -> bool:
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -111,21 +120,29 @@ class Journal:
             handle.close()
             raise ConfigError(f"hydra.run.dir={path.parent} is in use by another running sweep; "
                               "give each sweep its own run directory")
+        if _torn(path):  # an earlier sweep here died mid-line: the next entry starts a line of its own
+            handle.write("\n")
+            handle.flush()
         pending.mkdir(parents=True, exist_ok=True)
         pointer = pending / f"{uuid.uuid4().hex}.json"
         pointer.write_text(json.dumps({"journal": str(path.resolve()), "pid": os.getpid()}))
         return cls(path, handle, pointer)
 
     @classmethod
-    def orphans(cls, pending: Path) -> Iterator["Journal"]:
-        """Each journal under `pending` that no live sweep holds; stale pointers removed."""
+    def orphans(cls, pending: Path, own: Optional["Journal"] = None) -> Iterator["Journal"]:
+        """Each journal under `pending` that no live sweep holds; stale pointers removed.
+        A pointer to `own` (this sweep's journal, which an earlier sweep in the same run
+        directory left) is stale too: own's pointer covers the file, and own uploads it."""
+        mine = own.path.resolve() if own is not None else None
         for pointer in sorted(pending.glob("*.json")) if pending.is_dir() else []:
             try:
                 path = Path(json.loads(pointer.read_text())["journal"])
             except (OSError, ValueError, KeyError):
                 continue
-            if not path.is_file():
+            if not path.is_file() or (path == mine and pointer != own.pointer):  # type: ignore[union-attr]
                 pointer.unlink(missing_ok=True)
+                continue
+            if path == mine:
                 continue
             handle = path.open("a+")
             if not _lock(handle):  # its sweep is still running

@@ -28,6 +28,7 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from hostsweep.measure.results import CellResult, cell_metrics, logged_row, split_tags
+from hostsweep.record import crashpoints
 from hostsweep.record.artifacts import linearity_table, timings_table, top_ops_table
 from hostsweep.record.store import local_artifact_root, quiet_mlflow
 from hostsweep.record.views import JOURNAL_TAG, KIND, KIND_TAG, NOTE_TAG, cell_note, cell_run_name, runs_table_url, ui_base
@@ -232,6 +233,7 @@ class SweepTracker:
         metrics = [Metric(k, v, _ms(result.ended_at) or 0, 0) for k, v in values.items() if math.isfinite(v)]
         self.client.log_batch(run_id, metrics=metrics, params=[Param(k, str(v)) for k, v in result.params.items()],
                               tags=[RunTag(k, str(v)) for k, v in all_tags.items()])
+        crashpoints.reached("uploading")
         if result.measurement is not None:
             self.client.log_text(run_id, timings_table(result), "raw_timings.csv")
         self._log_analysis(run_id, result)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from hostsweep.measure.results import CellResult, cell_metrics, cell_row
+from hostsweep.record import crashpoints
 from hostsweep.record.celltable import CellTable
 from hostsweep.record.journal import Journal, decode_result
 from hostsweep.record.views import JOURNAL_TAG
@@ -64,7 +65,9 @@ class SweepRecorder:
     def on_result(self, result: CellResult) -> None:
         run_id = self.claims.get(result.key)
         entry = self.journal.measured(result, run_id, self.tags)
+        crashpoints.reached("journaled")
         self.table.append(cell_row(result, run_id or "", self.tags))
+        crashpoints.reached("tabled")
         self.uploader.submit(Measured(entry, result, run_id, self.tags))
         level = logging.WARNING if result.status == "FAILED" else logging.INFO
         log.log(level, "[%d/%d] %s: %s", self.table.count, self.total, cell_label(result.params),
@@ -72,6 +75,7 @@ class SweepRecorder:
 
     def _deliver(self, item: Measured) -> None:
         run_id = self.tracker.log_cell(item.result, {**item.tags, JOURNAL_TAG: item.entry}, item.run_id)
+        crashpoints.reached("uploaded")
         self.journal.logged(item.entry, run_id)
         self.table.set_run_id(item.result.key, run_id)
         self.logged.add(item.result.key)
@@ -84,18 +88,26 @@ class SweepRecorder:
         return self.uploader.close(timeout_s, patient)
 
 
-def upload_orphans(tracker: SweepTracker, pending: Path) -> int:
+def upload_orphans(tracker: SweepTracker, own: Journal) -> int:
     """Log the cells earlier sweeps measured but MLflow never got (their journals' unlogged
-    entries); returns how many. A journal still held by a running sweep is left alone."""
-    uploaded = 0
-    for journal in Journal.orphans(pending):
+    entries); returns how many. A journal still held by a running sweep is left alone.
+    `own`, this sweep's journal, holds such cells when an earlier sweep died in the same
+    run directory (the same command with a fixed hydra.run.dir): they go first. Call it
+    before this sweep measures anything, so `own`'s unlogged entries are all earlier ones."""
+    uploaded = _upload_unlogged(tracker, own)
+    for journal in Journal.orphans(own.pointer.parent, own):
         try:
-            for entry in journal.unlogged():
-                result = decode_result(entry["result"])
-                run_id = tracker.upload(result, entry["tags"], entry["run_id"], entry["entry"])
-                journal.logged(entry["entry"], run_id)
-                uploaded += 1
-                log.info("uploaded %s from %s (measured by an earlier sweep, never logged)", result.key, journal.path)
+            uploaded += _upload_unlogged(tracker, journal)
         finally:
             journal.close()
     return uploaded
+
+
+def _upload_unlogged(tracker: SweepTracker, journal: Journal) -> int:
+    entries = journal.unlogged()
+    for entry in entries:
+        result = decode_result(entry["result"])
+        run_id = tracker.upload(result, entry["tags"], entry["run_id"], entry["entry"])
+        journal.logged(entry["entry"], run_id)
+        log.info("uploaded %s from %s (measured by an earlier sweep, never logged)", result.key, journal.path)
+    return len(entries)

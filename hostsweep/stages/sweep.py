@@ -112,11 +112,13 @@ def skip_finished(cells: list[Cell], tracker: SweepTracker,
     return remaining, resumed
 
 
-def tidy_experiment(tracker: SweepTracker, study: Study, pending: Path) -> None:
-    """Upload what earlier sweeps measured but never logged; mark their dead runs KILLED."""
-    uploaded = upload_orphans(tracker, pending)
+def tidy_experiment(tracker: SweepTracker, study: Study, journal: Journal) -> None:
+    """Upload what earlier sweeps measured but never logged (from their journals, and from
+    this sweep's `journal` when one died in this run directory); mark their dead runs KILLED."""
+    uploaded = upload_orphans(tracker, journal)
     if uploaded:
-        log.warning("uploaded %d cell(s) an earlier sweep measured while MLflow was down", uploaded)
+        log.warning("uploaded %d cell(s) an earlier sweep measured but never logged (MLflow down, or the sweep died)",
+                    uploaded)
     for run_id, reason in tracker.reap_stale(study.config.tracking.stale_after_s):
         log.warning("run %s was left RUNNING and is marked KILLED: %s", run_id, reason)
 
@@ -184,7 +186,7 @@ def worker_log_dir(study: Study, run_dir: Path) -> Optional[Path]:
 
 
 def open_study(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, options: MeasureOptions,
-               pending: Path) -> tuple[SweepTracker, list[Cell], list[dict[str, object]], dict[str, str]]:
+               journal: Journal) -> tuple[SweepTracker, list[Cell], list[dict[str, object]], dict[str, str]]:
     """The study's MLflow side before measuring: the tracker, the cells still to measure,
     the resumed cells' rows, and this sweep's claims."""
     cfg = study.config
@@ -192,7 +194,7 @@ def open_study(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Pat
         from hostsweep.record.tracking import SweepTracker
 
         tracker = SweepTracker(cfg.tracking.uri, experiment_name(study), experiment_description(cfg.study))
-        tidy_experiment(tracker, study, pending)
+        tidy_experiment(tracker, study, journal)
         cells, resumed = skip_finished(grid, tracker, options) if cfg.resume else (grid, [])
         tracker.start_sweep(sweep_run_name(study, grid), redact(OmegaConf.to_yaml(raw_cfg)),
                             sweep_params(study, cells), {**driver_tags(), "run_dir": str(run_dir)},
@@ -211,7 +213,7 @@ def _sweep(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, b
     # earlier cells are looked up and claims are made; those left with nothing to do go back.
     prestarted = {spec: (backend.start(spec), backend.now()) for spec in group_by_engine(runnable(grid))}
     try:
-        tracker, cells, resumed, claims = open_study(study, raw_cfg, grid, run_dir, options, pending)
+        tracker, cells, resumed, claims = open_study(study, raw_cfg, grid, run_dir, options, journal)
     except BaseException:
         for worker, _ in prestarted.values():
             backend.release(worker)

@@ -69,3 +69,16 @@ def test_a_huge_sweep_prints_an_overview_instead_of_every_cell():
     assert text.splitlines()[0] == "1000 cells: 998 FINISHED, 1 FAILED, 1 SKIPPED"
     assert "step_ms: median 1.498, min 1.000, max 1.997 over 998 cells" in text
     assert len(text.splitlines()) == 3
+
+
+def test_a_table_left_in_the_run_dir_by_an_earlier_sweep_is_replaced_not_appended_to(tmp_path):
+    earlier = CellTable(tmp_path / "cells.csv")
+    earlier.append(row(1))
+    earlier.append(row(2, "FAILED"))
+    resumed = CellTable(tmp_path / "cells.csv", resumed=[row(1, mlflow_run_id="logged1")])
+    resumed.append(row(2))
+    frame = pd.read_csv(resumed.path)
+    assert list(frame["cell_key"]) == ["k1", "k2"] and list(frame["status"]) == ["FINISHED", "FINISHED"]
+    again = CellTable(tmp_path / "cells.csv")  # resume=false: everything measured again
+    again.append(row(1))
+    assert list(pd.read_csv(again.path)["cell_key"]) == ["k1"]

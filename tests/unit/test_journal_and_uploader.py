@@ -67,6 +67,20 @@ def test_a_journal_in_use_is_neither_reused_nor_uploaded_by_another_sweep(tmp_pa
     assert not list((tmp_path / "pending").glob("*.json"))  # every cell logged: pointer gone
 
 
+def test_a_sweep_reusing_a_dead_sweeps_run_dir_owns_its_unlogged_cells_and_its_stale_pointer_goes(tmp_path):
+    dead = Journal.create(tmp_path / "run" / "journal.jsonl", tmp_path / "pending")
+    kept = dead.measured(RESULT, "run-1", {})
+    dead.handle.write('{"event": "logged", "entry": "')  # killed mid-line: no close, no newline
+    dead.handle.flush()
+    dead.handle.close()  # what the kernel does for a killed process: the lock goes
+    rerun = Journal.create(tmp_path / "run" / "journal.jsonl", tmp_path / "pending")
+    assert [e["entry"] for e in rerun.unlogged()] == [kept]  # its own to upload
+    assert list(Journal.orphans(tmp_path / "pending", rerun)) == []  # not an orphan: never opened twice
+    assert not dead.pointer.exists() and rerun.pointer.exists()
+    rerun.logged(kept, "run-1")  # starts a line of its own after the torn one
+    assert rerun.unlogged() == [] and rerun.close() == 0
+
+
 def test_a_completely_logged_journal_leaves_no_pointer(tmp_path):
     journal = Journal.create(tmp_path / "run" / "journal.jsonl", tmp_path / "pending")
     journal.logged(journal.measured(RESULT, None, {}), "run-1")
