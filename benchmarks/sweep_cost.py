@@ -60,12 +60,22 @@ def hostsweep_run(root: Path, overrides: list[str]) -> tuple[float, float, Path,
     return started, wall, run_dir, store
 
 
-def planned_at(run_dir: Path) -> float:
+def logged_at(run_dir: Path, text: str) -> tuple[float, str]:
+    """When hostsweep.log first has a line containing `text`, and the line."""
     for line in (run_dir / "hostsweep.log").read_text().splitlines():
         match = STAMP.match(line)
-        if match and "planned:" in line:
-            return datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-    raise RuntimeError("no 'planned:' line in hostsweep.log")
+        if match and text in line:
+            return datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp(), line
+    raise RuntimeError(f"no {text!r} line in hostsweep.log")
+
+
+def start_phases(started: float, run_dir: Path) -> str:
+    """Process start -> Ray up -> engine ready, from the sweep's own log lines."""
+    ray_at, ray_line = logged_at(run_dir, "Ray: ")
+    ready_at, _ = logged_at(run_dir, "engine ready")
+    ray_s = float(re.search(r"in ([0-9.]+) s", ray_line).group(1))
+    return (f"imports, config, preflight {ray_at - ray_s - started:.1f} s; Ray start {ray_s:.1f} s; "
+            f"worker asked for -> engine ready {ready_at - ray_at:.1f} s")
 
 
 def cell_runs(store: Path) -> pd.DataFrame:
@@ -109,7 +119,7 @@ def reps_needed(steps: np.ndarray, target: float, resamples: int = 2000) -> str:
 def report_hostsweep(started: float, wall: float, run_dir: Path, store: Path) -> None:
     runs = cell_runs(store)
     first_start = runs["start_time"].min().timestamp()
-    plan = planned_at(run_dir) - started
+    plan = logged_at(run_dir, "planned:")[0] - started
     engine_s = pd.to_numeric(runs["tags.engine_start_s"]).max()
     timed = runs["metrics.timed_s"].sum()
     profiled = runs["metrics.split_s"].sum()
@@ -119,6 +129,9 @@ def report_hostsweep(started: float, wall: float, run_dir: Path, store: Path) ->
     print(f"hostsweep, {len(runs)} cells: total wall {wall:.1f} s")
     print(f"  to plan                {plan:6.1f} s")
     print(f"  to ready engine        {first_start - started:6.1f} s  (engine start in the worker {engine_s:.1f} s)")
+    print(f"    start phases: {start_phases(started, run_dir)}")
+    last_end = runs["end_time"].max().timestamp()
+    print(f"  after the last cell    {started + wall - last_end:6.1f} s  (its MLflow run's end to the process's exit)")
     print(f"  timed pairs            {timed:6.1f} s  (warm-ups and reps, sum of timed_s)")
     print(f"  profiled pairs         {profiled:6.1f} s  (sum of split_s; split_overhead_s per cell median "
           f"{overhead.median():.2f} s, range {overhead.min():.2f}-{overhead.max():.2f})")

@@ -212,6 +212,8 @@ class Dispatcher:
             if spec not in self.ready_at:
                 if self.backend.started(worker):
                     self.ready_at[spec] = now
+                    log.info("%s: engine ready %.1f s after its worker was asked for", spec.label,
+                             now - self.started_at[spec])
                 elif now - self.started_at[spec] > self.policy.engine_start_timeout_s:
                     del self.inflight[pending]
                     self._replace_worker(spec)

@@ -160,8 +160,11 @@ def run(raw_cfg: DictConfig, run_dir: Path, backend: Optional[WorkerBackend] = N
         log.info("%d cells on %d engine(s)", len(grid), len(group_by_engine(runnable(grid))))
         if backend is not None:
             return _sweep(study, raw_cfg, grid, run_dir, backend)
+        asked = time.monotonic()
         started_here = cluster.connect(cfg.ray.address, cfg.ray.confine_daemons, cfg.ray.idle_daemons,
                                        log_to_driver=cfg.verbose)
+        log.info("Ray: %s in %.1f s", "started a local cluster" if started_here else f"joined {cfg.ray.address}",
+                 time.monotonic() - asked)
         if started_here:
             record_cluster(machine_lock, descendant_pids(os.getpid()))
         try:
