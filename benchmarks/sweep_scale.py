@@ -91,7 +91,8 @@ def log_times(run_dir: Path, cells: int) -> dict[str, float]:
 def read_back(store: Path, cells: int) -> tuple[float, int, float, int]:
     """Seconds to read every cell run into one DataFrame (model stage) and by key (resume)."""
     from hostsweep.record.store import quiet_mlflow
-    from hostsweep.record.tracking import SweepTracker, read_cells
+    from hostsweep.record.readback import read_cells
+    from hostsweep.record.tracking import SweepTracker
 
     quiet_mlflow()
     uri, name = f"sqlite:///{store}", f"hostsweep-scale-{cells}"

@@ -21,7 +21,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 import pandas as pd
 from mlflow.entities import Metric, Param, RunTag
@@ -50,6 +50,12 @@ CLIENT_ENV = {
     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
 }
 RUNNING = "attributes.status = 'RUNNING'"
+# Runs read per search call. Pages are used and dropped one at a time, so reading a
+# 10,000-run experiment never holds more than one page of MLflow's run objects (with
+# their tags, params and metrics) at once.
+SEARCH_PAGE = 1000
+# The tags whether a RUNNING run is live depends on (claims.py); a RunView keeps only these.
+LIVENESS_TAGS = (PARENT_TAG, "cell_key", HEARTBEAT_TAG, OWNER_TAG)
 
 
 def bounded_requests() -> None:
@@ -68,6 +74,13 @@ def prepare_store(tracking_uri: str) -> None:
         root.parent.mkdir(parents=True, exist_ok=True)
 
 
+def run_view(run: Any) -> RunView:
+    """What liveness needs of an MLflow run, with only the tags it reads (LIVENESS_TAGS)."""
+    tags = run.data.tags
+    return RunView(run.info.run_id, run.info.status, {k: tags[k] for k in LIVENESS_TAGS if k in tags},
+                   run.info.start_time)
+
+
 class SweepTracker:
     """Records one sweep: the parent run, then a child run per cell as it arrives."""
 
@@ -81,8 +94,8 @@ class SweepTracker:
         self.experiment_id = self._experiment_id(experiment, description)
         self.parent_run_id: Optional[str] = None
         self.varying: Optional[tuple[str, ...]] = None  # the axes cell run names show
-        # journal entry -> the run a cell's measurement was logged into (a retried delivery
-        # reuses it instead of creating another)
+        # journal entry -> the run a cell's measurement is being logged into (a retried
+        # delivery reuses it instead of creating another), until `delivered`
         self.logged_into: dict[str, str] = {}
 
     def _experiment_id(self, name: str, description: Optional[str]) -> str:
@@ -98,14 +111,17 @@ class SweepTracker:
 
     def finished_runs(self) -> dict[str, list[dict[str, object]]]:
         """FINISHED cell runs of this experiment by cell key, newest first, each as the
-        cell-table row it had when measured (report.cell_row's columns)."""
-        rows: dict[str, list[dict[str, object]]] = {}
-        for run in sorted(self._search("attributes.status = 'FINISHED'"), key=lambda r: -r.info.start_time):
-            tags = run.data.tags
-            if "cell_key" in tags:
-                rows.setdefault(tags["cell_key"], []).append(
-                    logged_row(run.data.params, run.data.metrics, tags, run.info.run_id))
-        return rows
+        cell-table row it had when measured (report.cell_row's columns). Read a page at a
+        time: only the rows are kept, never every run MLflow returns."""
+        found: dict[str, list[tuple[int, dict[str, object]]]] = {}
+        for page in self._pages("attributes.status = 'FINISHED'"):
+            for run in page:
+                tags = run.data.tags
+                if "cell_key" in tags:
+                    found.setdefault(tags["cell_key"], []).append(
+                        (run.info.start_time, logged_row(run.data.params, run.data.metrics, tags, run.info.run_id)))
+        # newest first; runs that started together keep MLflow's order (a stable sort)
+        return {key: [row for _, row in sorted(runs, key=lambda r: -r[0])] for key, runs in found.items()}
 
     def finished_cells(self) -> dict[str, dict[str, object]]:
         """The newest FINISHED run of each cell key (what a resumed sweep may skip)."""
@@ -126,23 +142,27 @@ class SweepTracker:
                 run_id = None
         return self.log_cell(result, {**tags, JOURNAL_TAG: entry}, run_id)
 
-    def _search(self, filter_string: str) -> list:
-        runs, token = [], None
+    def _pages(self, filter_string: str) -> Iterator[list]:
+        """The experiment's runs matching the filter, one page (SEARCH_PAGE runs) at a time."""
+        token = None
         while True:
-            page = self.client.search_runs([self.experiment_id], filter_string, max_results=5000, page_token=token)
-            runs.extend(page)
+            page = self.client.search_runs([self.experiment_id], filter_string, max_results=SEARCH_PAGE,
+                                           page_token=token)
             token = page.token
+            yield page
             if not token:
-                return runs
+                return
+
+    def _search(self, filter_string: str) -> list:
+        return [run for page in self._pages(filter_string) for run in page]
 
     def running_runs(self) -> tuple[list[RunView], dict[str, RunView]]:
         """The RUNNING runs of the experiment, and every run they name as parent, by id."""
-        views = [RunView(r.info.run_id, r.info.status, r.data.tags, r.info.start_time) for r in self._search(RUNNING)]
+        views = [run_view(r) for page in self._pages(RUNNING) for r in page]
         known = {v.run_id: v for v in views}
         for parent_id in {v.tags[PARENT_TAG] for v in views if PARENT_TAG in v.tags} - set(known):
             try:
-                r = self.client.get_run(parent_id)
-                known[parent_id] = RunView(parent_id, r.info.status, r.data.tags, r.info.start_time)
+                known[parent_id] = run_view(self.client.get_run(parent_id))
             except Exception:  # noqa: BLE001 - a deleted parent: its children are stale
                 pass
         return views, known
@@ -168,12 +188,14 @@ class SweepTracker:
                 claims.setdefault(view.tags["cell_key"], []).append(view)
         return claims
 
-    def claim(self, cells: dict[str, dict[str, object]], stale_after_s: float) -> tuple[dict[str, str], dict[str, str]]:
-        """Claim each cell (key -> params) not claimed by another live sweep with a RUNNING
-        child run. Returns (key -> my run id, key -> the other sweep's parent run id)."""
+    def claim(self, cells: Mapping[str, dict[str, object]] | Iterable[tuple[str, dict[str, object]]],
+              stale_after_s: float) -> tuple[dict[str, str], dict[str, str]]:
+        """Claim each cell (key -> params, or (key, params) pairs made as they are claimed)
+        not claimed by another live sweep with a RUNNING child run. Returns (key -> my run
+        id, key -> the other sweep's parent run id)."""
         taken = self.live_claims(stale_after_s)
         mine: dict[str, str] = {}
-        for key, params in cells.items():
+        for key, params in cells.items() if isinstance(cells, Mapping) else cells:
             if key in taken:
                 continue
             tags = {PARENT_TAG: self.parent_run_id or "", "cell_key": key}
@@ -215,7 +237,8 @@ class SweepTracker:
         """A cell's child run, terminated with the cell's status; returns its id. A measured
         cell gets a run that starts and ends when its measurement did (the claim run
         `run_id` is then deleted); others are logged into the claim, else a new run.
-        Logging again is harmless: a retried delivery reuses the run it created."""
+        Logging again is harmless: a retried delivery reuses the run it created, until
+        `delivered` says the delivery is complete."""
         all_tags = {
             PARENT_TAG: self.parent_run_id or "",
             "cell_key": result.key,
@@ -253,6 +276,11 @@ class SweepTracker:
         if claim is not None and claim != run_id:
             self.client.delete_run(claim)  # the placeholder; the cell's run is the one just logged
         return run_id
+
+    def delivered(self, entry: str) -> None:
+        """Journal entry `entry` is logged and recorded as such: its run is not needed for a
+        retry any more (a sweep keeps nothing per logged cell)."""
+        self.logged_into.pop(entry, None)
 
     def _cell_run(self, result: CellResult, tags: dict[str, str], claim: Optional[str]) -> str:
         """The run to log a cell into: the one created for it by an earlier try of this

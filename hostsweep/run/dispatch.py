@@ -94,7 +94,8 @@ class Dispatcher:
         # engine start is not charged to its first cell.
         self.ready_at: dict[EngineSpec, float] = {}
         self.inflight: dict[object, tuple[EngineSpec, Cell, float]] = {}
-        self.attempts: Counter = Counter()  # lost attempts per cell key
+        # Lost attempts and their reasons, per cell key, for the cells not yet reported.
+        self.attempts: Counter = Counter()
         self.reasons: dict[str, list[str]] = defaultdict(list)
         self.done = 0
         self.stopped: Optional[str] = None  # why the sweep stopped early, if it did
@@ -110,8 +111,9 @@ class Dispatcher:
         produced this result unless it was lost too (retries exhausted)."""
         self.done += 1
         key = result.key
-        attempt = self.attempts[key] + (0 if lost_last else 1)
-        self.on_result(replace(result, attempt=attempt, retry_reasons=tuple(self.reasons[key])))
+        # A reported cell is done with: nothing of it stays here (10,000-cell sweeps).
+        attempt = self.attempts.pop(key, 0) + (0 if lost_last else 1)
+        self.on_result(replace(result, attempt=attempt, retry_reasons=tuple(self.reasons.pop(key, ()))))
 
     def _log_file(self, spec: EngineSpec) -> Optional[Path]:
         return worker_log_path(self.log_dir, spec.label) if self.log_dir is not None else None

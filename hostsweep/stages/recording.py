@@ -58,7 +58,6 @@ class SweepRecorder:
                  tags: dict[str, str], total: int, outage_s: float, heartbeat_s: float) -> None:
         self.tracker, self.journal, self.table, self.claims = tracker, journal, table, claims
         self.tags, self.total = tags, total
-        self.logged: set[str] = set()  # cell keys MLflow has
         self.uploader: BackgroundLogger[Measured] = BackgroundLogger(self._deliver, tracker.heartbeat,
                                                                      outage_s, heartbeat_s)
 
@@ -78,7 +77,7 @@ class SweepRecorder:
         crashpoints.reached("uploaded")
         self.journal.logged(item.entry, run_id)
         self.table.set_run_id(item.result.key, run_id)
-        self.logged.add(item.result.key)
+        self.tracker.delivered(item.entry)
 
     def should_stop(self) -> Optional[str]:
         return self.uploader.failure()
@@ -109,5 +108,6 @@ def _upload_unlogged(tracker: SweepTracker, journal: Journal) -> int:
         result = decode_result(entry["result"])
         run_id = tracker.upload(result, entry["tags"], entry["run_id"], entry["entry"])
         journal.logged(entry["entry"], run_id)
+        tracker.delivered(entry["entry"])
         log.info("uploaded %s from %s (measured by an earlier sweep, never logged)", result.key, journal.path)
     return len(entries)

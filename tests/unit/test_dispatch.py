@@ -236,3 +236,14 @@ def test_an_engine_start_failure_is_reported_by_the_first_error_in_its_workers_l
     assert results[0].error == f"worker for {label} failed to start: ValueError: No common block size for 7 " \
                                "(CPU_ATTN: [MultipleOf(32)])."
     assert results[0].host["worker_log"] == str(log) and "Engine core initialization failed" in results[0].log_tail
+
+
+def test_the_dispatcher_keeps_nothing_of_a_cell_once_it_is_reported(tmp_path):
+    grid = cells(*FOUR)
+    backend = FakeBackend(tmp_path, fates={grid[1].key: ["worker-dies"], grid[2].key: ["engine-dies", "worker-dies"]})
+    results, dispatcher = dispatch(backend, grid)
+    assert tally(grid, results, backend) == (4, 3, 0, 0)
+    assert [len(r.retry_reasons) for r in sorted(results, key=lambda r: grid.index(
+        next(c for c in grid if c.key == r.key)))] == [0, 1, 2, 0]  # the reasons still reach the results
+    # 10,000-cell sweeps: no per-cell entry outlives its report (a defaultdict grows one on every lookup)
+    assert not dispatcher.attempts and not dispatcher.reasons and not dispatcher.inflight

@@ -161,3 +161,60 @@ def test_the_study_summary_lands_on_the_parent_run(tracker, tmp_path):
     assert parent.data.metrics == {"graph_vs_eager/mean_reduction": 0.2}
     path = tracker.client.download_artifacts(tracker.parent_run_id, "study/graph_vs_eager.csv", str(tmp_path))
     assert list(pd.read_csv(path)["reduction"]) == [0.3, 0.1]
+
+
+def test_a_retried_delivery_reuses_its_run_and_a_delivered_cell_leaves_nothing_behind(tracker):
+    measured = CellResult("key-ok", PARAMS, "FINISHED", CellMeasurement(3.0, 2.9, 3.1, 10.5, 106.5, REPS), None,
+                          {}, 1.0, started_at=1_700_000_000.0, ended_at=1_700_000_001.0)
+    first = tracker.log_cell(measured, {"journal_entry": "e1"})
+    assert tracker.log_cell(measured, {"journal_entry": "e1"}) == first  # retried: same run
+    tracker.delivered("e1")
+    assert tracker.logged_into == {}  # a 10,000-cell sweep keeps nothing per logged cell
+
+
+def _paged(tracker, monkeypatch, page: int) -> list[list]:
+    """Make the tracker read `page` runs per search; returns weak references to each page's
+    runs, and asserts on every search that no page before the previous one is still alive."""
+    import gc
+    import weakref
+
+    from hostsweep.record import tracking
+
+    monkeypatch.setattr(tracking, "SEARCH_PAGE", page)
+    pages: list[list] = []
+    search = tracker.client.search_runs
+
+    def search_runs(*args, **kwargs):
+        gc.collect()
+        assert not any(ref() is not None for old in pages[:-1] for ref in old), "an earlier page is still held"
+        found = search(*args, **kwargs)
+        assert kwargs["max_results"] == page
+        pages.append([weakref.ref(run) for run in found])
+        return found
+
+    monkeypatch.setattr(tracker.client, "search_runs", search_runs)
+    return pages
+
+
+def test_reading_back_finished_cells_holds_one_page_of_runs_at_a_time_newest_first(tracker, monkeypatch):
+    for i, key in enumerate(["a", "b", "a", "c", "b"]):  # a and b measured twice, later runs newer
+        tracker.log_cell(CellResult(key, {**PARAMS, "batch": i}, "FINISHED",
+                                    CellMeasurement(3.0, 2.9, 3.1, 10.5, 106.5, REPS), None, {}, 1.0,
+                                    started_at=1_700_000_000.0 + i, ended_at=1_700_000_000.5 + i), {})
+    pages = _paged(tracker, monkeypatch, 2)
+    finished = tracker.finished_runs()
+    assert len(pages) == 3 and sum(len(p) for p in pages) == 5
+    newest_first = {key: [int(row["batch"]) for row in rows] for key, rows in finished.items()}
+    assert newest_first == {"a": [2, 0], "b": [4, 1], "c": [3]}
+
+
+def test_claims_read_across_pages_keep_only_the_tags_liveness_reads(tracker, monkeypatch):
+    from hostsweep.record.tracking import LIVENESS_TAGS
+
+    pages = _paged(tracker, monkeypatch, 2)
+    mine, others = tracker.claim(((f"k{i}", {**PARAMS, "batch": i}) for i in range(5)), 300)
+    assert set(mine) == {f"k{i}" for i in range(5)} and others == {}
+    assert [len(page) for page in pages] == [1, 2, 2, 2]  # before claiming: the parent; after: 5 claims too
+    views, known = tracker.running_runs()
+    assert len(views) == 6 and all(set(v.tags) <= set(LIVENESS_TAGS) for v in views)
+    assert set(tracker.live_claims(300)) == set(mine)
