@@ -5,12 +5,14 @@ from __future__ import annotations
 import fcntl
 import json
 import shutil
+import subprocess
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_hostsweep
+from tests.conftest import run_concurrently, run_hostsweep
 
 GUARD = "raise ImportError('{name} must not be imported for bad input')\n"
 
@@ -26,7 +28,7 @@ def poisoned_path(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("args,needle", [
+BAD_INPUT = [
     (["+sku=h300"], "unknown sku 'h300'"),
     (["model=llama-9b"], "unknown model 'llama-9b'"),
     (["mode=turbo"], "unknown mode 'turbo'"),
@@ -39,14 +41,29 @@ def poisoned_path(tmp_path_factory) -> Path:
     (["+sku=cpu", "+engine.engine_args.enforce_eagr=true"], "did you mean 'enforce_eager'?"),
     (["+sku=cpu", "workload=creative"], "workload='creative' is not allowed; allowed: random, repeat"),
     (["+sku=cpu", "modes=[eager,turbo]"], "unknown mode 'turbo' in modes"),
-])
-def test_bad_input_is_one_line_nonzero_exit_and_starts_nothing(args, needle, tmp_path, poisoned_path):
-    proc = run_hostsweep(args, tmp_path, pythonpath=poisoned_path)
+]
+
+
+def refusals(rows: list, run, tmp_path_factory) -> dict:
+    """`run(args, cwd)` for every row at once (each in its own folder): (cwd, result) by args."""
+    folders = {tuple(args): tmp_path_factory.mktemp("refused") for args, _ in rows}
+    return run_concurrently({key: partial(lambda k, cwd: (cwd, run(list(k), cwd)), key, cwd)
+                             for key, cwd in folders.items()})
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(tmp_path_factory, poisoned_path) -> dict:
+    return refusals(BAD_INPUT, lambda args, cwd: run_hostsweep(args, cwd, pythonpath=poisoned_path), tmp_path_factory)
+
+
+@pytest.mark.parametrize("args,needle", BAD_INPUT)
+def test_bad_input_is_one_line_nonzero_exit_and_starts_nothing(args, needle, bad_input_runs):
+    cwd, proc = bad_input_runs[tuple(args)]
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("hostsweep: error:") and needle in lines[0]
-    assert not (tmp_path / "outputs" / "mlflow.db").exists()
+    assert not (cwd / "outputs" / "mlflow.db").exists()
 
 
 def test_cfg_job_prints_the_composed_config(tmp_path):
@@ -80,14 +97,24 @@ PREFLIGHT = [
 ]
 
 
-@pytest.mark.parametrize("args,needle", PREFLIGHT, ids=lambda v: v[0] if isinstance(v, list) else None)
-def test_a_world_that_cannot_host_the_sweep_is_refused_in_seconds_before_ray_starts(args, needle, tmp_path,
-                                                                                      poisoned_path):
-    env = {"TMPDIR": str(tmp_path), "HF_ENDPOINT": "http://127.0.0.1:9", "RAY_ADDRESS": ""}
+def timed_preflight(args: list[str], cwd: Path, poisoned_path: Path) -> tuple[subprocess.CompletedProcess, float]:
+    env = {"TMPDIR": str(cwd), "HF_ENDPOINT": "http://127.0.0.1:9", "RAY_ADDRESS": ""}
     started = time.monotonic()
-    proc = run_hostsweep(["+sku=cpu", *args], tmp_path, pythonpath=poisoned_path, env=env)
-    assert_refused(proc, needle, time.monotonic() - started)
-    assert not (tmp_path / "outputs" / "mlflow.db").exists()
+    proc = run_hostsweep(["+sku=cpu", *args], cwd, pythonpath=poisoned_path, env=env)
+    return proc, time.monotonic() - started
+
+
+@pytest.fixture(scope="module")
+def preflight_runs(tmp_path_factory, poisoned_path) -> dict:
+    # side by side, each takes longer than alone: the limit of 30 s still holds for each
+    return refusals(PREFLIGHT, lambda args, cwd: timed_preflight(args, cwd, poisoned_path), tmp_path_factory)
+
+
+@pytest.mark.parametrize("args,needle", PREFLIGHT, ids=lambda v: v[0] if isinstance(v, list) else None)
+def test_a_world_that_cannot_host_the_sweep_is_refused_in_seconds_before_ray_starts(args, needle, preflight_runs):
+    cwd, (proc, elapsed) = preflight_runs[tuple(args)]
+    assert_refused(proc, needle, elapsed)
+    assert not (cwd / "outputs" / "mlflow.db").exists()
 
 
 def test_a_gpu_sku_without_a_cluster_on_a_machine_without_that_gpu_is_refused_before_ray(tmp_path, poisoned_path):

@@ -46,8 +46,8 @@ def run_main(argv):
     return stop.value.code
 
 
-def test_fit_prints_writes_fit_json_and_logs_a_model_that_loads_back_as_pyfunc(workspace, capsys):
-    uri = f"sqlite:///{workspace}/mlflow.db"
+def test_fit_prints_writes_fit_json_and_logs_a_model_that_loads_back_as_pyfunc(workspace, capsys, new_store):
+    uri = new_store(workspace / "mlflow.db")
     report = workspace / "out" / "fit.json"
     code = run_main(["--tracking-uri", uri, "fit", "--cells", str(workspace / "cells.csv"), "--json", str(report),
                      "--calibration", str(workspace / "calib.yaml"), "--train-sku", "h100", "--train-tp", "2"])
@@ -81,9 +81,9 @@ def test_fit_prints_writes_fit_json_and_logs_a_model_that_loads_back_as_pyfunc(w
     assert code == 0 and "more GPUs stop helping at tp=" in out
 
 
-def test_cells_without_t_fail_in_one_line_unless_tokens_are_given(workspace, tmp_path, capsys):
+def test_cells_without_t_fail_in_one_line_unless_tokens_are_given(workspace, tmp_path, capsys, new_store):
     pd.read_csv(workspace / "cells.csv").drop(columns=["T"]).to_csv(tmp_path / "no_t.csv", index=False)
-    argv = ["--tracking-uri", f"sqlite:///{tmp_path}/x.db", "fit", "--cells", str(tmp_path / "no_t.csv"),
+    argv = ["--tracking-uri", new_store(tmp_path / "x.db"), "fit", "--cells", str(tmp_path / "no_t.csv"),
             "--calibration", str(workspace / "calib.yaml"), "--train-sku", "h100", "--json", str(tmp_path / "f.json")]
     code = run_main(argv)
     err = capsys.readouterr().err.strip().splitlines()
@@ -91,11 +91,11 @@ def test_cells_without_t_fail_in_one_line_unless_tokens_are_given(workspace, tmp
     assert run_main(argv + ["--tokens", "33"]) == 0
 
 
-def test_synth_writes_seed002_cells_that_fit_reads_back(tmp_path, capsys):
+def test_synth_writes_seed002_cells_that_fit_reads_back(tmp_path, capsys, new_store):
     assert run_main(["synth", "--out", str(tmp_path / "synth.csv"), "--seed", "3"]) == 0
     cells = pd.read_csv(tmp_path / "synth.csv")
     assert len(cells) == 24 and {"T", "step_ci_high_ms"} <= set(cells)
-    assert run_main(["--tracking-uri", f"sqlite:///{tmp_path}/s.db", "fit", "--cells", str(tmp_path / "synth.csv"),
+    assert run_main(["--tracking-uri", new_store(tmp_path / "s.db"), "fit", "--cells", str(tmp_path / "synth.csv"),
                      "--calibration", "seed002-h100", "--train-sku", "h100", "--out-dir", str(tmp_path / "run")]) == 0
     data = json.loads((tmp_path / "run" / "fit.json").read_text())
     mape = {s["form"]: s["mape_mean"] for s in data["scores"] if s["role"] == "held-out"}
@@ -109,9 +109,9 @@ def test_fit_with_an_unknown_calibration_fails_in_one_line(workspace, capsys):
     assert code == 2 and len(err) == 1 and "calibration 'nope'" in err[0]
 
 
-def test_allreduce_microbenchmark_on_gloo_fits_positive_terms(tmp_path, capsys):
+def test_allreduce_microbenchmark_on_gloo_fits_positive_terms(tmp_path, capsys, new_store):
     out_file = tmp_path / "calib.yaml"
-    uri = f"sqlite:///{tmp_path}/c.db"
+    uri = new_store(tmp_path / "c.db")
     code = run_main(["--tracking-uri", uri, "allreduce", "--ranks", "2", "--reps", "10", "--points", "6",
                      "--max-bytes", "16e6", "--out", str(out_file)])
     assert code == 0
@@ -123,8 +123,9 @@ def test_allreduce_microbenchmark_on_gloo_fits_positive_terms(tmp_path, capsys):
     assert "calibrations" in mlflow.get_experiment_by_name("calibration").tags["mlflow.note.content"]
 
 
-def test_roofs_microbenchmark_logs_measured_next_to_datasheet_and_feeds_the_fit(tmp_path, capsys, workspace):
-    uri = f"sqlite:///{tmp_path}/c.db"
+def test_roofs_microbenchmark_logs_measured_next_to_datasheet_and_feeds_the_fit(tmp_path, capsys, workspace,
+                                                                                 new_store):
+    uri = new_store(tmp_path / "c.db")
     calib = tmp_path / "calib.yaml"
     calib.write_text((workspace / "calib.yaml").read_text())
     assert run_main(["--tracking-uri", uri, "roofs", "--sku", "cpu", "--gemm-size", "256", "--copy-mib", "16",
@@ -138,13 +139,13 @@ def test_roofs_microbenchmark_logs_measured_next_to_datasheet_and_feeds_the_fit(
     assert code == 2 and "needs a roofs section for sku ['h100']" in err[-1]
 
 
-def test_host_calibration_recovers_s0_and_s1_from_tp1_host_residuals(tmp_path, capsys):
+def test_host_calibration_recovers_s0_and_s1_from_tp1_host_residuals(tmp_path, capsys, new_store):
     rows = pd.DataFrame([{"sku": "cpu", "model": "tiny-llama", "tp": 1, "batch": n, "ctx": c,
                           "step_ms": 20.0, "host_ms": 5.0 + 0.25 * (n - 1), "status": "FINISHED"}
                          for n in (1, 2, 4, 8) for c in (128, 512)])
     rows.to_csv(tmp_path / "cells.csv", index=False)
     out = tmp_path / "calib.yaml"
-    assert run_main(["--tracking-uri", f"sqlite:///{tmp_path}/c.db", "host", "--cells", str(tmp_path / "cells.csv"),
+    assert run_main(["--tracking-uri", new_store(tmp_path / "c.db"), "host", "--cells", str(tmp_path / "cells.csv"),
                      "--model", "tiny-llama", "--sku", "cpu", "--out", str(out)]) == 0
     host = yaml.safe_load(out.read_text())["host"]
     assert host["s0_ms"] == pytest.approx(5.0) and host["s1_ms"] == pytest.approx(0.25)

@@ -5,12 +5,15 @@ compare run holds the report, its figures and the verdicts. Ray and vLLM are mad
 unimportable throughout: these stages never need them."""
 from __future__ import annotations
 
+from functools import partial
+from pathlib import Path
+from typing import Optional
 
 import mlflow
 import pytest
 import yaml
 
-from tests.conftest import run_hostsweep
+from tests.conftest import run_concurrently, run_hostsweep
 from tests.fake_store import write_sweep
 from tests.unit.test_compare_report import study_cells
 
@@ -20,12 +23,12 @@ STUDY = ["+experiment=tp70b", "fit.train_sku=h100", "calibration=seed002-h100", 
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory) -> dict:
+def store(tmp_path_factory, new_store) -> dict:
     root = tmp_path_factory.mktemp("stages")
     for name in ("ray", "vllm"):
         (root / "poison" / name).mkdir(parents=True)
         (root / "poison" / name / "__init__.py").write_text(GUARD.format(name=name))
-    uri = f"sqlite:///{root}/mlflow.db"
+    uri = new_store(root / "mlflow.db")
     cells = study_cells(seed=3)
     parent, children = write_sweep(uri, "hostsweep-tp70b", cells)
     calibration = root / "calib.yaml"  # H200's all-reduce: seed 002 reports only H100's, so take the same
@@ -34,13 +37,13 @@ def store(tmp_path_factory) -> dict:
             "args": [*STUDY, f"tracking.uri={uri}", f"fit.calibration_file={calibration}"]}
 
 
-def stage(store: dict, *args: str, timeout: float = 300):
-    run_dir = store["root"] / f"run{len(list(store['root'].glob('run*')))}"
+def stage(store: dict, *args: str, timeout: float = 300, run_dir: Optional[Path] = None):
+    run_dir = run_dir or store["root"] / f"run{len(list(store['root'].glob('run*')))}"
     return run_hostsweep([*store["args"], *args, f"hydra.run.dir={run_dir}"], store["root"], timeout,
                          pythonpath=store["root"] / "poison"), run_dir
 
 
-@pytest.mark.parametrize("args,needle", [
+MISTAKES = [
     (["stage=compare", "tracking.uri=sqlite:///nowhere/x.db"], "select: no MLflow store at sqlite:///nowhere/x.db"),
     (["stage=compare", "select.experiment=hostsweep-nope"], "select.experiment='hostsweep-nope' does not exist"),
     (["stage=fit", "select.parent_run=0123abc"], "no FINISHED cell runs in experiment 'hostsweep-tp70b' (parent run"),
@@ -54,17 +57,29 @@ def stage(store: dict, *args: str, timeout: float = 300):
     (["stage=compare", 'select.filter="params.sku ==== 1"'], "select.filter='params.sku ==== 1' was refused by MLflow"),
     (["stage=report"], "stage='report' is not allowed; allowed: sweep, fit, compare, all"),
     (["stage=compare", "calibration=seed009"], "unknown calibration 'seed009'"),
-])
-def test_selection_mistakes_are_one_line_errors_before_any_fit(store, args, needle):
-    proc, run_dir = stage(store, *args)
+]
+NO_ALL_REDUCE = ["stage=fit", "fit.calibration_file=null"]
+
+
+@pytest.fixture(scope="module")
+def refused(store) -> dict:
+    """Every mistake's (result, run dir), run side by side before the compare run writes to the store."""
+    runs = [args for args, _ in MISTAKES] + [NO_ALL_REDUCE]
+    return run_concurrently({tuple(args): partial(stage, store, *args, run_dir=store["root"] / f"refused{i}")
+                             for i, args in enumerate(runs)})
+
+
+@pytest.mark.parametrize("args,needle", MISTAKES)
+def test_selection_mistakes_are_one_line_errors_before_any_fit(refused, args, needle):
+    proc, run_dir = refused[tuple(args)]
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("hostsweep: error:") and needle in lines[0], proc.stderr
     assert not (run_dir / "fit" / "fit.json").exists()
 
 
-def test_a_missing_all_reduce_is_an_error_unless_the_stage_may_measure_it(store):
-    proc, _ = stage(store, "stage=fit", "fit.calibration_file=null")
+def test_a_missing_all_reduce_is_an_error_unless_the_stage_may_measure_it(refused):
+    proc, _ = refused[tuple(NO_ALL_REDUCE)]
     assert proc.returncode == 2 and "sku h200 has TP>1 cells but the calibration has no all-reduce" in proc.stderr
 
 

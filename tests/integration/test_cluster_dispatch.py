@@ -1,5 +1,6 @@
 """Dispatch on a multi-node local Ray cluster with fake accelerators and the fake engine:
-SKU pinning, TP placement, actor death, timeouts, resume, infeasible plans."""
+SKU pinning, TP placement, actor death, timeouts, resume, infeasible plans (the last also
+through the command line, joining this cluster by its address)."""
 from __future__ import annotations
 
 import os
@@ -19,7 +20,7 @@ from hostsweep.run.faults import FaultPolicy
 from hostsweep.stages.recording import SweepRecorder
 from hostsweep.config.grid import build_cells, group_by_engine
 from hostsweep.measure.results import MeasureOptions
-from tests.conftest import compose_raw, compose_typed
+from tests.conftest import compose_raw, compose_typed, run_hostsweep
 
 pytestmark = pytest.mark.integration
 FAST = ["engine.name=fake", "measure.T=5", "measure.reps=3", "measure.warmups=1", "ctx=[16]"]
@@ -168,3 +169,19 @@ def test_infeasible_plan_names_the_accelerators_the_cluster_has(cluster):
         check_feasible(specs, live_nodes())
     assert "CPU-only (1 node)" in str(err.value) and "H100 x4 (1 node)" in str(err.value)
     assert "H200 x4 (1 node)" in str(err.value)
+
+
+def test_infeasible_sku_fails_fast_naming_what_the_cluster_has(cluster, tmp_path):
+    """A GPU SKU on a cluster without enough of it: the command joins the cluster by its
+    address and refuses in one line naming the cluster's inventory, before anything is
+    recorded. (Without ray.address, preflight refuses it before any cluster starts:
+    tests/test_cli.py.)"""
+    address = ray.get_runtime_context().gcs_address
+    proc = run_hostsweep(["+sku=h200", "tp=8", "model=llama-3.1-8b", f"ray.address={address}",
+                          f"tracking.uri=sqlite:///{tmp_path}/m.db", f"hydra.run.dir={tmp_path}/run"],
+                         cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("hostsweep: error: sku=h200 tp=8 needs accelerator_type H200"), last
+    assert "the cluster has: CPU-only (1 node), H100 x4 (1 node), H200 x4 (1 node)" in last
+    assert not (tmp_path / "m.db").exists()

@@ -109,7 +109,9 @@ def ui(study):
     command = [sys.executable, "-m", "mlflow", "server", *command[command.index("--backend-store-uri"):],
                "--workers", "1"]
     log = open(study["root"] / "mlflow-server.log", "w")
-    server = subprocess.Popen(command, cwd=study["root"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # its job runner (GenAI jobs) costs a minute
+    server = subprocess.Popen(command, cwd=study["root"], env=env, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
     base = f"http://127.0.0.1:{study['port']}"
     try:
         for _ in range(180):

@@ -43,8 +43,8 @@ def is_loopback(ip: str) -> bool:
     return (mapped or address).is_loopback
 
 
-def test_sigterm_stops_a_sweep_like_ctrl_c_on_a_cluster_that_listens_on_loopback_only(tmp_path):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_sigterm_stops_a_sweep_like_ctrl_c_on_a_cluster_that_listens_on_loopback_only(tmp_path, new_store):
+    uri = new_store(tmp_path / "mlflow.db")  # an empty store: the sweep gets to measuring sooner
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "hostsweep", "+sku=cpu", "engine.name=fake", "measure.T=400",
                "measure.reps=3", "measure.warmups=1", "ctx=[16]", "batch=[1,2,3,4,5,6]", "split.enabled=false",

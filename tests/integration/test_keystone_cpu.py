@@ -15,8 +15,8 @@ from tests.conftest import run_hostsweep
 pytestmark = pytest.mark.integration
 
 
-def test_keystone_cpu_multirun_logs_one_job_per_shape_with_a_split(tmp_path):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_keystone_cpu_multirun_logs_one_job_per_shape_with_a_split(tmp_path, new_store):
+    uri = new_store(tmp_path / "mlflow.db")  # the sweeps in tests/integration with real engines create theirs
     proc = run_hostsweep(
         ["-m", "+experiment=keystone-cpu", "+sku=cpu", "engine.name=fake", "measure.T=17", "ctx=[64]", "measure.reps=3",
          "measure.warmups=1", f"tracking.uri={uri}", f"hydra.sweep.dir={tmp_path}/multi"],

@@ -8,10 +8,14 @@ The weights are drawn per tensor with an untied LM head (model.load_format=rando
 vLLM's dummy weights every greedy output is a 2-cycle that n-gram lookup predicts on any
 prompt (README, "Workloads"). ctx 256 holds the orbit of the model's own text (it runs tens
 of tokens before cycling with a 4096-token vocabulary; at ctx 64 it did not fit).
+The sweep runs with verbose=true, which streams the workers' and engines' output to the
+console instead of log files (the quiet console: test_sweep_end_to_end.py); the measured
+figures here are comparisons between engines that all stream alike.
 """
 from __future__ import annotations
 
 import json
+import re
 
 import mlflow
 import pandas as pd
@@ -22,7 +26,7 @@ from tests.conftest import run_hostsweep
 pytestmark = pytest.mark.integration
 
 COMMON = ["+sku=cpu", "batch=[1]", "ctx=[256]", "measure.T=17", "measure.reps=3", "measure.warmups=1",
-          "model.load_format=random", "model.shape.tie_word_embeddings=false", "study=modes-it"]
+          "model.load_format=random", "model.shape.tie_word_embeddings=false", "study=modes-it", "verbose=true"]
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +98,8 @@ def test_mode_comparisons_land_on_the_sweeps_parent_run(study, tmp_path):
     table = pd.read_csv(path)
     assert set(table["workload"]) == {"random", "repeat"} and table["reduction"].notna().all()
 
+
+def test_verbose_streams_the_workers_output_to_the_console(study):
+    console = study["first"].stdout + study["first"].stderr
+    assert re.search(r"\(SweepWorker pid=\d+\).*\(EngineCore pid=\d+\)", console)
+    assert not list((study["root"] / "run1").glob("workers/*.log"))

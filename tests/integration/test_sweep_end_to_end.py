@@ -1,20 +1,14 @@
 """A 2-cell sweep through the real CLI, a real local Ray cluster, the real vLLM CPU
 engine and a real MLflow sqlite store, read back with mlflow.search_runs.
 
-One sweep (one engine start) serves every test in this module but the verbose one, which
-starts a minimal engine of its own to show what verbose=true streams.
+One sweep (one engine start) serves every test in this module but the one whose engine
+cannot start. What verbose=true streams instead: tests/integration/test_modes_cpu.py, whose
+sweep runs verbose. A GPU SKU refused by a cluster that lacks it:
+tests/integration/test_cluster_dispatch.py, on its multi-node cluster.
 """
 from __future__ import annotations
 
 import math
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import json
@@ -187,51 +181,6 @@ def test_the_run_directory_and_mlflow_agree_cell_for_cell(sweep, runs, tmp_path)
     figures = mlflow.artifacts.list_artifacts(run_id=parent["run_id"], artifact_path="figures")
     assert {f.path for f in figures} == {"figures/split_composition.png", "figures/host_fraction_by_batch.png",
                                          "figures/step_times.png"}
-
-
-def test_verbose_streams_the_workers_output_to_the_console(tmp_path):
-    proc = run_hostsweep(["+sku=cpu", "batch=[1]", "ctx=[32]", "measure.T=5", "measure.reps=2", "measure.warmups=0",
-                          "split.enabled=false", "verbose=true", f"tracking.uri=sqlite:///{tmp_path}/m.db",
-                          "study=verbose", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    console = proc.stdout + proc.stderr
-    assert re.search(r"\(SweepWorker pid=\d+\).*\(EngineCore pid=\d+\)", console)
-    assert not list((tmp_path / "run").glob("workers/*.log"))
-
-
-def test_infeasible_sku_fails_fast_naming_what_the_cluster_has(tmp_path):
-    """A GPU SKU on a cluster without it: the cluster's inventory is named. (Without
-    ray.address, preflight refuses it before any cluster starts: tests/test_cli.py.)"""
-    if shutil.which("nvidia-smi"):
-        pytest.skip("this machine has GPUs")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    # --block: the head lives as long as this process group, which the test ends itself; its
-    # own temp dir keeps it out of /tmp/ray/ray_current_cluster, which other Ray users read.
-    temp_dir = tempfile.mkdtemp(prefix="hsray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
-                             "--num-cpus=1", "--include-dashboard=false", f"--temp-dir={temp_dir}"],
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            with socket.socket() as probe:
-                if probe.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.5)
-        proc = run_hostsweep(["+sku=h200", "tp=4", "model=llama-3.1-8b", f"ray.address=127.0.0.1:{port}",
-                              f"tracking.uri=sqlite:///{tmp_path}/m.db", f"hydra.run.dir={tmp_path}/run"],
-                             cwd=tmp_path, timeout=120, env={"RAY_AUTH_MODE": "token"})  # `ray start` turns tokens on
-    finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        head.wait(timeout=60)
-        shutil.rmtree(temp_dir, ignore_errors=True)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("hostsweep: error: sku=h200 tp=4 needs accelerator_type H200")
-    assert "the cluster has: CPU-only (1 node)" in last
-    assert not (tmp_path / "m.db").exists()
 
 
 def test_engines_run_at_normal_priority_beside_idled_ray_daemons(runs):

@@ -68,8 +68,9 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, new_store):
     server = Server(tmp_path_factory.mktemp("mlflow-server"))
+    new_store(server.root / "mlflow.db")  # made once for the session, not migrated by this server
     server.start()
     yield server
     if server.proc.poll() is None:

@@ -19,9 +19,9 @@ class RecordingBackend(FakeBackend):
         return super().start(spec)
 
 
-def test_workers_start_before_mlflow_opens_and_idle_ones_are_released(tmp_path, monkeypatch):
+def test_workers_start_before_mlflow_opens_and_idle_ones_are_released(tmp_path, monkeypatch, new_store):
     monkeypatch.chdir(tmp_path)
-    args = [*FAST, f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "study=prestart", "tp=[1,2]"]
+    args = [*FAST, f"tracking.uri={new_store(tmp_path / 'mlflow.db')}", "study=prestart", "tp=[1,2]"]
     backend = RecordingBackend(tmp_path / "work")
     backend.mlflow_open = False
     open_study = sweep.open_study

@@ -28,8 +28,8 @@ def sweep(tracker: SweepTracker, batches: list[int], model: str) -> str:
 
 
 @pytest.fixture
-def store(tmp_path):
-    tracker = SweepTracker(f"sqlite:///{tmp_path}/mlflow.db", "hostsweep-unit")
+def store(tmp_path, new_store):
+    tracker = SweepTracker(new_store(tmp_path / "mlflow.db"), "hostsweep-unit")
     parents = {model: sweep(tracker, [1, 4], model) for model in ("tiny-llama", "small-llama")}
     yield tracker.tracking_uri, parents
     mlflow.set_tracking_uri(None)

@@ -27,9 +27,8 @@ FAST = ["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=3", "measur
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    root = tmp_path_factory.mktemp("store")
-    return f"sqlite:///{root}/mlflow.db"
+def store(tmp_path_factory, new_store):
+    return new_store(tmp_path_factory.mktemp("store") / "mlflow.db")
 
 
 @pytest.fixture

@@ -5,6 +5,8 @@ failed cell's one line with its worker log, and studies logged by earlier versio
 resuming."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 
@@ -26,11 +28,16 @@ FAST = ["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=4", "measur
         "batch=[1,2]", "measure.bootstrap_resamples=200", "ray.exclusive=false", "tracking.heartbeat_s=0.5"]
 
 
+def study_in(folder, name: str, new_store) -> tuple[list[str], str]:
+    """The sweep's overrides with an empty store in `folder`, and the store's URI."""
+    store = new_store(folder / "mlflow.db")
+    return [*FAST, f"tracking.uri={store}", f"study={name}"], store
+
+
 @pytest.fixture
-def study(request, tmp_path, monkeypatch):
+def study(request, tmp_path, monkeypatch, new_store):
     monkeypatch.chdir(tmp_path)
-    name = request.node.name[:50]
-    return [*FAST, f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"study={name}"], f"sqlite:///{tmp_path}/mlflow.db"
+    return study_in(tmp_path, request.node.name[:50], new_store)
 
 
 def runs_of(store: str, study_args: list[str]) -> pd.DataFrame:
@@ -42,13 +49,16 @@ def runs_of(store: str, study_args: list[str]) -> pd.DataFrame:
         mlflow.set_tracking_uri(None)
 
 
-@pytest.fixture
-def swept(study, tmp_path, capsys):
-    args, store = study
-    run_dir = tmp_path / "run"
-    code = sweep.run(compose_raw(args), run_dir, FakeBackend(tmp_path / "work"))
-    out = capsys.readouterr().out
-    return {"code": code, "out": out, "run_dir": run_dir, "args": args, "store": store}
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory, new_store):
+    """One sweep whose outputs (console, run directory, store) the tests below read."""
+    root = tmp_path_factory.mktemp("swept")
+    args, store = study_in(root, "outputs", new_store)
+    run_dir, out = root / "run", io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out):
+        patch.chdir(root)
+        code = sweep.run(compose_raw(args), run_dir, FakeBackend(root / "work"))
+    return {"code": code, "out": out.getvalue(), "run_dir": run_dir, "args": args, "store": store}
 
 
 def test_the_console_ends_with_the_table_below_where_the_results_are(swept):

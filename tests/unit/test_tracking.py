@@ -20,8 +20,8 @@ SPLIT = SplitResult("cpu-ops", 1.25, 1.75, 0.5833, 0.01, 0.0, 0.0, 3.5, 1.1667, 
 
 
 @pytest.fixture
-def tracker(tmp_path):
-    tracker = SweepTracker(f"sqlite:///{tmp_path}/store/mlflow.db", "hostsweep-unit", experiment_description("unit"))
+def tracker(tmp_path, new_store):
+    tracker = SweepTracker(new_store(tmp_path / "store" / "mlflow.db"), "hostsweep-unit", experiment_description("unit"))
     tracker.start_sweep("unit sweep", "study: unit\n", {"n_cells": 2}, {"git_sha": "abc"})
     return tracker
 
