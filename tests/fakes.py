@@ -74,7 +74,6 @@ class FakeBackend:
         return self.clock
 
     def start(self, spec: EngineSpec) -> FakeWorker:
-        self.finish_closing()
         self.events.append(f"start {spec.label}")
         real = None if spec.label in self.start_fails else SweepWorker(spec, str(self.workdir))
         worker = FakeWorker(spec, next(self._numbers), self.clock + self.start_s, real)

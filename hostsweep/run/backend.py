@@ -45,7 +45,6 @@ class RayBackend:
         return time.monotonic()
 
     def start(self, spec: EngineSpec) -> WorkerHandle:
-        self.finish_closing()  # a closing worker may hold what the new one needs (a CPU node, GPUs)
         log_file = str(worker_log_path(self.log_dir, spec.label)) if self.log_dir is not None else None
         worker = new_worker(spec, log_file)
         # host_info answers once the constructor (the engine start) has finished.

@@ -62,8 +62,9 @@ class WorkerBackend(Protocol):
         """Kill the worker and its engine now; free what it holds."""
 
     def close(self, workers: list[object]) -> None:
-        """Begin closing engines cleanly; the workers are released once they have closed,
-        which the backend waits for before its next start and in finish_closing."""
+        """Begin closing engines cleanly; the workers are released in finish_closing, which
+        the dispatcher calls at once while other cells remain (a closing worker may hold what
+        the next one needs: a CPU node, GPUs) and the sweep calls once it has recorded."""
 
     def finish_closing(self) -> None:
         """Wait for the engines close() began (a bounded time), then release their workers."""
