@@ -135,3 +135,28 @@ def remove_stale_scratch(root: Path | None = None) -> list[Path]:
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
     return removed
+
+
+def release_shared_memory(timeout_s: float = 5.0) -> bool:
+    """Let multiprocessing's resource tracker unlink what a closed engine left in /dev/shm;
+    True if it did within timeout_s.
+
+    vLLM's processes create their message queues as shared memory (160-250 MiB each) and
+    register them with the tracker of the process that started the engine; a killed
+    engine (every close, engines/vllm_engine.py) never unregisters them, and the tracker
+    unlinks them when its last user closes it. But when a Ray worker ends, Ray SIGKILLs its
+    child processes, the tracker among them, so each engine left its segments behind (23
+    per test-suite run here). Call once the engine's processes are gone: a segment still
+    registered by a live process would be unlinked too. The tracker restarts on next use.
+    """
+    import threading
+    from multiprocessing import resource_tracker
+
+    stop = getattr(getattr(resource_tracker, "_resource_tracker", None), "_stop", None)
+    if stop is None:  # a Python without it (private API): leave the tracker to Ray
+        return False
+    # _stop waits for the tracker's exit, which waits for every holder of its pipe.
+    waiter = threading.Thread(target=stop, daemon=True, name="release-shared-memory")
+    waiter.start()
+    waiter.join(timeout_s)
+    return not waiter.is_alive()

@@ -118,6 +118,19 @@ class EngineWatch:
             return None
         return describe_exit(os.CLD_KILLED, -code) if code < 0 else describe_exit(os.CLD_EXITED, code)
 
+    def wait_gone(self, timeout_s: float) -> list[str]:
+        """Wait until every engine process has exited (a process's memory, a GPU's included,
+        is freed before it is a zombie), at most timeout_s; SIGKILL the ones still there and
+        return their names. Polled, never waited on: vLLM reaps its own children."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not any(self._alive(proc) for proc, _ in self.processes.values()):
+                return []
+            time.sleep(0.01)
+        left = [f"{name} (pid {proc.pid})" for proc, name in self.processes.values() if self._alive(proc)]
+        self.kill()
+        return left
+
     def kill(self) -> None:
         """SIGKILL whatever is left of the engine (the worker is being replaced)."""
         self.closing = True

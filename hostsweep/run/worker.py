@@ -30,8 +30,8 @@ from hostsweep.measure.results import CellResult, MeasureOptions
 from hostsweep.measure.speculative import SpecResult, spec_summary
 from hostsweep.run.faults import EngineDied
 from hostsweep.run.hygiene import (
-    descendant_pids, new_scratch_folder, release_ray_thread_limits, remove_stale_scratch, restore_affinity,
-    restore_priority, restore_scheduler,
+    descendant_pids, new_scratch_folder, release_ray_thread_limits, release_shared_memory, remove_stale_scratch,
+    restore_affinity, restore_priority, restore_scheduler,
 )
 from hostsweep.run.liveness import EngineWatch, engine_processes
 from hostsweep.run.placement import hand_gpus_to_ranks
@@ -41,6 +41,11 @@ from hostsweep.measure.split import LinearityResult, SplitResult, device_split, 
 from hostsweep.measure.traces import TraceTotals, load_trace, totals
 
 log = logging.getLogger(__name__)
+
+# How long a closed engine's processes may take to be gone before they are killed: vLLM's
+# shutdown already SIGKILLs them (engines/vllm_engine.py), so this only bounds their exit.
+ENGINE_EXIT_WAIT_S = 10.0
+
 
 def ray_placement(tp_gpus: Optional[list[str]] = None) -> dict[str, str]:
     """The Ray node and the GPU ids the engine was given ('none' outside Ray): the worker's
@@ -270,8 +275,16 @@ class SweepWorker:
                           started_at=started_at, ended_at=time.time())
 
     def close(self) -> None:
+        """Stop the engine and return once its processes are gone: the next engine on this
+        node (and its GPUs) must not start beside a dying one."""
         self.watch.closing = True
         try:
             self.engine.close()
+            left = self.watch.wait_gone(ENGINE_EXIT_WAIT_S)
+            if left:
+                log.warning("engine processes still there %.0f s after close, killed: %s",
+                            ENGINE_EXIT_WAIT_S, ", ".join(left))
+            if self.watch.processes and not release_shared_memory():
+                log.warning("the engine's shared memory may be left in /dev/shm (the resource tracker did not stop)")
         finally:
             self._remove_scratch()

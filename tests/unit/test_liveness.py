@@ -1,4 +1,5 @@
-"""The worker's watch over its engine's processes, and its scratch folder's lifetime."""
+"""The worker's watch over its engine's processes, and the lifetime of its scratch folder and
+of the shared memory its engine leaves."""
 from __future__ import annotations
 
 import os
@@ -63,6 +64,59 @@ def test_an_engine_closed_on_purpose_is_no_fault():
     watch.kill()  # what abort does
     child.wait()
     assert watch.fault() is None
+
+
+def test_closing_waits_until_the_engine_processes_are_gone():
+    child = sleeper("import time; time.sleep(0.5)")
+    watch = EngineWatch([psutil.Process(child.pid)])
+    started = time.monotonic()
+    assert watch.wait_gone(10.0) == []
+    assert 0.3 < time.monotonic() - started < 5.0
+    child.wait()
+
+
+def test_engine_processes_still_there_after_the_wait_are_named_and_killed():
+    child = sleeper()
+    proc = psutil.Process(child.pid)
+    name = proc.name()
+    watch = EngineWatch([proc])
+    assert watch.wait_gone(0.2) == [f"{name} (pid {child.pid})"]
+    assert child.wait(timeout=5) == -signal.SIGKILL
+
+
+# A killed child leaves its registered shared memory to the parent's resource tracker, as
+# a closed vLLM engine does (run/hygiene.release_shared_memory).
+LEAVES_SHARED_MEMORY = """
+import multiprocessing as mp, os, sys, time
+from multiprocessing import shared_memory
+from hostsweep.run.hygiene import release_shared_memory
+
+def child(names):
+    names.put(shared_memory.SharedMemory(create=True, size=1 << 20).name)
+    time.sleep(60)
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    names = ctx.Queue()
+    proc = ctx.Process(target=child, args=(names,))
+    proc.start()
+    name = names.get(timeout=60)
+    proc.kill()
+    proc.join()
+    left = os.path.exists("/dev/shm/" + name)
+    released = release_shared_memory() if sys.argv[1] == "release" else None
+    print(left, released, os.path.exists("/dev/shm/" + name))
+    os._exit(0)  # as Ray ends a worker: the tracker gets no chance of its own
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_shared_memory_a_killed_engine_left_is_unlinked_once_it_is_gone(tmp_path):
+    script = tmp_path / "leaves_shared_memory.py"
+    script.write_text(LEAVES_SHARED_MEMORY)
+    run = subprocess.run([sys.executable, str(script), "release"], capture_output=True, text=True, timeout=120,
+                         cwd=os.getcwd())
+    assert run.stdout.split() == ["True", "True", "False"], run.stderr
 
 
 def test_the_engine_is_what_started_after_the_snapshot_less_multiprocessing_helpers():
