@@ -25,6 +25,16 @@ TAIL_BYTES = 16_000
 FALLBACK_FOLDER = Path(tempfile.gettempdir()) / "hostsweep-logs"
 
 
+def worker_log_folder(run_dir: Path, verbose: bool) -> Optional[Path]:
+    """Where workers log: run_dir/workers, made here; None with verbose=true (their output
+    streams to the driver's console)."""
+    if verbose:
+        return None
+    folder = run_dir / LOG_FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def worker_log_path(log_dir: Path, label: str) -> Path:
     """The log of the worker serving an engine spec, e.g. workers/cpu-tiny-llama-eager-tp1.log."""
     return log_dir / f"{re.sub(r'[^A-Za-z0-9._-]+', '-', label).strip('-')}.log"

@@ -16,8 +16,9 @@ import os
 import sys
 import time
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import pandas as pd
 
@@ -41,7 +42,8 @@ from hostsweep.run.dispatch import Dispatcher, WorkerBackend
 from hostsweep.run.faults import FaultPolicy
 from hostsweep.run.progress import ProgressReporter
 from hostsweep.run.hygiene import descendant_pids
-from hostsweep.run.worklog import LOG_FOLDER
+from hostsweep.run.winddown import WindDown
+from hostsweep.run.worklog import worker_log_folder
 from hostsweep.stages.preflight import preflight, record_cluster
 from hostsweep.stages import signals
 from hostsweep.stages.recording import SweepRecorder, upload_orphans
@@ -172,21 +174,14 @@ def run(raw_cfg: DictConfig, run_dir: Path, backend: Optional[WorkerBackend] = N
             cluster.check_feasible(group_by_engine(runnable(grid)), cluster.live_nodes())
             from hostsweep.run.backend import RayBackend
 
-            return _sweep(study, raw_cfg, grid, run_dir, RayBackend(worker_log_dir(study, run_dir)))
+            backend = RayBackend(worker_log_folder(run_dir, study.config.verbose))
+            wind_down = WindDown(backend.finish_closing, partial(cluster.disconnect, started_here))
+            return _sweep(study, raw_cfg, grid, run_dir, backend, wind_down)
         finally:
             cluster.disconnect(started_here)
     finally:
         if machine_lock is not None:
             machine_lock.close()
-
-
-def worker_log_dir(study: Study, run_dir: Path) -> Optional[Path]:
-    """Where workers log (run_dir/workers), None with verbose=true: their output streams here."""
-    if study.config.verbose:
-        return None
-    folder = run_dir / LOG_FOLDER
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
 
 
 def open_study(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, options: MeasureOptions,
@@ -207,8 +202,12 @@ def open_study(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Pat
     return tracker, cells, resumed, claims
 
 
-def _sweep(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, backend: WorkerBackend) -> int:
+def _sweep(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, backend: WorkerBackend,
+           wind_down: Optional[WindDown] = None) -> int:
+    """wind_down: what ends the workers (default: the backend's closes) and, from `run`, the
+    local cluster; begun as soon as measuring ends."""
     cfg = study.config
+    wind_down = wind_down or WindDown(backend.finish_closing)
     started = time.time()
     options = MeasureOptions.of(cfg)
     pending = pending_folder(Path(cfg.output.pending_dir), cfg.tracking.uri, experiment_name(study))
@@ -244,20 +243,23 @@ def _sweep(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, b
     if prestarted:  # engines take tens of seconds to start: load matplotlib for the figures meanwhile
         importlib.import_module("hostsweep.report.figures")
     dispatcher = Dispatcher(to_run, options, recorder.on_result, backend, FaultPolicy.of(cfg.faults),
-                            ProgressReporter(len(to_run)), should_stop, worker_log_dir(study, run_dir), prestarted)
-    try:  # the last engine closes (seconds) while the sweep records and writes its results
-        return _measure_and_record(study, grid, run_dir, dispatcher, recorder, tracker, claims, tags, started)
+                            ProgressReporter(len(to_run)), should_stop, worker_log_folder(run_dir, cfg.verbose),
+                            prestarted)
+    try:  # the workers (and Ray) end while the sweep records and writes its results
+        return _measure_and_record(study, grid, run_dir, dispatcher, recorder, tracker, claims, tags, started,
+                                   wind_down.begin)
     finally:
-        backend.finish_closing()
+        wind_down.finish()
 
 
 def _measure_and_record(study: Study, grid: list[Cell], run_dir: Path, dispatcher: Dispatcher,
                         recorder: SweepRecorder, tracker: SweepTracker, claims: dict[str, str],
-                        tags: dict[str, str], started: float) -> int:
+                        tags: dict[str, str], started: float, measured: Callable[[], None]) -> int:
     cfg, table, journal = study.config, recorder.table, recorder.journal
     status, stop = "KILLED", "sweep interrupted"
     try:
         dispatcher.run()
+        measured()
         stop = dispatcher.stopped
         if not stop:
             record_study_summary(study, table.study_frame(grid), tracker)
