@@ -152,8 +152,8 @@ class RayConfig:
     # Local cluster only: start Ray's daemons pinned to the last core, away from the
     # cores vLLM binds compute to; workers take every core back before their engine starts.
     confine_daemons: bool = True
-    # Local cluster only: Ray's daemons run under SCHED_IDLE; the raylet only where its
-    # workers may leave that policy (cluster.connect).
+    # Local cluster only: Ray's daemons but the raylet run under SCHED_IDLE (the raylet's
+    # workers would inherit it: hygiene.daemons_to_idle).
     idle_daemons: bool = True
     # Local cluster only: refuse to start while another sweep measures on this machine's
     # cores (two engines on one core change what both measure).

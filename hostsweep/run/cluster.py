@@ -20,7 +20,7 @@ import psutil
 from hostsweep.config.grid import EngineSpec
 from hostsweep.config.schema import ConfigError
 from hostsweep.run.hygiene import (
-    WORKER_AFFINITY_ENV, can_leave_sched_idle, daemons_to_idle, descendant_pids, idle_process,
+    WORKER_AFFINITY_ENV, daemons_to_idle, descendant_pids, idle_process,
 )
 from hostsweep.run.placement import ACCELERATOR_PREFIX
 
@@ -96,7 +96,7 @@ def connect(address: str | None, confine_daemons: bool = False, idle_daemons: bo
     binds its compute threads to; workers get every core back (WORKER_AFFINITY_ENV)
     before their engine starts.
     idle_daemons: the daemons run under SCHED_IDLE, only when a core has nothing else
-    to do (the raylet only where its workers may leave that policy: daemons_to_idle).
+    to do (all but the raylet, whose workers would inherit it: daemons_to_idle).
     """
     import ray
 
@@ -160,7 +160,7 @@ def _init(ray, address: str | None, confine_daemons: bool, idle_daemons: bool,  
     finally:
         os.sched_setaffinity(0, cores)
     if idle_daemons:
-        for pid in daemons_to_idle(set(descendant_pids(os.getpid())) - before, can_leave_sched_idle()):
+        for pid in daemons_to_idle(set(descendant_pids(os.getpid())) - before):
             idle_process(pid)
     return True
 

@@ -10,8 +10,6 @@ import logging
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Iterable
@@ -54,9 +52,10 @@ def restore_priority() -> str:
 
 
 def restore_scheduler() -> str:
-    """Run under the normal scheduling policy, whatever process started this one (connect
-    may idle the raylet, the workers' parent, whose policy they inherit); an engine under
-    another policy would not measure what a plain process does, so that is an error."""
+    """Run under the normal scheduling policy, whatever process started this one (a child
+    inherits SCHED_IDLE: a cluster started by other means may have idled the raylet, the
+    workers' parent); an engine under another policy would not measure what a plain process
+    does, so that is an error."""
     if os.sched_getscheduler(0) != os.SCHED_OTHER:
         try:
             os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
@@ -68,14 +67,6 @@ def restore_scheduler() -> str:
     return "other"
 
 
-def can_leave_sched_idle() -> bool:
-    """Whether a process here may go back from SCHED_IDLE to the normal policy (root, or an
-    RLIMIT_NICE that allows nice 0). Tried in a child: nothing here changes policy."""
-    script = ("import os; os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)); "
-              "os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))")
-    return subprocess.run([sys.executable, "-c", script], capture_output=True).returncode == 0
-
-
 def process_name(pid: int) -> str:
     try:
         return psutil.Process(pid).name()
@@ -83,11 +74,13 @@ def process_name(pid: int) -> str:
         return ""
 
 
-def daemons_to_idle(pids: Iterable[int], workers_can_leave_idle: bool) -> list[int]:
-    """The processes ray.init started, less the raylet unless its workers can leave
-    SCHED_IDLE: the raylet starts them, a child keeps its parent's SCHED_IDLE, and a
-    worker that cannot go back to the normal policy refuses to measure."""
-    return sorted(pid for pid in pids if workers_can_leave_idle or process_name(pid) != "raylet")
+def daemons_to_idle(pids: Iterable[int]) -> list[int]:
+    """The processes ray.init started, less the raylet. The raylet starts the workers, and a
+    child keeps its parent's SCHED_IDLE (and the confined daemons' one core): a worker of an
+    idled raylet started its process and imports under SCHED_IDLE beside the driver opening
+    MLflow, 2.1-3.2 s instead of 1.4-1.6 s here, before it restores the normal policy; and
+    idling the raylet bought nothing measurable while cells run (README, Benchmarks)."""
+    return sorted(pid for pid in pids if process_name(pid) != "raylet")
 
 
 def idle_process(pid: int) -> None:
