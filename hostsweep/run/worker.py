@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 # How long a closed engine's processes may take to be gone before they are killed: vLLM's
 # shutdown already SIGKILLs them (engines/vllm_engine.py), so this only bounds their exit.
 ENGINE_EXIT_WAIT_S = 10.0
+# The same after abort's SIGKILL; with the tracker's stop, within the driver's wait for
+# abort (actors.ABORT_TIMEOUT_S).
+KILLED_EXIT_WAIT_S = 2.0
 
 
 def ray_placement(tp_gpus: Optional[list[str]] = None) -> dict[str, str]:
@@ -126,10 +129,22 @@ class SweepWorker:
         return self.watch.fault()
 
     def abort(self) -> None:
-        """Kill the engine's processes and drop the scratch folder: the driver is about to
-        kill this worker, which would leave both behind."""
+        """Kill the engine's processes, unlink their shared memory and drop the scratch
+        folder: the driver is about to kill this worker, which would leave all three behind."""
         self.watch.kill()
-        self._remove_scratch()
+        try:
+            self._engine_gone(KILLED_EXIT_WAIT_S)
+        finally:
+            self._remove_scratch()
+
+    def _engine_gone(self, wait_s: float) -> None:
+        """Return once the engine's processes are gone (killed after wait_s), and have the
+        resource tracker unlink the shared memory they left (hygiene.release_shared_memory)."""
+        left = self.watch.wait_gone(wait_s)
+        if left:
+            log.warning("engine processes still there %.0f s after close, killed: %s", wait_s, ", ".join(left))
+        if self.watch.processes and not release_shared_memory():
+            log.warning("the engine's shared memory may be left in /dev/shm (the resource tracker did not stop)")
 
     def _remove_scratch(self) -> None:
         if self.scratch is not None:
@@ -280,11 +295,6 @@ class SweepWorker:
         self.watch.closing = True
         try:
             self.engine.close()
-            left = self.watch.wait_gone(ENGINE_EXIT_WAIT_S)
-            if left:
-                log.warning("engine processes still there %.0f s after close, killed: %s",
-                            ENGINE_EXIT_WAIT_S, ", ".join(left))
-            if self.watch.processes and not release_shared_memory():
-                log.warning("the engine's shared memory may be left in /dev/shm (the resource tracker did not stop)")
+            self._engine_gone(ENGINE_EXIT_WAIT_S)
         finally:
             self._remove_scratch()

@@ -180,6 +180,20 @@ def test_a_worker_removes_its_scratch_folder_when_closed_or_aborted(tmp_path, mo
         assert not worker.scratch.exists(), end
 
 
+@pytest.mark.parametrize("end", ["close", "abort"])
+def test_a_worker_ends_its_engines_processes_then_releases_their_shared_memory(tmp_path, monkeypatch, end):
+    released = []
+    monkeypatch.setattr("hostsweep.run.worker.release_shared_memory", lambda: released.append(True) or True)
+    (cell,) = build_cells(compose_typed(FAKE))
+    worker = SweepWorker(cell.engine, str(tmp_path))
+    engine_process = sleeper("import time; time.sleep(0.3)" if end == "close" else "import time; time.sleep(60)")
+    worker.watch = EngineWatch([psutil.Process(engine_process.pid)])
+    getattr(worker, end)()
+    assert engine_process.poll() is not None  # gone (exited, or killed by abort) before the release
+    assert released == [True]
+    engine_process.wait()
+
+
 def test_scratch_folders_of_dead_workers_are_removed_and_live_ones_kept(tmp_path):
     dead = sleeper("pass")
     dead.wait()
