@@ -142,7 +142,8 @@ class SweepWorker:
         resource tracker unlink the shared memory they left (hygiene.release_shared_memory)."""
         left = self.watch.wait_gone(wait_s)
         if left:
-            log.warning("engine processes still there %.0f s after they were stopped, killed: %s", wait_s, ", ".join(left))
+            log.warning("engine processes still there %.0f s after they were stopped, killed: %s",
+                        wait_s, ", ".join(left))
         if self.watch.processes and not release_shared_memory():
             log.warning("the engine's shared memory may be left in /dev/shm (the resource tracker did not stop)")
 
