@@ -42,12 +42,10 @@ from hostsweep.measure.traces import TraceTotals, load_trace, totals
 
 log = logging.getLogger(__name__)
 
-# How long a closed engine's processes may take to be gone before they are killed: vLLM's
-# shutdown already SIGKILLs them (engines/vllm_engine.py), so this only bounds their exit.
-ENGINE_EXIT_WAIT_S = 10.0
-# The same after abort's SIGKILL; with the tracker's stop, within the driver's wait for
-# abort (actors.ABORT_TIMEOUT_S).
-KILLED_EXIT_WAIT_S = 2.0
+# How long an engine's processes may take to be gone before they are killed, after close
+# (vLLM's shutdown SIGKILLs them: engines/vllm_engine.py) and after abort's own SIGKILL
+# (with the tracker's stop, within the driver's wait for abort: actors.ABORT_TIMEOUT_S).
+ENGINE_EXIT_WAIT_S, KILLED_EXIT_WAIT_S = 10.0, 2.0
 
 
 def ray_placement(tp_gpus: Optional[list[str]] = None) -> dict[str, str]:
