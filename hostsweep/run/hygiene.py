@@ -78,8 +78,9 @@ def daemons_to_idle(pids: Iterable[int]) -> list[int]:
     """The processes ray.init started, less the raylet. The raylet starts the workers, and a
     child keeps its parent's SCHED_IDLE (and the confined daemons' one core): a worker of an
     idled raylet started its process and imports under SCHED_IDLE beside the driver opening
-    MLflow, 2.1-3.2 s instead of 1.4-1.6 s here, before it restores the normal policy; and
-    idling the raylet bought nothing measurable while cells run (README, Benchmarks)."""
+    MLflow, 2.1-3.2 s in four runs here against 1.4-2.6 s in three without, before it
+    restores the normal policy; and idling the raylet bought nothing measurable while cells
+    run (README, Benchmarks)."""
     return sorted(pid for pid in pids if process_name(pid) != "raylet")
 
 
