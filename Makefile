@@ -6,13 +6,25 @@ STAMP := $(VENV)/.hostsweep-installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test setup clean-venv
+.PHONY: run test setup test-browser clean-venv
 
 run: $(STAMP)
 	$(PY) -m hostsweep $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) test-browser
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The end-to-end UI test opens the stock MLflow UI in headless Chromium through Selenium:
+# Debian's chromium and chromium-driver, installed here when missing and this user may
+# install packages (root, or sudo without a password); otherwise one line says the command.
+BROWSER_PACKAGES := chromium chromium-driver
+test-browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO=sudo; else \
+	  echo "make test: the UI test needs Debian's chromium and chromium-driver; install them with: sudo apt-get install -y $(BROWSER_PACKAGES)" >&2; \
+	  exit 2; fi; \
+	echo "installing $(BROWSER_PACKAGES) for the UI test (apt-get)"; \
+	$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(BROWSER_PACKAGES) >/dev/null
 
 setup: $(STAMP)
 

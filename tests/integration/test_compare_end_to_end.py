@@ -132,7 +132,7 @@ def ui(study):
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
     if not (Path(CHROMIUM).exists() and CHROMEDRIVER):
-        pytest.fail("this test needs Debian's chromium and chromium-driver (.ci/run installs them)")
+        pytest.fail("this test needs Debian's chromium and chromium-driver (`make test` installs them)")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 

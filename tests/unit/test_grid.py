@@ -5,6 +5,8 @@ import hashlib
 import json
 from dataclasses import replace
 
+import pytest
+
 from hostsweep.config.grid import build_cells, group_by_engine
 from tests.conftest import compose_typed
 
@@ -110,18 +112,30 @@ def test_compute_capability_below_the_modes_need_is_named():
 # Keys logged by earlier versions (the eager ones recomputed by the code of e111443, before
 # the house move; the modes ones as modes introduced them): a resumed study finds its cells
 # only if these never change. A new field joins a key only when off its old default.
+# The dtype is part of a key and a CPU sku's default follows the CPU's flags (bfloat16 with
+# AVX-512 BF16, else float32), so the CPU rows pin the dtype the keys were logged with.
 PINNED_KEYS = [
-    (["+sku=cpu"], "cpu/tiny-llama/eager/tp1/b1/ctx128/T33/2265fdaab9", "cpu/tiny-llama/eager/tp1/b4/ctx512/T33/25d9e9b360"),
+    (["+sku=cpu", "engine.dtype=bfloat16"], "cpu/tiny-llama/eager/tp1/b1/ctx128/T33/2265fdaab9", "cpu/tiny-llama/eager/tp1/b4/ctx512/T33/25d9e9b360"),
     (["+experiment=tp70b"], "h100/llama-3.1-70b/eager/tp2/b1/ctx512/T33/c7b9c98425",
      "h200/llama-3.1-70b/eager/tp4/b8/ctx4096/T33/7cbb3add61"),
     (["+sku=h200", "tp=4", "model=llama-3.1-8b", "modes=[eager,graph]"], "h200/llama-3.1-8b/eager/tp4/b1/ctx128/T33/419e750a98",
      "h200/llama-3.1-8b/graph/tp4/b4/ctx512/T33/85b42584c2"),
-    (["+sku=cpu", "modes=[spec-ngram]", "workload=[repeat]"], "cpu/tiny-llama/spec-ngram/tp1/b1/ctx128/T33/6483750ec2",
+    (["+sku=cpu", "engine.dtype=bfloat16", "modes=[spec-ngram]", "workload=[repeat]"], "cpu/tiny-llama/spec-ngram/tp1/b1/ctx128/T33/6483750ec2",
      "cpu/tiny-llama/spec-ngram/tp1/b4/ctx512/T33/a5a110b6a9"),
 ]
 
 
-def test_cell_keys_of_shipped_configurations_never_change():
+@pytest.mark.parametrize("cpu_flags", [set(), {"avx512_bf16"}], ids=["cpu-without-bf16", "cpu-with-bf16"])
+def test_cell_keys_of_shipped_configurations_never_change(monkeypatch, cpu_flags):
+    # Whatever CPU runs the tests: the keys must not depend on the machine's flags.
+    monkeypatch.setattr("hostsweep.config.resolve.cpu_flags", lambda: cpu_flags)
     for overrides, first, last in PINNED_KEYS:
         cells = build_cells(compose_typed(overrides))
         assert (cells[0].key, cells[-1].key) == (first, last), overrides
+
+
+def test_the_cpu_default_dtype_follows_the_cpus_bf16_support(monkeypatch):
+    monkeypatch.setattr("hostsweep.config.resolve.cpu_flags", lambda: set())
+    assert {c.engine.dtype for c in build_cells(compose_typed(["+sku=cpu"]))} == {"float32"}
+    monkeypatch.setattr("hostsweep.config.resolve.cpu_flags", lambda: {"avx512_bf16"})
+    assert {c.engine.dtype for c in build_cells(compose_typed(["+sku=cpu"]))} == {"bfloat16"}

@@ -2,7 +2,7 @@
 microbenchmarks' pure parts, with answers known in advance."""
 from __future__ import annotations
 
-import re
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -13,8 +13,24 @@ from hostsweep.model.calibrate import host_calibration, measure_roofs, run_on_sk
 from hostsweep.record.provenance import driver_tags, git_sha, package_version
 
 
+def _head_commit_from_git_files(checkout: Path) -> str:
+    """HEAD's commit read from .git's files (not through git), to check git_sha against."""
+    git_dir = checkout / ".git"
+    head = (git_dir / "HEAD").read_text().strip()
+    if not head.startswith("ref: "):
+        return head  # a detached HEAD names its commit
+    ref = head.removeprefix("ref: ")
+    if (git_dir / ref).is_file():
+        return (git_dir / ref).read_text().strip()
+    packed = (git_dir / "packed-refs").read_text().splitlines()
+    return next(line.split()[0] for line in packed if line.endswith(" " + ref))
+
+
 def test_git_sha_is_the_checkout_commit():
-    assert re.fullmatch(r"[0-9a-f]{40}", git_sha())
+    checkout = Path(__file__).resolve().parents[2]
+    if not (checkout / ".git").is_dir():
+        pytest.skip("not run from a git checkout")
+    assert git_sha() == _head_commit_from_git_files(checkout)
 
 
 def test_a_missing_distribution_is_reported_not_raised():
@@ -28,11 +44,25 @@ def test_driver_tags_carry_versions_sha_and_host():
     assert all(tags.values())
 
 
-def test_cpuinfo_is_parsed_once_for_flags_and_model_name():
-    if not cpuinfo():
-        pytest.skip("no /proc/cpuinfo")
-    assert cpu_model_name() == cpuinfo()["model name"]
-    assert "fpu" in cpu_flags() or "fp" in " ".join(cpu_flags())
+def test_cpuinfo_is_parsed_once_for_flags_and_model_name(monkeypatch):
+    reads = []
+    real_read_text = Path.read_text
+
+    def counting_read_text(self, *args, **kwargs):
+        if str(self) == "/proc/cpuinfo":
+            reads.append(self)
+            return "processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t\t: fpu sse2 avx512_bf16\n\nprocessor\t: 1\n"
+        return real_read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", counting_read_text)
+    cpuinfo.cache_clear()
+    try:
+        assert cpu_model_name() == "Test CPU 9000"
+        assert cpu_flags() == {"fpu", "sse2", "avx512_bf16"}
+        assert cpu_model_name() == "Test CPU 9000"
+        assert len(reads) == 1
+    finally:
+        cpuinfo.cache_clear()  # the next caller reads the real file
 
 
 def test_host_calibration_recovers_the_line_it_was_generated_from():
