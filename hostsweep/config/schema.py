@@ -243,6 +243,9 @@ class FitConfig:
     calibrate: bool = True
     calibration_file: Optional[str] = None  # a YAML from `hostsweep-model allreduce|roofs|host --out`, over `calibration`
     models_experiment: str = "models"  # where the fitted model is logged
+    # Leave the cells the sweep flagged unstable (tag stable=false) out of the fit, H(N) and
+    # the comparison, and say how many and why; cells without the tag count as stable.
+    exclude_unstable: bool = True
 
 
 @dataclass
