@@ -1,0 +1,216 @@
+"""What `stage=diff` writes of a DiffResult (pure): the document (diff.md, diff.html), the
+figure of per-cell ratios with CIs, diff.json for tools, and the console's short table.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import pandas as pd
+
+from hostsweep.report import figures as F
+from hostsweep.report.diff import GATED, HOST_FIXED, POINT, RAW, SUMMARY, VERDICTS, DiffResult
+from hostsweep.report.document import Bullets, Document, Figure, Heading, Table, Text
+
+VERDICT_COLORS = {"slower": "#d62728", "faster": "#2ca02c", "same": "#7f7f7f", "inconclusive": "#ff7f0e"}
+CONSOLE_ROWS = 12  # cells the console shows: the slowest and the fastest when there are more
+
+
+@dataclass(frozen=True)
+class SideInfo:
+    """One side as the user named it and where its cells came from."""
+
+    given: str  # diff.base / diff.head as typed
+    label: str  # the study, or the sweep run id's first 8 characters
+    kind: str  # "study" or "sweep"
+    experiment: str
+    experiment_id: str
+    parent_runs: tuple[str, ...]
+    cells: int
+    raw_missing: int  # cells without raw_timings.csv
+
+
+@dataclass(frozen=True)
+class DiffContext:
+    base: SideInfo
+    head: SideInfo
+    tracking_uri: str
+    run_id: str
+    experiment: str
+    created: str
+    command: str
+
+
+def fmt_ratio(ratio: float, low: float, high: float) -> str:
+    if not math.isfinite(ratio):
+        return "–"
+    ci = f" [{low:.3f}, {high:.3f}]" if math.isfinite(low) and math.isfinite(high) else " (no CI)"
+    return f"{ratio:.3f}×{ci}"
+
+
+def differs_lines(result: DiffResult) -> list[str]:
+    lines = [f"**{d.name}**: {d.text()}" for d in result.differs]
+    return lines or ["nothing detected: the cell params and the provenance (versions, git SHA, device, host) "
+                     "are the same on both sides, so the sides are repeats of one measurement"]
+
+
+def headline(result: DiffResult) -> str:
+    s = result.summary.get(GATED)
+    if s is None:
+        return f"no matched cell has {GATED}"
+    c = s["counts"]
+    text = (f"{GATED} head/base geometric mean {fmt_ratio(s['geomean_ratio'], s['ci_low'], s['ci_high'])} over "
+            f"{s['cells_in_geomean']} cells; " + ", ".join(f"{c[v]} {v}" for v in VERDICTS))
+    return text + (f"; {s['unstable']} unstable (counted apart)" if s["unstable"] else "")
+
+
+def counts_table(result: DiffResult) -> pd.DataFrame:
+    rows = []
+    for quantity, s in result.summary.items():
+        rows.append({"quantity": quantity, "geomean ratio": fmt_ratio(s["geomean_ratio"], s["ci_low"], s["ci_high"]),
+                     "cells": s["cells"], **s["counts"], "no verdict": s["no_verdict"],
+                     "unstable": s["unstable"] and ", ".join(f"{n} {v}" for v, n in s["unstable_counts"].items()
+                                                              if n) or 0,
+                     "CI from": s["ci_source"]})
+    return pd.DataFrame(rows)
+
+
+def cell_table(result: DiffResult, quantity: str) -> pd.DataFrame:
+    rows = result.cells[result.cells["quantity"] == quantity].sort_values("ratio", ascending=False)
+    return pd.DataFrame({"cell": rows["cell"] + np.where(rows["unstable"], " (unstable)", ""),
+                         "base ms": rows["base"], "head ms": rows["head"], "ratio": rows["ratio"],
+                         "95% CI": [fmt_ratio(1, lo, hi)[len("1.000× "):] if math.isfinite(lo) else "–"
+                                    for lo, hi in zip(rows["ci_low"], rows["ci_high"])],
+                         "verdict": rows["verdict"].fillna("no CI"), "base run": rows["base_run"],
+                         "head run": rows["head_run"]})
+
+
+def ratio_figure(result: DiffResult, path: Path) -> Optional[Path]:
+    """Per-cell ratio head/base with CIs, sorted by ratio, coloured by the first dimension
+    that varies (or by verdict), one panel per quantity; the ±threshold band shaded."""
+    quantities = [q for q in result.summary if (result.cells["quantity"] == q).any()]
+    if not quantities:
+        return None
+    rows = max((result.cells["quantity"] == q).sum() for q in quantities)
+    fig, axes = F.panels(len(quantities), width=5.5, height=max(2.5, 0.28 * rows + 1.2), columns=3)
+    group = result.label_dims[0] if result.label_dims and result.label_dims[0] not in ("batch", "ctx") else None
+    t = result.options.threshold_pct / 100
+    for ax, quantity in zip(axes, quantities):
+        mine = result.cells[result.cells["quantity"] == quantity].sort_values("ratio", na_position="first")
+        y = np.arange(len(mine))
+        keys = mine[group].astype(str) if group else mine["verdict"].fillna("no CI")
+        palette = F.colors(sorted(set(keys))) if group else {**VERDICT_COLORS, "no CI": "#1f77b4"}
+        ax.axvspan(1 - t, 1 + t, color="#dddddd", alpha=0.6, lw=0)
+        ax.axvline(1.0, color="black", lw=0.8)
+        for key in dict.fromkeys(keys):
+            sel = (keys == key).to_numpy()
+            part = mine[sel]
+            err = np.vstack([(part["ratio"] - part["ci_low"]).clip(lower=0), (part["ci_high"] - part["ratio"]).clip(lower=0)])
+            ax.errorbar(part["ratio"], y[sel], xerr=np.nan_to_num(err), fmt="none", ecolor=palette[key], lw=1.2)
+            ax.scatter(part["ratio"], y[sel], color=palette[key], label=f"{group}={key}" if group else key, zorder=3,
+                       facecolors=np.where(part["unstable"], "white", palette[key]))
+        ax.set_yticks(y, mine["cell"] + np.where(mine["unstable"], " *", ""), fontsize=7)
+        ax.set_xlabel(f"{quantity}: head / base")
+        ax.set_title(f"{quantity} ({mine['ci_source'].iloc[0] if len(mine) else ''})", fontsize=9)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"head/base per cell, 95% CI; grey band ±{result.options.threshold_pct:g}%; hollow *: unstable",
+                 fontsize=10)
+    return F.save(fig, path)
+
+
+def _method(result: DiffResult) -> Bullets:
+    o = result.options
+    return Bullets((
+        f"Cells are matched on {', '.join(result.matched_on) or 'nothing'}: every cell param except what differs "
+        "(a param with one value on each side, different values). Provenance is reported, never matched on.",
+        f"{RAW}: ratio of the medians of the two cells' timed pairs, {o.resamples} bootstrap resamples of each "
+        f"cell on its own, {o.level:.0%} percentile interval.",
+        f"{HOST_FIXED}: host_ms = step − device_ms; the split has one profiled pair per cell, so device_ms "
+        "is held fixed and only the step noise is in the CI.",
+        f"{POINT}: the ratio of the logged metrics, no CI and no verdict. {SUMMARY}: each cell's logged CI read as "
+        "log-normal.",
+        f"Verdicts (t = {o.threshold_pct:g}%): slower = CI above 1 and ratio above 1+t; faster = CI below 1 and "
+        "ratio below 1−t; same = the whole CI inside [1−t, 1+t]; else inconclusive.",
+        "Unstable cells (stable=false on either side) keep their verdict but are counted apart and never gate.",
+        f"fail_on={o.fail_on or 'null'} judges {GATED} of stable cells."))
+
+
+def _sources(ctx: DiffContext) -> Table:
+    rows = [{"what": "this diff", "experiment": ctx.experiment, "run_id": ctx.run_id}]
+    for name, side in (("base", ctx.base), ("head", ctx.head)):
+        rows += [{"what": f"{name} sweep ({side.given})", "experiment": side.experiment, "run_id": p}
+                 for p in side.parent_runs]
+    return Table(pd.DataFrame(rows))
+
+
+def build(result: DiffResult, ctx: DiffContext, folder: Path) -> Document:
+    """The diff document; its figure is written under folder/figures."""
+    figure = ratio_figure(result, folder / "figures" / "ratios.png")
+    doc = Document(f"Diff {ctx.base.label} → {ctx.head.label}")
+    doc.add(Heading("What differs"), Bullets(tuple(differs_lines(result))),
+            Text(f"Base `{ctx.base.given}` ({ctx.base.kind}, {ctx.base.cells} cells), head `{ctx.head.given}` "
+                 f"({ctx.head.kind}, {ctx.head.cells} cells). Matched on: {', '.join(result.matched_on) or 'nothing'}."
+                 + (f" Same on both sides: {', '.join(f'{k} {v}' for k, v in result.shared.items())}."
+                    if result.shared else "")),
+            Heading("Verdict"), Text(f"**{headline(result)}**"), Table(counts_table(result)))
+    failing = result.failing()
+    if result.options.fail_on:
+        doc.add(Text(f"fail_on={result.options.fail_on}: **{'FAIL' if len(failing) else 'pass'}** "
+                     f"({len(failing)} stable cell(s) {result.options.fail_on})."))
+    if figure is not None:
+        doc.add(Figure(figure, "head/base per cell with its 95% CI, sorted by ratio; grey: the ±threshold band."))
+    for quantity in result.summary:
+        doc.add(Heading(f"Every matched cell: {quantity}", 3), Table(cell_table(result, quantity), digits=3))
+    doc.add(Heading("Unmatched cells"), Table(result.unmatched) if len(result.unmatched) else Text("none"),
+            Heading("How the numbers are made"), _method(result),
+            Heading("Where every number comes from"),
+            Text(f"Store `{ctx.tracking_uri}`. Generated {ctx.created} by `{ctx.command}`."), _sources(ctx))
+    warnings = result.warnings + [f"{s.label}: {s.raw_missing} cell(s) have no raw_timings.csv: their {GATED} CI is "
+                                  "approximate (from the logged CI)" for s in (ctx.base, ctx.head) if s.raw_missing]
+    if warnings:
+        doc.add(Heading("Warnings"), Bullets(tuple(warnings)))
+    return doc
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (np.floating, np.integer, np.bool_)):
+        return _clean(value.item())
+    return value
+
+
+def to_json(result: DiffResult, ctx: DiffContext) -> dict[str, Any]:
+    """diff.json: everything the document says, as data."""
+    side = lambda s: {k: (list(v) if isinstance(v, tuple) else v) for k, v in s.__dict__.items()}  # noqa: E731
+    return {
+        "base": side(ctx.base), "head": side(ctx.head), "run_id": ctx.run_id, "tracking_uri": ctx.tracking_uri,
+        "created": ctx.created, "command": ctx.command,
+        "differs": [{"name": d.name, "base": list(d.base), "head": list(d.head)} for d in result.differs],
+        "matched_on": result.matched_on, "shared": result.shared,
+        "options": {**result.options.__dict__, "quantities": list(result.options.quantities)},
+        "summary": {q: {k: _clean(v) for k, v in s.items()} for q, s in result.summary.items()},
+        "failing": result.failing()["cell"].tolist(),
+        "cells": [{k: _clean(v) for k, v in row.items()} for row in result.cells.to_dict("records")],
+        "unmatched": [{k: _clean(v) for k, v in row.items()} for row in result.unmatched.to_dict("records")],
+        "warnings": result.warnings,
+    }
+
+
+def console(result: DiffResult) -> str:
+    """The short table: the gated quantity's cells (the slowest and fastest when many), then the counts."""
+    table = cell_table(result, GATED).drop(columns=["base run", "head run"])
+    if len(table) > CONSOLE_ROWS:
+        half = CONSOLE_ROWS // 2
+        table = pd.concat([table.head(half), table.tail(half)])
+    lines = [f"what differs: {'; '.join(l.replace('**', '') for l in differs_lines(result))}",
+             f"matched on: {', '.join(result.matched_on) or 'nothing'}"]
+    if len(table):
+        lines.append(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    lines.append(headline(result))
+    lines += [f"unmatched: {len(result.unmatched)} cell(s) ({(result.unmatched['side'] == 'base').sum()} base only, "
+              f"{(result.unmatched['side'] == 'head').sum()} head only)"] if len(result.unmatched) else []
+    return "\n".join(lines + [f"warning: {w}" for w in result.warnings])

@@ -1,0 +1,216 @@
+"""stage=diff's computation on synthetic sides with known answers: raw timed pairs drawn
+around known per-cell ratios over many noise seeds, so the planted slowdowns (and
+speed-ups) are found exactly and unchanged cells are called `same`; what differs is
+detected from params and provenance; unstable cells are counted apart; the gate trips
+only on what it should."""
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from itertools import product
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from hostsweep.report.diff import (
+    GATED, HOST_FIXED, POINT, RAW, SUMMARY, DiffOptions, dimensions, diff, match_cells, stable_flag, verdict,
+)
+from hostsweep.report.diff_report import DiffContext, SideInfo, build, console, to_json
+from hostsweep.report.document import to_html, to_markdown
+
+GRID = list(product([1, 2, 4], [128, 512]))  # (batch, ctx)
+PLANTED = {(2, 512): 1.25, (4, 128): 1.40, (1, 512): 0.70}  # head/base; every other cell 1.0
+SEEDS = range(20)
+
+
+def side(version: str, ratios: dict, seed: int, sigma: float = 0.015, reps: int = 12,
+         outliers: bool = True) -> tuple[pd.DataFrame, dict[str, np.ndarray]]:
+    """Cells of the grid with raw step pairs: a base step per cell times its ratio, times
+    log-normal noise, with one pair in twelve 40% slow (a stray process), as measured."""
+    rng = np.random.default_rng([seed, zlib.crc32(version.encode())])  # each side its own noise
+    rows, raw = [], {}
+    for batch, ctx in GRID:
+        step = 2.0 * (1 + 0.1 * batch) * (1 + ctx / 1024) * ratios.get((batch, ctx), 1.0)
+        pairs = step * np.exp(rng.normal(0, sigma, reps))
+        if outliers:
+            pairs[rng.integers(reps)] *= 1.4
+        run_id = f"{version}-b{batch}-ctx{ctx}"
+        raw[run_id] = pairs
+        device = 0.4 * step
+        rows.append({"sku": "cpu", "model": "tiny-llama", "mode": "eager", "tp": "1", "batch": str(batch),
+                     "ctx": str(ctx), "T": "33", "dtype": "float32", "engine_args": '{"enforce_eager":true}',
+                     "step_ms": float(np.median(pairs)), "device_ms": device, "host_ms": float(np.median(pairs)) - device,
+                     "step_ci_low_ms": step * 0.97, "step_ci_high_ms": step * 1.03, "vllm_version": version,
+                     "torch_version": "2.13.0", "git_sha": "abc", "hostname": "box", "run_id": run_id})
+    return pd.DataFrame(rows), raw
+
+
+def run(base_ratios: dict, head_ratios: dict, seed: int, **options) -> tuple:
+    base, raw_b = side("0.31.0", base_ratios, seed)
+    head, raw_h = side("0.32.0", head_ratios, seed)
+    return diff(base, head, {**raw_b, **raw_h}, DiffOptions(**options)), base, head
+
+
+def verdicts(result, quantity: str = GATED) -> dict[str, str]:
+    rows = result.cells[result.cells["quantity"] == quantity]
+    return dict(zip(rows["cell"], rows["verdict"]))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_planted_changes_are_found_exactly_and_the_rest_is_same(seed):
+    result, _, _ = run({}, PLANTED, seed)
+    expected = {f"b{b}-ctx{c}": ("slower" if PLANTED.get((b, c), 1) > 1 else "faster" if (b, c) in PLANTED
+                                 else "same") for b, c in GRID}
+    assert verdicts(result) == expected
+    rows = result.cells[result.cells["quantity"] == GATED].set_index("cell")
+    for (b, c), ratio in PLANTED.items():  # (the CI misses it in 5% of seeds, as a 95% CI should)
+        assert rows.loc[f"b{b}-ctx{c}", "ratio"] == pytest.approx(ratio, rel=0.03)
+    assert set(rows["ci_source"]) == {RAW}
+
+
+def test_the_ci_covers_the_true_ratio_about_as_often_as_it_says():
+    inside = []
+    for seed in range(60):
+        result, _, _ = run({}, {(2, 128): 1.1}, seed)
+        row = result.cells[(result.cells["quantity"] == GATED) & (result.cells["cell"] == "b2-ctx128")].iloc[0]
+        inside.append(row["ci_low"] <= 1.1 <= row["ci_high"])
+    assert np.mean(inside) >= 0.85
+
+
+def test_the_geometric_mean_and_its_ci_hold_the_planted_mean():
+    result, _, _ = run({}, PLANTED, 3)
+    truth = math.exp(np.mean([math.log(PLANTED.get(cell, 1.0)) for cell in GRID]))
+    s = result.summary[GATED]
+    assert s["ci_low"] <= truth <= s["ci_high"] and abs(s["geomean_ratio"] - truth) < 0.03
+    assert s["counts"] == {"faster": 1, "slower": 2, "same": 3, "inconclusive": 0}
+
+
+VERDICTS = [  # ratio, CI, threshold 5% -> verdict
+    (1.20, 1.10, 1.30, "slower"),
+    (1.04, 1.01, 1.06, "inconclusive"),  # surely slower, but maybe by more than 5%
+    (1.03, 1.01, 1.045, "same"),  # surely slower, surely by less than 5%
+    (0.80, 0.70, 0.90, "faster"),
+    (1.00, 0.97, 1.03, "same"),
+    (1.00, 0.90, 1.10, "inconclusive"),
+    (1.08, 0.99, 1.17, "inconclusive"),  # beyond the threshold, but the CI holds 1
+    (math.nan, math.nan, math.nan, "inconclusive"),
+]
+
+
+@pytest.mark.parametrize("ratio,low,high,expected", VERDICTS)
+def test_verdict_rules(ratio, low, high, expected):
+    assert verdict(ratio, low, high, 5.0) == expected
+
+
+def test_what_differs_is_detected_and_left_out_of_the_matching():
+    base, _ = side("0.31.0", {}, 0)
+    head, _ = side("0.32.0", {}, 0)
+    head["sku"], head["git_sha"] = "h200", "def"
+    head.loc[head.index[:3], "hostname"] = "box2"  # the head ran on two hosts
+    matched, differs, shared = dimensions(base, head)
+    names = {d.name: d.text() for d in differs}
+    assert names == {"sku": "cpu → h200", "vllm_version": "0.31.0 → 0.32.0", "git_sha": "abc → def",
+                     "hostname": "box → {box, box2}"}
+    assert "sku" not in matched and {"batch", "ctx", "mode", "engine_args"} <= set(matched)
+    assert "hostname" not in matched and shared == {"torch_version": "2.13.0"}
+
+
+def test_cells_one_side_lacks_are_listed_unmatched_not_dropped():
+    base, raw_b = side("a", {}, 0)
+    head, raw_h = side("b", {}, 0)
+    head = head[head["batch"] != "4"]
+    extra = head.iloc[[0]].assign(batch="16", run_id="b-b16")
+    head = pd.concat([head, extra])
+    result = diff(base, head, {**raw_b, **raw_h}, DiffOptions())
+    assert "batch" in result.matched_on
+    assert sorted(zip(result.unmatched["side"], result.unmatched["batch"])) == [
+        ("base", "4"), ("base", "4"), ("head", "16")]
+    assert len(verdicts(result)) == 4
+
+
+def test_a_side_measured_twice_keeps_its_newest_cell():
+    base, _ = side("a", {}, 0)
+    twice = pd.concat([base.assign(start_time=1), base.assign(start_time=2, run_id=base["run_id"] + "-new")])
+    pairs, unmatched, warnings = match_cells(twice, base, ["batch", "ctx"])
+    assert len(pairs) == 6 and unmatched.empty and all(b["run_id"].endswith("-new") for b, _ in pairs)
+    assert warnings == ["base: 6 cell(s) share their matching dimensions with a newer one and are left out"]
+
+
+@pytest.mark.parametrize("flag,unstable", [("false", True), ("False", True), (0.0, True), ("true", False),
+                                           (None, False), (float("nan"), False)])
+def test_the_stable_flag_in_any_spelling_and_its_absence(flag, unstable):
+    assert (stable_flag(flag) is False) == unstable
+
+
+def test_unstable_cells_are_counted_apart_and_never_gate():
+    base, raw_b = side("a", {}, 1)
+    head, raw_h = side("b", PLANTED, 1)
+    head["stable"] = ["false" if (int(b), int(c)) == (4, 128) else "true" for b, c in zip(head["batch"], head["ctx"])]
+    result = diff(base, head, {**raw_b, **raw_h}, DiffOptions(fail_on="slower"))
+    s = result.summary[GATED]
+    assert s["unstable"] == 1 and s["unstable_counts"]["slower"] == 1 and s["counts"]["slower"] == 1
+    assert result.failing()["cell"].tolist() == ["b2-ctx512"]
+
+
+def test_without_a_stable_flag_nothing_is_unstable():
+    result, _, _ = run({}, PLANTED, 2)
+    assert not result.cells["unstable"].any() and set(result.cells["stable_flag"]) == {"unknown"}
+
+
+def test_the_gate():
+    same, _, _ = run({}, {}, 4, fail_on="slower")
+    slower, _, _ = run({}, PLANTED, 4, fail_on="slower")
+    off, _, _ = run({}, PLANTED, 4)
+    assert same.failing().empty and off.failing().empty
+    assert sorted(slower.failing()["cell"]) == ["b2-ctx512", "b4-ctx128"]
+
+
+def test_host_ms_holds_device_fixed_device_ms_has_no_ci_and_no_verdict():
+    result, _, _ = run({}, PLANTED, 5)
+    host = result.cells[result.cells["quantity"] == "host_ms"]
+    device = result.cells[result.cells["quantity"] == "device_ms"]
+    assert set(host["ci_source"]) == {HOST_FIXED} and host["ci_low"].notna().all()
+    assert set(device["ci_source"]) == {POINT} and device["verdict"].isna().all() and device["ci_low"].isna().all()
+    assert device.set_index("cell").loc["b4-ctx128", "ratio"] == pytest.approx(1.4)
+    assert result.summary["device_ms"]["no_verdict"] == 6
+
+
+def test_cells_without_raw_timings_fall_back_to_their_logged_cis_labelled():
+    base, _ = side("a", {}, 0)
+    head, _ = side("b", {(2, 128): 1.5}, 0)
+    result = diff(base, head, {}, DiffOptions())
+    steps = result.cells[result.cells["quantity"] == GATED]
+    assert set(steps["ci_source"]) == {SUMMARY}
+    assert verdicts(result)["b2-ctx128"] == "slower"
+    assert set(result.cells[result.cells["quantity"] == "host_ms"]["ci_source"]) == {POINT}
+
+
+@pytest.mark.parametrize("options,needle", [
+    ({"threshold_pct": 0}, "threshold_pct must be in (0, 100)"),
+    ({"resamples": 10}, "resamples must be >= 100"),
+    ({"fail_on": "faster"}, "fail_on='faster' is not allowed; allowed: null, slower, inconclusive"),
+    ({"quantities": ()}, "quantities must name at least one metric"),
+])
+def test_options_are_checked(options, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        DiffOptions(**options).check()
+
+
+def test_the_document_json_and_console_say_what_differs_first(tmp_path: Path):
+    result, _, _ = run({}, PLANTED, 6, fail_on="slower")
+    info = lambda label: SideInfo(label, label, "study", f"hostsweep-{label}", "1", ("p" * 32,), 6, 0)  # noqa: E731
+    ctx = DiffContext(info("old"), info("new"), "sqlite:///x.db", "r" * 32, "hostsweep-new", "now", "python -m hostsweep")
+    doc = build(result, ctx, tmp_path)
+    md, page = to_markdown(doc, tmp_path), to_html(doc)
+    assert md.index("## What differs") < md.index("## Verdict") and "**vllm_version**: 0.31.0 → 0.32.0" in md
+    assert "fail_on=slower: **FAIL** (2 stable cell(s) slower)" in md and "data:image/png;base64," in page
+    assert (tmp_path / "figures" / "ratios.png").stat().st_size > 1000
+    data = json.loads(json.dumps(to_json(result, ctx)))
+    assert data["differs"] == [{"name": "vllm_version", "base": ["0.31.0"], "head": ["0.32.0"]}]
+    assert sorted(data["failing"]) == ["b2-ctx512", "b4-ctx128"] and len(data["cells"]) == 18
+    out = console(result)
+    assert out.splitlines()[0] == "what differs: vllm_version: 0.31.0 → 0.32.0"
+    assert "2 slower" in out and "b4-ctx128" in out
