@@ -1,4 +1,5 @@
-"""Seed 002's held-out table from its own numbers: cells drawn from g = 0.30 and the shipped
+"""The held-out table of the tensor-parallel study [2] (README.md#references; "seed 002" in
+file names) from its own numbers: cells drawn from g = 0.30 and the shipped
 calibration (λ 21.2 µs, β 307 GB/s, s0 16.9 ms, s1 0) on its 70B grid with its 43.3%
 outlier, fitted by its method (one g with H pinned, each form's host terms with g held),
 averaged over noise seeds; then the candidate definitions of its baseline (Eq. 1).
@@ -66,7 +67,7 @@ def main() -> None:
                  {"h100": asdict(load_sku("h100"))})
     rows = pd.DataFrame([one_seed(cells, terms, seed, noise) for seed in range(seeds)])
     mean = rows.mean()
-    print(f"seed 002's grid, its numbers, its method; {seeds} noise seeds at {noise:.1%} (mean over seeds)\n")
+    print(f"the TP study's grid, its numbers, its method; {seeds} noise seeds at {noise:.1%} (mean over seeds)\n")
     table = pd.DataFrame([{"form": form, "mean %": mean[f"{form} mean"], "max %": mean[f"{form} max"],
                            "paper mean %": PAPER[form][0], "paper max %": PAPER[form][1]} for form in PAPER])
     print(table.to_string(index=False, float_format=lambda v: f"{v:.1f}"))

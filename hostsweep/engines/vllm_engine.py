@@ -55,7 +55,7 @@ def profiler_config(trace_dir: Path) -> dict[str, object]:
 
     No Python stacks: they multiply the profiler's own overhead and the split needs
     only op and kernel events. No gzip: compressing a trace the worker reads back at once
-    and then deletes cost ~0.9 s per stop_profile on the CPU build (vllm_notes §4); the
+    and then deletes cost ~0.9 s per stop_profile on the CPU build (benchmarks/RESULTS.md); the
     worker compresses only the traces it is asked to keep.
     """
     return {

@@ -5,7 +5,8 @@
   (`key_averages().table(...)`, ~117 lines) at every stop_profile when only CPU activity is
   recorded, prints it and writes a .profiler_out.txt, and no setting turns it off on the CPU
   build; the split reads the chrome trace, never the table, and building it costs 2-3 s per
-  stop (vllm_notes §4).
+  stop (measured in benchmarks/RESULTS.md, "The split without gzip and without the
+  profiler table").
 
 Keep it free of everything but torch and vLLM.
 """

@@ -1,6 +1,7 @@
-"""model: the closed-form TP latency model of seed 002. Roofline compute term, all-reduce
-and host fits, host forms scored held-out, the a-priori memory regime, falsification,
-verdicts with bootstrap evidence, what-if answers; calibration microbenchmarks and the
+"""model: the closed-form TP latency model of the tensor-parallel study [2]
+(README.md#references). Roofline compute term, all-reduce and host fits, host forms
+scored held-out, the a-priori memory regime, falsification, verdicts with bootstrap
+evidence, what-if answers; calibration microbenchmarks and the
 `hostsweep-model` command.
 
 The fit stage is one pure function, `study_fit.fit_study(cells, terms, options)`, whose

@@ -99,7 +99,7 @@ def falsifying(cells: pd.DataFrame, bound_ms: np.ndarray, candidates: np.ndarray
 def tp_shrink(cells: pd.DataFrame, values: Mapping[str, np.ndarray]) -> list[dict[str, Any]]:
     """The step shrink from each TP degree to the next one measured, per (SKU, model):
     mean over matched (batch, ctx) cells of value(k)/value(next k), over in-regime pairs
-    and over all pairs (seed 002's "1.11× in-regime, 1.18× with the outlier"). `values`
+    and over all pairs (the TP study's [2] "1.11× in-regime, 1.18× with the outlier"). `values`
     maps a name (measured, baseline, model) to per-cell step times; each gets its shrink.
     Repeated cells are averaged first."""
     cell = cells.groupby(["sku", "model", "batch", "ctx"], sort=True).ngroup().to_numpy()

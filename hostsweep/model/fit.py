@@ -1,6 +1,6 @@
 """The closed-form TP decode model and its calibration terms (pure, vectorized).
 
-    T_step = g · T_cmp(N, ctx) / k  +  T_ar(k)  +  H(N)          (seed 002)
+    T_step = g · T_cmp(N, ctx) / k  +  T_ar(k)  +  H(N)          (the TP study [2])
 
 - T_cmp/k: a roofline over the projection GEMMs (QKV, O, gate/up, down, lm_head) and the
   KV read, each max(FLOPs / peak, bytes / bandwidth), with widths and KV heads divided by

@@ -3,16 +3,17 @@ parameters, fitted on training cells with physical bounds (pure, vectorized).
 
 Each form is T_step = g·T_cmp/k + T_ar + H, with H one of:
 
-    baseline          H = 0                      seed 002 Eq. 1: sharded compute + all-reduce
+    baseline          H = 0                      the TP study's Eq. 1: sharded compute + all-reduce
     free_constant     H = C                      k-invariant
     batch_linear      H = C0 + C1·N              k-invariant
     fixed_microbench  H = s0 + s1·(N−1), fixed   k-invariant, zero host parameters
     c_times_k         H = C·k                    k-scaling
     c_over_k          H = C/k                    k-scaling
 
-Seed 002's method ("one global 70B compute scale fit on TP-2 only"): g is fitted once,
-with H pinned to the microbenchmark S(N) (`fit_scale`); every form then fits only its own
-host parameters with that g held (`fit_form(..., g=...)`). Fitting g jointly with each
+The method of the tensor-parallel study [2] (README.md#references; "one global 70B compute
+scale fit on TP-2 only"): g is fitted once, with H pinned to the microbenchmark S(N)
+(`fit_scale`); every form then fits only its own host parameters with that g held
+(`fit_form(..., g=...)`). Fitting g jointly with each
 form is possible (`g=None`) but on in-regime TP-2 cells the compute term spans a few
 percent, so g and a host constant trade off freely: `identifiability` says how badly.
 All parameters are bounded below by 0 (bounded relative least squares).
@@ -125,7 +126,7 @@ def fit_scale(train: Terms, measured_ms: np.ndarray) -> ScaleFit:
 
 
 def fit_form(form: str, train: Terms, measured_ms: np.ndarray, g: float | None) -> FittedForm:
-    """The form's host parameters with g held (seed 002), or with g fitted jointly (g=None)."""
+    """The form's host parameters with g held (the TP study's way), or with g fitted jointly (g=None)."""
     _check_form(form)
     if train.tp.size == 0:
         raise ValueError("no training cells: the training selection matched nothing in-regime")

@@ -1,6 +1,6 @@
-"""Synthetic cells from known TP-model parameters on seed 002's grid (pure): what the fit
-tests recover, and what `hostsweep-model synth` writes so a user can try the fit on a
-truth they chose.
+"""Synthetic cells from known TP-model parameters on the grid of the tensor-parallel
+study [2] (README.md#references) (pure): what the fit tests recover, and what
+`hostsweep-model synth` writes so a user can try the fit on a truth they chose.
 
     step = g·T_cmp/k + T_ar + H_truth,  times (1 + noise·ε), ε ~ N(0, 1) per cell
 
@@ -8,8 +8,8 @@ H_truth is one of the host forms ("invariant": the microbenchmark S(N); "times_k
 C·k; "over_k": C/k, each equal to S(N) at the training TP degree) or any array. Each
 cell gets a 95% CI around its step (± 1.96·noise unless told), as a bootstrap reports it.
 The a-priori out-of-regime cells can be made to measure `outlier_factor` × their
-model value, like seed 002's disclosed memory-pressure cell; `below_bound` puts chosen
-cells under H + T_ar, the way seed 002's H200 TP-4 cells measured.
+model value, like the study's disclosed memory-pressure cell; `below_bound` puts chosen
+cells under H + T_ar, the way the study's H200 TP-4 cells measured.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import pandas as pd
 from hostsweep.model.compare import cell_frame, in_regime
 from hostsweep.model.fit import AllReduceTerms, HostFit, allreduce_s, sharded_compute_s
 
-SEED002_TOKENS = 33  # seed 002 generates 33 tokens per timed run
+SEED002_TOKENS = 33  # the TP study [2] generates 33 tokens per timed run
 SEED002_BATCHES = (1, 2, 4, 8)
 SEED002_CTXS = (512, 2048, 4096)
 SEED002_TPS = (2, 4)

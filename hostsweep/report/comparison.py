@@ -92,7 +92,8 @@ def below_bound(pred: pd.DataFrame) -> pd.DataFrame:
 
 def shrink(fit: dict[str, Any]) -> pd.DataFrame:
     """Measured TP-k → next-k step shrink beside the ideal k'/k, the model's and the
-    range the baseline predicts (seed 002: 1.11× measured, 2× ideal, 1.36–1.53×)."""
+    range the baseline predicts (the tensor-parallel study [2], README.md#references:
+    1.11× measured, 2× ideal, 1.36–1.53×)."""
     return pd.DataFrame([{
         "sku": r["sku"], "model": r["model"], "tp": f"{r['from_tp']}→{r['to_tp']}", "pairs": r["pairs"],
         "measured_in_regime": r["measured_in_regime"], "measured_all": r["measured_all"],

@@ -31,7 +31,8 @@ from matplotlib.figure import Figure  # noqa: E402
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
            "#bcbd22", "#17becf")
-# The decode-step pieces, in seed 002's colours: compute green, all-reduce amber, host red.
+# The decode-step pieces, in the colours of the tensor-parallel study [2] (README.md#references):
+# compute green, all-reduce amber, host red.
 PIECES = {"compute": "#2ca02c", "all-reduce": "#ff9f1c", "host / additive": "#d62728"}
 FAMILY_COLORS = {"none": "#7f7f7f", "k-invariant": "#2ca02c", "k-scaling": "#d62728"}
 
@@ -80,7 +81,7 @@ def _label(row: pd.Series, keys: Sequence[str]) -> str:
 def step_composition(pred: pd.DataFrame) -> Figure:
     """Per (SKU, model): the measured step at each TP degree split into g·T_cmp/k,
     T_ar and the rest (step − both: what the additive host term must explain), at the
-    smallest batch and longest context measured at every degree (seed 002: N=1, ctx 2048)."""
+    smallest batch and longest context measured at every degree (the TP study [2]: N=1, ctx 2048)."""
     groups = list(pred.groupby(["sku", "model"]))
     if not groups:
         return empty("no cells")

@@ -1,8 +1,9 @@
 """Study-level comparisons of modes (pure): each mode's cells against its baseline's, on the
 same (sku, model, tp, batch, ctx, workload).
 
-Seed 000 §4.2 reads each optimization through the host lens; these functions compute its
-figures from a cell table (cells.csv rows, or read back from MLflow):
+The host-exposed-latency paper [1] (README.md#references), §4.2, reads each optimization
+through the host lens; these functions compute its figures from a cell table (cells.csv
+rows, or read back from MLflow):
 - graph vs eager: per-step reduction, the crossover batch below a threshold, what part of
   the removed time was host and what device;
 - fp8 vs bf16: decode ratio, prefill ratio from wall(T=1), launches (or kernels) per step,
@@ -154,7 +155,7 @@ def ratio(pairs: pd.DataFrame) -> tuple[dict[str, pd.DataFrame], dict[str, float
 
 
 def tp_floor(cells: pd.DataFrame) -> tuple[dict[str, pd.DataFrame], dict[str, float]]:
-    """Step, host and device time per TP degree (seed 000 §4.1); figures from each mode's
+    """Step, host and device time per TP degree (the paper [1], §4.1); figures from each mode's
     smallest (batch, ctx) cell. Empty when the study has one TP degree."""
     if cells.empty or cells["tp"].nunique() < 2:
         return {}, {}
