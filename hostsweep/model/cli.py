@@ -2,7 +2,7 @@
 
     hostsweep-model fit --experiment hostsweep-tp70b --calibration calib.yaml --train-sku h100 --train-tp 2
     hostsweep-model fit --cells outputs/.../cells.csv --calibration seed002-h100 --train-sku h100
-    hostsweep-model synth --calibration seed002-h100 --out seed002.csv     # cells from seed 002's own numbers
+    hostsweep-model synth --calibration seed002-h100 --out seed002.csv     # cells from the TP study's [2] own numbers
     hostsweep-model whatif runs:/<run_id>/model --model llama-3.1-70b --sku h100 --batch 1 --ctx 2048
     hostsweep-model allreduce --ranks 2 --out calib.yaml      # gloo here, NCCL on GPUs
     hostsweep-model roofs --sku h100 --ray-address auto --out calib.yaml

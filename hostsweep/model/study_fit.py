@@ -1,8 +1,9 @@
 """The fit stage as one pure function: `fit_study(cells, terms, options) -> FitReport`.
 
-Seed 002's method: one global compute scale g fitted on the in-regime training cells with
-H pinned to the microbenchmark; each host form then fits its own parameters with g held;
-every form scored per held-out (SKU, TP) group; groups with a cell whose 95% CI lies below
+The method of the tensor-parallel study [2] (README.md#references): one global compute
+scale g fitted on the in-regime training cells with H pinned to the microbenchmark; each
+host form then fits its own parameters with g held; every form scored per held-out (SKU,
+TP) group; groups with a cell whose 95% CI lies below
 H + T_ar are falsified and kept out of the form comparison; verdicts with a paired
 bootstrap CI; the TP shrink and g with and without the out-of-regime cells.
 
@@ -56,7 +57,7 @@ class FitOptions:
     train_sku: str
     train_tp: tuple[int, ...] = (2,)
     form: str = DEFAULT_FORM  # the form whose predictions the logged model makes
-    g_mode: str = "pinned"  # "pinned": seed 002 (H = S(N) while fitting g); "joint": g refitted per form
+    g_mode: str = "pinned"  # "pinned": as in [2] (H = S(N) while fitting g); "joint": g refitted per form
     bound: str = "microbench"  # falsification bound H: the microbenchmark S(N), or the lowest k-invariant fit
     utilization: float = 0.9  # the a-priori memory criterion
     resamples: int = 2000

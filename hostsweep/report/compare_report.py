@@ -15,7 +15,8 @@ from hostsweep.report import figures as F
 from hostsweep.report.document import Bullets, Document, Figure, Heading, Table, Text
 from hostsweep.report.study_modes import mode_sections
 
-# seed 002's reported numbers, quoted beside a study of its design
+# the reported numbers of the tensor-parallel study [2] (README.md#references), quoted beside
+# a study of its design
 SEED002 = "seed 002 (70B, H100 TP-2→4): 1.11× in-regime (1.18× with its outlier), ideal 2×, baseline 1.36–1.53×"
 
 
