@@ -24,6 +24,7 @@ from hostsweep.model.compare import CI_COLUMNS, falsifying, in_regime, tp_shrink
 from hostsweep.model.fit import CELL_COLUMNS, AllReduceFit, HostFit, ape
 from hostsweep.model.hostforms import (DEFAULT_FORM, FORMS, FittedForm, ScaleFit, Terms, cell_terms, fit_all_forms,
                                        fit_scale, identifiability, predict_terms_s)
+from hostsweep.model.resolution import inconclusive_noise, overall_noise
 from hostsweep.model.verdict import falsifying_threshold, group_verdict, overall_verdict
 
 SCHEMA = "hostsweep.fit/1"
@@ -182,7 +183,9 @@ def _groups(table: pd.DataFrame, options: FitOptions) -> tuple[list[dict], list[
     step = table["step_ms"].to_numpy(float)
     regime, falsifies = table["in_regime"].to_numpy(bool), table["falsifies"].to_numpy(bool)
     judged = table["judged_on"].to_numpy()
-    errors = {form: ape(table[f"{form}_ms"].to_numpy(float), step) for form in FORMS}
+    predicted = {form: table[f"{form}_ms"].to_numpy(float) for form in FORMS}
+    errors = {form: ape(values, step) for form, values in predicted.items()}
+    low, high = (table[c].to_numpy(float) if c in table else np.full(len(table), np.nan) for c in CI_COLUMNS)
     for (sku, tp, role), index in sorted(table.groupby(["sku", "tp", "role"]).indices.items()):
         inside = index[regime[index]]
         below = int(falsifies[index].sum())
@@ -196,6 +199,11 @@ def _groups(table: pd.DataFrame, options: FitOptions) -> tuple[list[dict], list[
         if role == "held-out" and len(inside):
             evidence = group_verdict({form: e[inside] for form, e in errors.items()}, int(tp) not in options.train_tp,
                                      options.resamples, options.seed, options.margin_pct)
+            # an inconclusive question: could the cells' own CIs have resolved it at all?
+            noise = inconclusive_noise(evidence, {f: v[inside] for f, v in predicted.items()}, step[inside],
+                                       low[inside], high[inside], options.margin_pct, options.resamples, options.seed)
+            if noise:
+                evidence["noise"] = noise
             row.update(evidence if not falsified else {
                 "verdict": "falsified", "reason": f"{below} cell(s) below H + T_ar: kept out of the comparison",
                 "evidence_apart": evidence})
@@ -255,6 +263,9 @@ def fit_study(cells: pd.DataFrame, terms: CalibrationTerms, options: FitOptions)
     falsification = _falsification(table, groups, options, warnings)
     shrink = tp_shrink(cells, {"measured": step_ms, "baseline": predicted["baseline"],
                                "model": predicted[options.form]})
-    return FitReport(options, terms.to_dict(), scale, forms, scores, groups, overall_verdict(compared), falsification,
+    verdict = overall_verdict(compared)
+    if verdict["verdict"] == "inconclusive" and (noise := overall_noise(compared)):
+        verdict["noise"] = noise
+    return FitReport(options, terms.to_dict(), scale, forms, scores, groups, verdict, falsification,
                      shrink, table, warnings)
 

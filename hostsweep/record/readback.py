@@ -49,6 +49,10 @@ def read_cells(tracking_uri: str, experiments: list[str], parent_run_id: Optiona
         "run_name": cells.get("tags.mlflow.runName", nan),
         "parent_run_id": cells.get("tags.mlflow.parentRunId", nan),
         "start_time": cells["start_time"],
+        # the sweep's stability verdict ("true"/"false", reasons comma separated); runs
+        # logged before it have neither tag, and count as stable (model/unstable.py)
+        "stable": cells.get("tags.stable", pd.Series("", index=cells.index)).fillna(""),
+        "unstable_reasons": cells.get("tags.unstable_reasons", pd.Series("", index=cells.index)).fillna(""),
     })
     others = {c[len("metrics."):]: cells[c].astype(float) for c in cells if c.startswith("metrics.")
               and c[len("metrics."):] not in frame}
