@@ -18,7 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from hostsweep.config.options import check_group_overrides
-from hostsweep.config.redact import redact
+from hostsweep.config.redact import redact, redact_log_records
 from hostsweep.config.schema import ConfigError, register_configs
 from hostsweep.stages import signals
 
@@ -30,22 +30,6 @@ OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
 # Worst exit code over the jobs of this process: a multirun (-m) runs several sweeps
 # in one process, so a job must not exit before the others have run.
 _exit_codes: list[int] = [0]
-
-
-def _redacting_records() -> None:
-    """Every log record's message passes through redact: credentials in a tracking URI
-    never reach the console or Hydra's log file, whoever logs them."""
-    make = logging.getLogRecordFactory()
-
-    def factory(*args: object, **kwargs: object) -> logging.LogRecord:
-        record = make(*args, **kwargs)
-        message = record.getMessage()
-        cleaned = redact(message)
-        if cleaned != message:
-            record.msg, record.args = cleaned, ()
-        return record
-
-    logging.setLogRecordFactory(factory)
 
 
 def redact_hydra_files(run_dir: Path) -> None:
@@ -78,7 +62,7 @@ def _sweep(cfg: DictConfig) -> None:
     try:
         _exit_codes.append(stage_module(cfg).run(cfg, run_dir))
     except ConfigError as exc:
-        print(f"hostsweep: error: {exc}", file=sys.stderr)
+        print(f"hostsweep: error: {redact(str(exc))}", file=sys.stderr)  # a message may quote any override
         _exit_codes.append(2)
     except KeyboardInterrupt:
         signum = signals.received() or signal.SIGINT
@@ -88,13 +72,13 @@ def _sweep(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    _redacting_records()
+    redact_log_records()
     signals.install()
     try:
         check_group_overrides(sys.argv[1:])
         check_output_dir(sys.argv[1:])
     except ConfigError as exc:
-        print(f"hostsweep: error: {exc}", file=sys.stderr)
+        print(f"hostsweep: error: {redact(str(exc))}", file=sys.stderr)
         sys.exit(2)
     _sweep()
     # The interpreter's last garbage collection walks every object the libraries left

@@ -6,6 +6,7 @@ through `redact`, which keeps the user name and hides the password.
 """
 from __future__ import annotations
 
+import logging
 import re
 
 HIDDEN = "***"
@@ -21,3 +22,20 @@ def _hide(userinfo: str) -> str:
 def redact(text: str) -> str:
     """`text` with the credentials of every URI in it hidden: user:pw@ -> user:***@."""
     return _USERINFO.sub(lambda m: f"{m['scheme']}{_hide(m['userinfo'])}@", text)
+
+
+def redact_log_records() -> None:
+    """Every log record's message passes through redact: credentials in a tracking URI
+    never reach the console or a log file, whoever logs them (MLflow and urllib3 included).
+    Installed once by each entry point (hostsweep, hostsweep-model)."""
+    make = logging.getLogRecordFactory()
+
+    def factory(*args: object, **kwargs: object) -> logging.LogRecord:
+        record = make(*args, **kwargs)
+        message = record.getMessage()
+        cleaned = redact(message)
+        if cleaned != message:
+            record.msg, record.args = cleaned, ()
+        return record
+
+    logging.setLogRecordFactory(factory)

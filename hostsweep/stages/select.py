@@ -12,6 +12,7 @@ from typing import Iterable, Optional
 import pandas as pd
 
 from hostsweep.config.grid import Cell
+from hostsweep.config.redact import redact
 from hostsweep.config.resolve import Study
 from hostsweep.config.schema import ConfigError, FitConfig
 from hostsweep.config.validation import positive_ints
@@ -54,10 +55,10 @@ def select_cells(study: Study, keys: Optional[Iterable[str]] = None) -> Selectio
     cfg = study.config
     uri, name = cfg.tracking.uri, cfg.select.experiment or study.experiment
     if not _store_exists(uri):
-        raise ConfigError(f"select: no MLflow store at {uri}; run the sweep first (stage=sweep or stage=all)")
+        raise ConfigError(f"select: no MLflow store at {redact(uri)}; run the sweep first (stage=sweep or stage=all)")
     known = experiment_ids(uri)
     if name not in known:
-        raise ConfigError(f"select.experiment={name!r} does not exist in {uri}; experiments there: "
+        raise ConfigError(f"select.experiment={name!r} does not exist in {redact(uri)}; experiments there: "
                           f"{', '.join(sorted(known)) or 'none'}")
     try:
         cells = read_cells(uri, [name], cfg.select.parent_run, cfg.select.filter)
@@ -68,7 +69,7 @@ def select_cells(study: Study, keys: Optional[Iterable[str]] = None) -> Selectio
     if cells.empty:
         where = _where(study)
         raise ConfigError(f"select: no FINISHED cell runs in experiment {name!r}{' (' + where + ')' if where else ''}"
-                          f" of {uri}; run the sweep first (stage=sweep) or change select.*")
+                          f" of {redact(uri)}; run the sweep first (stage=sweep) or change select.*")
     log.info("selected %d cells from experiment %s", len(cells), name)
     return Selection(cells.sort_values(["sku", "model", "mode", "tp", "batch", "ctx"]).reset_index(drop=True),
                      name, known[name], uri)

@@ -235,14 +235,14 @@ def test_credentials_in_uris_are_hidden_and_nothing_else_changes(text, expected)
     assert redact(text) == expected
 
 
-def test_log_records_are_redacted_once_the_cli_installs_its_factory():
+def test_log_records_are_redacted_once_an_entry_point_installs_its_factory():
     import logging
 
-    from hostsweep.__main__ import _redacting_records
+    from hostsweep.config.redact import redact_log_records
 
     before = logging.getLogRecordFactory()
     try:
-        _redacting_records()
+        redact_log_records()
         record = logging.getLogger("x").makeRecord("x", logging.INFO, __file__, 1, "uri %s", ("http://u:pw@h",),
                                                    None)
         assert record.getMessage() == "uri http://u:***@h"
