@@ -14,8 +14,8 @@ from omegaconf import MISSING
 
 CONFIG_GROUPS = ("sku", "model", "mode", "experiment", "calibration")
 # `stage=`: what the main command does (hostsweep/stages/<stage>.py). "all" is sweep, then
-# fit and compare on the cells of that sweep's grid.
-STAGES = ("sweep", "fit", "compare", "all")
+# fit and compare on the cells of that sweep's grid. "diff": two studies or sweeps, cell by cell.
+STAGES = ("sweep", "fit", "compare", "all", "diff")
 # Where the fit stage takes each SKU's roofs and H(N) from (see FitConfig).
 ROOF_SOURCES = ("auto", "datasheet", "measured")
 HOST_SOURCES = ("auto", "calibration", "cells")
@@ -256,6 +256,24 @@ class CompareConfig:
     ui_port: int = 5000  # the port in the printed UI link
 
 
+@dataclass
+class DiffConfig:
+    """Two studies (or sweeps) cell by cell: ratio head/base with bootstrap CIs and verdicts
+    (hostsweep/stages/diff.py, docs/diff.md)."""
+
+    base: Optional[str] = None  # a study name, or a sweep's parent run id
+    head: Optional[str] = None  # the same, for the side judged against base
+    threshold_pct: float = 5.0  # `same` needs the ratio's CI inside ±this; slower/faster need the ratio beyond it
+    fail_on: Optional[str] = None  # slower: exit 1 when a stable cell's step_ms is slower; inconclusive: or inconclusive
+    quantities: list[str] = field(default_factory=lambda: ["step_ms", "device_ms", "host_ms"])
+    filter: Optional[str] = None  # an MLflow search filter applied to both sides
+    resamples: int = 2000
+    ci_level: float = 0.95
+    seed: int = 0
+    experiment: Optional[str] = None  # where the diff run is logged; null: the head's experiment
+    ui_port: int = 5000
+
+
 # The one default store: a sqlite file beside the run directories (MLflow >= 3.13 refuses
 # the plain file store).
 DEFAULT_TRACKING_URI = "sqlite:///outputs/mlflow.db"
@@ -333,6 +351,7 @@ class SweepConfig:
     select: SelectConfig = field(default_factory=SelectConfig)
     fit: FitConfig = field(default_factory=FitConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
+    diff: DiffConfig = field(default_factory=DiffConfig)
 
 
 def register_configs() -> None:

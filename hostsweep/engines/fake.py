@@ -6,6 +6,8 @@ step (`device_share`) is compute ops, so differencing and the split have known
 answers. Everything it produces is tagged engine=fake; it is never the default.
 HOSTSWEEP_FAKE_TIME_SCALE (environment, inherited by Ray workers) scales every sleep:
 0 answers instantly, for benchmarks of the harness itself (benchmarks/sweep_scale.py).
+HOSTSWEEP_FAKE_SLOWDOWN plants a regression with a known answer (for stage=diff's tests):
+"b2-ctx32=1.5,b1-ctx16=1.2" makes those cells' steps 1.5 and 1.2 times as long ("*": all).
 
 Its "model" writes the next token of a 16-token ring (token c is followed by the next one
 in its block of 16), so its own text repeats every 16 tokens and random prompts do not.
@@ -67,6 +69,12 @@ def decode(prompt: list[int], max_tokens: int, k: int) -> tuple[list[int], int, 
     return text[len(prompt):len(prompt) + max_tokens], steps, stats
 
 
+def planted_slowdowns(text: str) -> dict[str, float]:
+    """HOSTSWEEP_FAKE_SLOWDOWN's value as {"b2-ctx32": 1.5, "*": 1.1}."""
+    pairs = (item.split("=", 1) for item in text.replace(" ", "").split(",") if item)
+    return {cell: float(factor) for cell, factor in pairs}
+
+
 class FakeEngine:
     overhead_s = 0.002
     step_s = 0.0005
@@ -83,9 +91,11 @@ class FakeEngine:
         self.k = int(speculative.get("num_speculative_tokens", 0))
         self._last: list[tuple[list[int], dict[str, int]]] = []
         self.time_scale = float(os.environ.get("HOSTSWEEP_FAKE_TIME_SCALE", "1"))
+        self.slowdown = planted_slowdowns(os.environ.get("HOSTSWEEP_FAKE_SLOWDOWN", ""))
 
     def step_seconds(self, batch: int, ctx: int) -> float:
-        return self.step_s * (1.0 + 0.1 * (batch - 1)) * (1.0 + ctx / 4096)
+        planted = self.slowdown.get(f"b{batch}-ctx{ctx}", self.slowdown.get("*", 1.0))
+        return self.step_s * (1.0 + 0.1 * (batch - 1)) * (1.0 + ctx / 4096) * planted
 
     def cycle_seconds(self, batch: int, ctx: int) -> float:
         return self.step_seconds(batch, ctx) * (1.0 + self.verify_cost * self.k)

@@ -5,6 +5,7 @@ The only package that may import every other one; __main__ picks the stage.
     fit      fit the TP model on the study's cells read back from MLflow, log it
     compare  fit (or reuse a fit run), then the cross-SKU report with figures, logged to MLflow
     all      sweep, then compare the cells of that sweep's grid
+    diff     two studies (or sweeps) cell by cell: ratios with bootstrap CIs, verdicts, a gate
 """
 from __future__ import annotations
 

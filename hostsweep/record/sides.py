@@ -1,0 +1,159 @@
+"""The two sides of `stage=diff` read back from MLflow: a study (its experiment's FINISHED
+cell runs, the newest per cell key, as the fit and compare stages read them) or one sweep
+(the children of its parent run), each cell with every param, metric and provenance tag,
+and its timed pairs from the run's raw_timings.csv.
+
+Naming a side is checked first, for both sides, before any artifact is read: an unknown
+study or run is a one-line ConfigError.
+"""
+from __future__ import annotations
+
+import io
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import mlflow
+import numpy as np
+import pandas as pd
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from hostsweep.config.schema import ConfigError
+from hostsweep.record.readback import FilterRefused, experiment_ids
+from hostsweep.record.store import local_artifact_root
+
+log = logging.getLogger(__name__)
+
+RUN_ID = re.compile(r"[0-9a-f]{32}")
+STUDY_PREFIX = "hostsweep-"
+# Tags kept as columns: provenance and the per-cell stability flag (absent on older cells).
+CELL_TAGS = ("vllm_version", "torch_version", "hostsweep_version", "ray_version", "git_sha", "device_name",
+             "hostname", "stable", "cell_key", "mlflow.parentRunId", "mlflow.runName")
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where a side's cells are: a study's experiment, or one sweep in it."""
+
+    given: str
+    kind: str  # "study" or "sweep"
+    experiment: str
+    experiment_id: str
+    parent_run: Optional[str] = None
+
+    @property
+    def label(self) -> str:
+        if self.kind == "sweep":
+            return self.parent_run[:8]  # type: ignore[index]
+        return self.experiment[len(STUDY_PREFIX):] if self.experiment.startswith(STUDY_PREFIX) else self.experiment
+
+
+@dataclass(frozen=True)
+class Side:
+    located: Located
+    cells: pd.DataFrame  # one row per cell: params, metrics, CELL_TAGS, run_id, start_time
+    raw: dict[str, np.ndarray]  # run id -> step_ms of every timed pair
+
+    @property
+    def parent_runs(self) -> tuple[str, ...]:
+        return tuple(sorted(self.cells["parent_run_id"].dropna().unique()))
+
+    @property
+    def raw_missing(self) -> int:
+        return int((~self.cells["run_id"].isin(self.raw)).sum())
+
+
+def check_store(tracking_uri: str) -> None:
+    """A sqlite store must exist: opening a missing one would create an empty store."""
+    root = local_artifact_root(tracking_uri)
+    if root is not None and not Path(tracking_uri[len("sqlite:///"):]).is_file():
+        raise ConfigError(f"diff: no MLflow store at {tracking_uri}; run the sweeps first (stage=sweep)")
+
+
+def _studies(known: dict[str, str]) -> str:
+    names = sorted(n[len(STUDY_PREFIX):] for n in known if n.startswith(STUDY_PREFIX))
+    return ", ".join(names) or "none"
+
+
+def locate(tracking_uri: str, given: Optional[str], key: str) -> Located:
+    """A study name (experiment hostsweep-<name>, or any experiment's name) or the run id
+    of a sweep's parent run; ConfigError (one line) for anything else."""
+    if not given:
+        raise ConfigError(f"{key} is required: a study name or a sweep's parent run id "
+                          "(python -m hostsweep stage=diff diff.base=STUDY diff.head=STUDY)")
+    given = str(given)
+    known = experiment_ids(tracking_uri)
+    for name in (STUDY_PREFIX + given, given):
+        if name in known:
+            return Located(given, "study", name, known[name])
+    if not RUN_ID.fullmatch(given):
+        raise ConfigError(f"{key}={given!r} is neither a study in {tracking_uri} (studies there: {_studies(known)}) "
+                          "nor a run id (32 hex digits)")
+    try:
+        run = MlflowClient(tracking_uri).get_run(given)
+    except MlflowException:
+        raise ConfigError(f"{key}={given}: no such run in {tracking_uri} (and no study of that name; studies "
+                          f"there: {_studies(known)})") from None
+    tags = run.data.tags
+    if "cell_key" in tags:
+        raise ConfigError(f"{key}={given} is a cell run ({tags['cell_key']}), not a sweep; give its sweep's parent "
+                          f"run {tags.get('mlflow.parentRunId', '?')} or the study")
+    names = {v: k for k, v in known.items()}
+    return Located(given, "sweep", names.get(run.info.experiment_id, run.info.experiment_id),
+                   run.info.experiment_id, given)
+
+
+def read_cells(tracking_uri: str, where: Located, filter_string: Optional[str], key: str) -> pd.DataFrame:
+    """The side's FINISHED cell runs, newest per cell key, with every param and metric and
+    the CELL_TAGS as columns; ConfigError when there are none."""
+    clauses = [f"tags.mlflow.parentRunId = '{where.parent_run}'"] if where.parent_run else []
+    clauses += [filter_string] if filter_string else []
+    mlflow.set_tracking_uri(tracking_uri)
+    try:
+        runs = mlflow.search_runs(experiment_ids=[where.experiment_id], filter_string=" and ".join(clauses))
+    except MlflowException as exc:
+        raise FilterRefused(str(exc).splitlines()[0]) from None
+    if not runs.empty and "tags.cell_key" in runs:
+        runs = runs[runs["tags.cell_key"].notna() & (runs["status"] == "FINISHED")]
+    if runs.empty or "tags.cell_key" not in runs:
+        scope = f"sweep {where.parent_run}" if where.parent_run else f"experiment {where.experiment!r}"
+        raise ConfigError(f"{key}={where.given}: no FINISHED cell runs in {scope} of {tracking_uri}"
+                          + (f" matching diff.filter={filter_string!r}" if filter_string else ""))
+    runs = runs.sort_values("start_time", ascending=False).drop_duplicates("tags.cell_key")
+    frame = pd.DataFrame({c[len("params."):]: runs[c] for c in runs if c.startswith("params.")})
+    for c in runs:
+        if c.startswith("metrics."):
+            frame[c[len("metrics."):]] = runs[c].astype(float)
+    for tag in CELL_TAGS:
+        frame[tag] = runs.get(f"tags.{tag}", pd.Series(None, index=runs.index, dtype=object))
+    for other in ("params.stable", "metrics.stable"):  # the flag as a tag, else a param or a metric
+        if other in runs:
+            frame["stable"] = frame["stable"].where(frame["stable"].notna(), runs[other])
+    frame = frame.rename(columns={"mlflow.parentRunId": "parent_run_id", "mlflow.runName": "run_name"})
+    frame["run_id"], frame["start_time"] = runs["run_id"], runs["start_time"]
+    return frame.reset_index(drop=True)
+
+
+def timed_pairs(run_id: str) -> Optional[np.ndarray]:
+    """step_ms of every timed pair of a cell run (raw_timings.csv); None when it has none."""
+    try:
+        text = mlflow.artifacts.load_text(f"runs:/{run_id}/raw_timings.csv")
+        table = pd.read_csv(io.StringIO(text))
+    except Exception:  # noqa: BLE001 - an old or foreign run without the artifact
+        return None
+    if "step_ms" not in table or table["step_ms"].dropna().empty:
+        return None
+    return table["step_ms"].dropna().to_numpy(dtype=float)
+
+
+def with_pairs(where: Located, cells: pd.DataFrame, key: str) -> Side:
+    """The side with its cells' timed pairs (read_cells' frame, then each run's artifact)."""
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per cell on stderr otherwise
+    raw = {run_id: pairs for run_id in cells["run_id"] if (pairs := timed_pairs(run_id)) is not None}
+    log.info("%s=%s: %d cells from %s, %d with raw timed pairs", key, where.given, len(cells), where.experiment,
+             len(raw))
+    return Side(where, cells, raw)

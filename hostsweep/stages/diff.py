@@ -1,0 +1,143 @@
+"""`stage=diff`: two studies (or two sweeps) side by side, cell by cell, with bootstrap CIs:
+did it get slower with the new vLLM, torch, driver, SKU, mode or engine argument?
+
+    python -m hostsweep stage=diff diff.base=nightly-0.31 diff.head=nightly-0.32
+    python -m hostsweep stage=diff diff.base=<parent run id> diff.head=<parent run id> diff.fail_on=slower
+
+Both sides are named and read back from MLflow first (record/sides.py; an unknown study or
+run is a one-line error, exit 2), compared by report/diff.py, written under
+<run dir>/diff/ (diff.md, diff.html, diff.json, figures/ratios.png) and logged as a run
+`diff-<base>-<head>` in the head's experiment. With diff.fail_on=slower the exit code is 1
+when any stable cell's step_ms is slower beyond diff.threshold_pct (a release gate).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from datetime import datetime
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from hostsweep.config.resolve import resolve
+from hostsweep.config.schema import ConfigError, DiffConfig
+from hostsweep.record.readback import FilterRefused
+from hostsweep.record.reports import ReportRun
+from hostsweep.record.sides import Side, check_store, locate, read_cells, with_pairs
+from hostsweep.record.store import quiet_mlflow
+from hostsweep.record.views import runs_table_url, ui_command
+from hostsweep.report.diff import DiffOptions, DiffResult, diff
+from hostsweep.report.diff_report import DiffContext, SideInfo, build, console, headline, to_json
+from hostsweep.report.document import to_html, to_markdown
+from hostsweep.stages.compare import command_line
+
+log = logging.getLogger(__name__)
+GATE_FAILED = 1  # fail_on tripped (2 is bad input, as everywhere)
+
+
+def diff_options(cfg: DiffConfig) -> DiffOptions:
+    """The diff section as DiffOptions, checked (a bad value is a one-line ConfigError)."""
+    options = DiffOptions(float(cfg.threshold_pct), tuple(cfg.quantities), int(cfg.resamples), float(cfg.ci_level),
+                          int(cfg.seed), cfg.fail_on)
+    try:
+        options.check()
+    except ValueError as exc:
+        raise ConfigError(f"diff.{exc}") from None
+    return options
+
+
+def read_sides(uri: str, cfg: DiffConfig) -> tuple[Side, Side]:
+    """Both sides named (both checked before either is read), then read."""
+    check_store(uri)
+    where = [locate(uri, cfg.base, "diff.base"), locate(uri, cfg.head, "diff.head")]
+    keys = ("diff.base", "diff.head")
+    try:
+        cells = [read_cells(uri, w, cfg.filter, key) for w, key in zip(where, keys)]
+    except FilterRefused as exc:
+        raise ConfigError(f"diff.filter={cfg.filter!r} was refused by MLflow: {exc}") from None
+    if set(cells[0]["run_id"]) == set(cells[1]["run_id"]):
+        raise ConfigError(f"diff.base={cfg.base} and diff.head={cfg.head} are the same {len(cells[0])} cell runs; "
+                          "name two studies or two sweeps")
+    base, head = (with_pairs(w, c, key) for w, c, key in zip(where, cells, keys))
+    return base, head
+
+
+def side_info(side: Side) -> SideInfo:
+    w = side.located
+    return SideInfo(w.given, w.label, w.kind, w.experiment, w.experiment_id, side.parent_runs, len(side.cells),
+                    side.raw_missing)
+
+
+def _params(result: DiffResult, ctx: DiffContext) -> dict[str, object]:
+    params: dict[str, object] = {"base": ctx.base.given, "head": ctx.head.given,
+                                 "base_experiment": ctx.base.experiment, "head_experiment": ctx.head.experiment,
+                                 "base_sweeps": ",".join(ctx.base.parent_runs), "head_sweeps": ",".join(ctx.head.parent_runs),
+                                 "matched_on": ",".join(result.matched_on), "differs": ",".join(d.name for d in result.differs)
+                                 or "nothing", "threshold_pct": result.options.threshold_pct,
+                                 "fail_on": result.options.fail_on, "matched": result.cells["cell"].nunique(),
+                                 "unmatched": len(result.unmatched)}
+    return params | {f"differs.{d.name}": d.text() for d in result.differs}
+
+
+def _metrics(result: DiffResult) -> dict[str, float]:
+    metrics: dict[str, float] = {}
+    for quantity, s in result.summary.items():
+        prefix = "" if quantity == "step_ms" else f"{quantity}."
+        metrics |= {f"{prefix}geomean_ratio": s["geomean_ratio"], f"{prefix}geomean_ci_low": s["ci_low"],
+                    f"{prefix}geomean_ci_high": s["ci_high"], f"{prefix}unstable": s["unstable"],
+                    **{f"{prefix}{verdict}": n for verdict, n in s["counts"].items()}}
+    return metrics | {"failing": float(len(result.failing())), "unmatched": float(len(result.unmatched))}
+
+
+def write(result: DiffResult, ctx: DiffContext, folder: Path) -> None:
+    doc = build(result, ctx, folder)
+    (folder / "diff.md").write_text(to_markdown(doc, folder))
+    (folder / "diff.html").write_text(to_html(doc))
+    (folder / "diff.json").write_text(json.dumps(to_json(result, ctx), indent=1))
+
+
+def diff_sides(base: Side, head: Side, options: DiffOptions, uri: str, experiment: str, run_dir: Path
+               ) -> tuple[DiffResult, DiffContext, ReportRun, Path]:
+    """Compare, write the files, log the diff run."""
+    result = diff(base.cells, head.cells, {**base.raw, **head.raw}, options)
+    name = f"diff-{base.located.label}-{head.located.label}"
+    run = ReportRun(uri, experiment, name, {"hostsweep.kind": "diff", "diff.base": base.located.given,
+                                            "diff.head": head.located.given})
+    folder = run_dir / "diff"
+    try:
+        ctx = DiffContext(side_info(base), side_info(head), uri, run.run_id, experiment,
+                          datetime.now().strftime("%Y-%m-%d %H:%M:%S"), command_line())
+        folder.mkdir(parents=True, exist_ok=True)
+        write(result, ctx, folder)
+        run.log(folder, _params(result, ctx), _metrics(result), headline(result))
+        run.finish()
+    except BaseException:
+        run.finish("FAILED")
+        raise
+    return result, ctx, run, folder
+
+
+def _closing(result: DiffResult, run: ReportRun, folder: Path, uri: str, port: int) -> str:
+    lines = [f"diff: {folder / 'diff.html'} and {folder / 'diff.md'} (diff.json, figures/ratios.png)",
+             f"MLflow: run {run.run_name} ({run.run_id}) in experiment {run.experiment_id} of {uri}",
+             f"open the UI: {ui_command(uri, port)}",
+             f"  the diff: {runs_table_url(run.experiment_id, port, run.run_id)} (Artifacts)"]
+    failing = result.failing()
+    if result.options.fail_on:
+        verdict = (f"FAIL: {len(failing)} stable cell(s) {result.options.fail_on} beyond "
+                   f"±{result.options.threshold_pct:g}%: {', '.join(failing['cell'])}" if len(failing) else "pass")
+        lines.append(f"diff.fail_on={result.options.fail_on}: {verdict}")
+    return "\n".join(lines)
+
+
+def run(raw_cfg: DictConfig, run_dir: Path) -> int:
+    quiet_mlflow()
+    study = resolve(raw_cfg)
+    cfg, uri = study.config.diff, study.config.tracking.uri
+    options = diff_options(cfg)
+    base, head = read_sides(uri, cfg)
+    experiment = cfg.experiment or head.located.experiment
+    result, _, report_run, folder = diff_sides(base, head, options, uri, experiment, run_dir)
+    print(console(result))
+    print(_closing(result, report_run, folder, uri, cfg.ui_port))
+    return GATE_FAILED if len(result.failing()) else 0

@@ -1,0 +1,167 @@
+"""stage=diff end to end on two studies swept with the fake engine into one real sqlite
+store, the head with a planted slowdown of one cell (HOSTSWEEP_FAKE_SLOWDOWN) and more
+reps: the diff names what differs, finds exactly the planted cell, calls the rest `same`,
+logs its run with the files, and gates; naming mistakes are one-line errors (exit 2)
+through the real command line, with Ray and vLLM unimportable."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from functools import partial
+
+import mlflow
+import pytest
+from mlflow.tracking import MlflowClient
+
+from hostsweep.stages import diff as diff_stage
+from hostsweep.stages import sweep
+from tests.conftest import compose_raw, run_concurrently, run_hostsweep
+from tests.fakes import FakeBackend
+
+GUARD = "raise ImportError('{name} must not be imported by the diff stage')\n"
+GRID = ["+sku=cpu", "engine.name=fake", "engine.dtype=float32", "measure.T=17", "measure.warmups=1",
+        "ctx=[16,32]", "batch=[1,2]", "measure.bootstrap_resamples=200", "ray.exclusive=false",
+        "tracking.heartbeat_s=0.5"]
+PLANTED = "b2-ctx32"
+DIFF = ["stage=diff", "diff.base=diffbase", "diff.head=diffhead", "diff.threshold_pct=15", "diff.resamples=500"]
+
+
+def swept(root, uri: str, study: str, reps: int) -> str:
+    """One in-process sweep of the grid; its parent run id."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = sweep.run(compose_raw([*GRID, f"tracking.uri={uri}", f"study={study}", f"measure.reps={reps}"]),
+                         root / study, FakeBackend(root / f"work-{study}"))
+    assert code == 0
+    mlflow.set_tracking_uri(uri)
+    runs = mlflow.search_runs(experiment_names=[f"hostsweep-{study}"])
+    return runs[runs["tags.cell_key"].isna()]["run_id"].iloc[0]
+
+
+def pin_stability(uri: str, study: str, unstable: tuple[str, ...] = ()) -> None:
+    """The sweep judges stability from this machine's load; the test pins it."""
+    client = MlflowClient(uri)
+    runs = mlflow.search_runs(experiment_names=[f"hostsweep-{study}"], filter_string="tags.cell_key != ''")
+    for run_id, name in zip(runs["run_id"], runs["tags.mlflow.runName"]):
+        client.set_tag(run_id, "stable", "false" if name in unstable else "true")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, new_store):
+    root = tmp_path_factory.mktemp("diff")
+    for name in ("ray", "vllm"):
+        (root / "poison" / name).mkdir(parents=True)
+        (root / "poison" / name / "__init__.py").write_text(GUARD.format(name=name))
+    uri = new_store(root / "mlflow.db")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(root)
+        patch.setenv("HOSTSWEEP_FAKE_TIME_SCALE", "4")  # steps of ~2 ms: sleep jitter stays small beside them
+        base = swept(root, uri, "diffbase", 8)
+        patch.setenv("HOSTSWEEP_FAKE_SLOWDOWN", f"{PLANTED}=1.6")
+        head = swept(root, uri, "diffhead", 10)
+    for study in ("diffbase", "diffhead"):
+        pin_stability(uri, study)
+    cells = mlflow.search_runs(experiment_names=["hostsweep-diffbase"], filter_string="tags.cell_key != ''")
+    yield {"root": root, "uri": uri, "base": base, "head": head, "cell_run": cells["run_id"].iloc[0]}
+    mlflow.set_tracking_uri(None)
+
+
+def diff_in_process(store, *args: str, run_dir=None) -> tuple[int, str, object]:
+    run_dir = run_dir or store["root"] / f"diff{len(list(store['root'].glob('diff*')))}"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = diff_stage.run(compose_raw([f"tracking.uri={store['uri']}", *args]), run_dir)
+    return code, out.getvalue(), run_dir
+
+
+@pytest.fixture(scope="module")
+def gated(store):
+    code, out, run_dir = diff_in_process(store, *DIFF, "diff.fail_on=slower")
+    return {"code": code, "out": out, "run_dir": run_dir, "json": json.loads((run_dir / "diff" / "diff.json").read_text())}
+
+
+def test_the_planted_cell_is_slower_and_every_other_cell_same(gated):
+    steps = {c["cell"]: c for c in gated["json"]["cells"] if c["quantity"] == "step_ms"}
+    assert {cell: c["verdict"] for cell, c in steps.items()} == {
+        "b1-ctx16": "same", "b1-ctx32": "same", "b2-ctx16": "same", PLANTED: "slower"}, gated["out"]
+    assert steps[PLANTED]["ratio"] == pytest.approx(1.6, rel=0.1) and steps[PLANTED]["ci_source"] == "raw pairs"
+
+
+def test_what_differs_is_stated_first_and_the_gate_fails(gated):
+    data, lines = gated["json"], gated["out"].splitlines()
+    assert [d["name"] for d in data["differs"]] == ["reps"] and "batch" in data["matched_on"]
+    assert lines[0] == "what differs: reps: 8 → 10"
+    assert gated["code"] == diff_stage.GATE_FAILED and data["failing"] == [PLANTED]
+    assert f"diff.fail_on=slower: FAIL: 1 stable cell(s) slower beyond ±15%: {PLANTED}" in gated["out"]
+    assert data["unmatched"] == [] and data["base"]["raw_missing"] == 0
+
+
+def test_the_diff_run_holds_the_files_params_and_counts(store, gated):
+    runs = mlflow.search_runs(experiment_names=["hostsweep-diffhead"], filter_string="tags.`hostsweep.kind` = 'diff'")
+    run = runs[runs["tags.mlflow.runName"] == "diff-diffbase-diffhead"].iloc[0]
+    files = {f.path for f in MlflowClient(store["uri"]).list_artifacts(run["run_id"])}
+    files |= {f.path for f in MlflowClient(store["uri"]).list_artifacts(run["run_id"], "figures")}
+    assert {"diff.md", "diff.html", "diff.json", "figures/ratios.png"} <= files
+    assert run["params.differs.reps"] == "8 → 10" and run["params.base_sweeps"] == store["base"]
+    assert run["metrics.slower"] == 1 and run["metrics.same"] == 3 and run["metrics.failing"] == 1
+    assert run["metrics.geomean_ci_low"] <= run["metrics.geomean_ratio"] <= run["metrics.geomean_ci_high"]
+    html = (gated["run_dir"] / "diff" / "diff.html").read_text()
+    assert "data:image/png;base64," in html and "What differs" in html
+
+
+def test_sweeps_named_by_parent_run_id_and_unstable_cells_counted_apart(store):
+    pin_stability(store["uri"], "diffhead", unstable=(PLANTED,))
+    try:
+        code, out, run_dir = diff_in_process(store, "stage=diff", f"diff.base={store['base']}",
+                                             f"diff.head={store['head']}", "diff.threshold_pct=15", "diff.fail_on=slower")
+    finally:
+        pin_stability(store["uri"], "diffhead")
+    data = json.loads((run_dir / "diff" / "diff.json").read_text())
+    assert code == 0 and data["failing"] == []  # the slower cell is unstable: it never gates
+    assert data["base"]["kind"] == "sweep" and data["base"]["label"] == store["base"][:8]
+    assert data["summary"]["step_ms"]["unstable_counts"]["slower"] == 1 and "1 unstable (counted apart)" in out
+
+
+MISTAKES = [
+    (["diff.head=diffhead"], "diff.base is required: a study name or a sweep's parent run id"),
+    (["diff.base=nosuch", "diff.head=diffhead"], "diff.base='nosuch' is neither a study in sqlite:///"),
+    (["diff.base=diffbase", f"diff.head={'0' * 32}"], f"diff.head={'0' * 32}: no such run in"),
+    (["diff.base=diffbase", "diff.head=diffbase"], "diff.base=diffbase and diff.head=diffbase are the same"),
+    (["diff.base=diffbase", "diff.head=diffhead", "diff.fail_on=faster"], "diff.fail_on='faster' is not allowed"),
+    (["diff.base=diffbase", "diff.head=diffhead", "tracking.uri=sqlite:///nowhere/x.db"],
+     "diff: no MLflow store at sqlite:///nowhere/x.db"),
+]
+
+
+def cli(store, *args: str, run_dir: str):
+    return run_hostsweep([f"tracking.uri={store['uri']}", "stage=diff", *args, f"hydra.run.dir={run_dir}"],
+                         store["root"], 300, pythonpath=store["root"] / "poison")
+
+
+@pytest.fixture(scope="module")
+def command_line(store, gated):
+    jobs = {tuple(args): partial(cli, store, *args, run_dir=str(store["root"] / f"cli{i}"))
+            for i, (args, _) in enumerate(MISTAKES)}
+    jobs[("cell",)] = partial(cli, store, "diff.base=diffbase", f"diff.head={store['cell_run']}",
+                              run_dir=str(store["root"] / "cli-cell"))
+    jobs[("gate",)] = partial(cli, store, *DIFF[1:], "diff.fail_on=slower", run_dir=str(store["root"] / "cli-gate"))
+    return run_concurrently(jobs)
+
+
+@pytest.mark.parametrize("args,needle", MISTAKES)
+def test_naming_mistakes_are_one_line_errors(command_line, args, needle):
+    proc = command_line[tuple(args)]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("hostsweep: error: "), proc.stderr[-2000:]
+    assert needle in lines[0]
+
+
+def test_a_cell_run_is_refused_with_its_sweep_named(store, command_line):
+    proc = command_line[("cell",)]
+    assert proc.returncode == 2 and f"is a cell run" in proc.stderr and store["base"] in proc.stderr
+
+
+def test_the_command_line_gate_exits_1(command_line):
+    proc = command_line[("gate",)]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "diff.fail_on=slower: FAIL" in proc.stdout
