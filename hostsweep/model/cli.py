@@ -96,17 +96,18 @@ def roofs_command(args: argparse.Namespace) -> int:
 
 
 def host_command(args: argparse.Namespace) -> int:
-    from hostsweep.model.calibrate import host_calibration
+    from hostsweep.model.calibrate import calibrate_host
     from hostsweep.record.registry import log_calibration
 
     cells = measured_cells(args)
     cells = cells[(cells["model"] == args.model) & (cells["sku"] == args.sku)]
-    fit, table = host_calibration(cells)
-    print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    print(f"H(N) = {fit.s0_s * 1e3:.3f} ms + {fit.s1_s * 1e3:.4f} ms x (N - 1)  ({args.model} on {args.sku}, tp=1)")
-    log_calibration(args.tracking_uri, "host", args.sku, {"model": args.model, "cells": len(table)},
-                    {"s0_ms": fit.s0_s * 1e3, "s1_ms": fit.s1_s * 1e3}, table)
-    _write_calibration(args.out, "host", {"s0_ms": fit.s0_s * 1e3, "s1_ms": fit.s1_s * 1e3})
+    calibrated = calibrate_host(cells, args.max_batch and [args.max_batch], not args.keep_unstable)
+    print(calibrated.table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    print(f"{calibrated.describe()}  ({args.model} on {args.sku}, tp=1)")
+    values = calibrated.values()
+    log_calibration(args.tracking_uri, "host", args.sku, {"model": args.model, "cells": len(calibrated.table)},
+                    values, calibrated.table)
+    _write_calibration(args.out, "host", {"s0_ms": values["s0_ms"], "s1_ms": values["s1_ms"]})
     return 0
 
 
@@ -148,6 +149,9 @@ def parser() -> argparse.ArgumentParser:
     host.add_argument("--model", required=True, help="the model whose TP-1 cells are fitted")
     host.add_argument("--sku", required=True, help="the SKU whose TP-1 cells are fitted")
     host.add_argument("--out", default=None, help="merge H(N) into this calibration YAML")
+    host.add_argument("--max-batch", type=int, default=None,
+                      help="keep H(N) >= 0 up to this batch too (default: up to the largest measured)")
+    host.add_argument("--keep-unstable", action="store_true", help="fit the cells flagged unstable too")
     return top
 
 

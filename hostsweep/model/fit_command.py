@@ -28,6 +28,7 @@ from hostsweep.model.study_fit import (BOUNDS, G_MODES, CalibrationTerms, FitOpt
 from hostsweep.model.synthetic import (HOST_TRUTHS, SEED002_OUTLIER_FACTOR, below_bound, clean_step_s, grid,
                                        host_truth_s, measure)
 from hostsweep.model.tpmodel import INPUT_COLUMNS, model_spec, predict_rows
+from hostsweep.model.unstable import Exclusion, exclude_unstable
 
 
 def measured_cells(args: argparse.Namespace) -> pd.DataFrame:
@@ -104,15 +105,23 @@ class FitOutcome:
 
 def fit_and_log(measured: pd.DataFrame, terms: CalibrationTerms, skus: dict[str, dict], options: FitOptions,
                 json_path: Path, tracking_uri: str, models_experiment: str, roofs: str = "datasheet",
-                tokens: int | None = None, extra_params: dict[str, object] | None = None) -> FitOutcome:
+                tokens: int | None = None, extra_params: dict[str, object] | None = None,
+                exclusion: Exclusion | None = None, host_line: dict[str, object] | None = None) -> FitOutcome:
     """The fit stage's one path (used by `stage=fit|compare|all` and `hostsweep-model fit`):
     cell frame, fit_study, fit.json + predictions.csv at `json_path`, and a run in the
     models experiment with the chosen form as a pyfunc. `skus` are the SKU specs with the
-    roofs to use under `roofs`' keys (cell_frame)."""
+    roofs to use under `roofs`' keys (cell_frame). `exclusion` (the unstable cells left out
+    before `measured`) and `host_line` (H(N)'s CI and bound, when fitted from cells) go
+    into fit.json as "unstable" and beside calibration.host."""
     shapes = {m: load_model_shape(m) for m in measured["model"].unique()}
     cells = cell_frame(measured, shapes, skus, roofs, tokens=tokens)
     report = fit_study(cells, terms, options)
     data = report.to_dict()
+    if exclusion is not None:
+        data["unstable"] = exclusion.to_dict()
+        extra_params = {**(extra_params or {}), "unstable_left_out": exclusion.count}
+    if host_line:
+        data["calibration"]["host"].update(_finite(host_line))
     json_path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(data, indent=1, allow_nan=False)
     json_path.write_text(text)
@@ -128,14 +137,20 @@ def fit_and_log(measured: pd.DataFrame, terms: CalibrationTerms, skus: dict[str,
     return FitOutcome(report, data, json_path, run_id)
 
 
+def _finite(values: dict[str, object]) -> dict[str, object]:
+    """JSON-safe: a NaN (no CI) becomes None."""
+    return {k: None if isinstance(v, float) and not np.isfinite(v) else v for k, v in values.items()}
+
+
 def fit_command(args: argparse.Namespace) -> int:
-    measured = measured_cells(args)
+    measured, exclusion = exclude_unstable(measured_cells(args), not args.keep_unstable)
+    measured = measured.reset_index(drop=True)
     terms = calibration_terms(load_calibration(args.calibration))
     skus = _sku_specs(measured["sku"].unique(), terms, args.roofs)
     options = FitOptions(args.train_sku, tuple(args.train_tp), args.form, args.g_mode, args.bound,
                          args.utilization, args.resamples, args.seed, args.margin)
     outcome = fit_and_log(measured, terms, skus, options, _json_path(args), args.tracking_uri,
-                          args.models_experiment, args.roofs, args.tokens)
+                          args.models_experiment, args.roofs, args.tokens, exclusion=exclusion)
     print(render(outcome.data))
     print(f"\nwrote {outcome.path} and {outcome.path.with_name('predictions.csv')}")
     print(f"logged model: runs:/{outcome.run_id}/model (experiment {args.models_experiment!r} in {redact(args.tracking_uri)})")
@@ -185,6 +200,8 @@ def fit_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--roofs", choices=["datasheet", "measured"], default="datasheet", help="roofs of T_cmp")
     parser.add_argument("--utilization", type=float, default=0.9, help="memory fraction of the in-regime rule")
     parser.add_argument("--models-experiment", default="models", help="MLflow experiment of the fitted model")
+    parser.add_argument("--keep-unstable", action="store_true",
+                        help="fit the cells the sweep flagged unstable too (default: leave them out, and say so)")
     parser.add_argument("--json", default=None, help="write the report here (default: OUT_DIR/fit.json)")
     parser.add_argument("--out-dir", default=None, help="folder for fit.json and predictions.csv "
                         "(default: outputs/fit/<date>/<time>)")

@@ -30,6 +30,8 @@ def _scale(data: dict[str, Any]) -> list[str]:
              + ("; at its lower bound 0" if scale["at_bound"] else ""),
              f"g with the {scale['cells_with_out_of_regime'] - scale['cells']} out-of-regime cell(s) of the training "
              f"selection: {scale['g_with_out_of_regime']:.3f} ({scale['cells_with_out_of_regime']} cells)"]
+    if host.get("fitted"):
+        lines.append(f"H(N) from the TP-1 cells: {host['fitted']}")
     if scale["g_mode"] == "joint":
         lines.append("g_mode=joint: each form below fits its own g (see the condition numbers)")
         lines.append(_table([{"form": f, **v} for f, v in scale["joint"].items()]))
@@ -59,7 +61,8 @@ def _evidence_line(group: dict[str, Any]) -> str:
     return (f"verdict: {group['verdict']} ({group['reason']}); MAPE(k-scaling) − MAPE(k-invariant) = "
             f"{spread['diff']:.2f} [{spread['ci_low']:.2f}, {spread['ci_high']:.2f}]\n"
             f"winner {group['winner']} {beats} the baseline: MAPE(baseline) − MAPE(winner) = "
-            f"{versus['diff']:.2f} [{versus['ci_low']:.2f}, {versus['ci_high']:.2f}]")
+            f"{versus['diff']:.2f} [{versus['ci_low']:.2f}, {versus['ci_high']:.2f}]"
+            + (f"\nnoise: {group['noise']['sentence']}" if group.get("noise") else ""))
 
 
 def _heldout(data: dict[str, Any]) -> list[str]:
@@ -105,8 +108,11 @@ def _shrink(data: dict[str, Any]) -> list[str]:
 def render(data: dict[str, Any]) -> str:
     """The whole report as text, from FitReport.to_dict()."""
     verdict = data["verdict"]
-    lines = _scale(data) + _forms(data) + _heldout(data)
+    lines = [f"cells: {data['unstable']['summary']}"] if data.get("unstable") else []
+    lines += _scale(data) + _forms(data) + _heldout(data)
     lines += [_title("Verdict on the host term"), f"{verdict['verdict']}: {verdict['reason']}"]
+    if verdict.get("noise"):
+        lines.append(f"noise: {verdict['noise']['summary']}")
     lines += _falsification(data) + _shrink(data)
     if data["warnings"]:
         lines += [_title("Warnings")] + [f"- {w}" for w in data["warnings"]]

@@ -10,6 +10,7 @@ from typing import Any
 
 import pandas as pd
 
+from hostsweep.model.unstable import exclude_unstable
 from hostsweep.config.redact import redact
 from hostsweep.report import comparison as C
 from hostsweep.report import figures as F
@@ -37,6 +38,7 @@ class Context:
     expected_skus: tuple[str, ...] = ()
     sources: list[dict[str, Any]] = field(default_factory=list)  # fixed terms: term, sku, value, source, run_id
     warnings: list[str] = field(default_factory=list)  # about the fixed terms
+    exclude_unstable: bool = True  # fit.exclude_unstable: the study-wide parts leave unstable cells out too
 
 
 def _provenance(ctx: Context, cells: pd.DataFrame) -> list:
@@ -57,8 +59,29 @@ def _provenance(ctx: Context, cells: pd.DataFrame) -> list:
 
 def _verdicts(fit: dict[str, Any], groups: pd.DataFrame) -> list:
     lines = [f"**Host term across held-out groups: {fit['verdict']['verdict']}** ({fit['verdict']['reason']})"]
+    if fit["verdict"].get("noise"):  # inconclusive: could these cells have told at all?
+        lines.append(f"Noise: {fit['verdict']['noise']['summary']}")
     lines += [f"held-out {r.sku} TP-{r.tp}: **{r.verdict}** — {r.reason}" for r in groups.itertuples()]
     return [Heading("Verdict"), Bullets(tuple(lines))]
+
+
+def _unstable(fit: dict[str, Any], cells: pd.DataFrame, enabled: bool) -> list:
+    """The cells the sweep flagged unstable: how many, why, and whether they were left out
+    of the fit (fit.json's record) and of the study-wide tables and figures."""
+    recorded = fit.get("unstable")
+    fitted = f"The fit: {recorded['summary']}." if recorded else "The fit records no stability selection."
+    if "stable" not in cells or not cells["stable"].fillna("").astype(str).str.strip().any():
+        return [Heading("Unstable cells"), Text("The selected cells carry no stability verdict (measured before "
+                                                f"it): every one is treated as stable. {fitted}")]
+    flagged = exclude_unstable(cells, True)[1]
+    if not flagged.count:
+        return [Heading("Unstable cells"), Text(f"No selected cell is flagged unstable. {fitted}")]
+    why = ", ".join(f"{reason}: {n}" for reason, n in flagged.reasons().items())
+    where = ("left out of the study-wide tables and figures below" if enabled
+             else "kept in the study-wide tables and figures below (fit.exclude_unstable=false)")
+    return [Heading("Unstable cells"),
+            Text(f"{flagged.count} of {flagged.total} selected cells are flagged unstable ({why}), {where}. {fitted}"),
+            Table(flagged.left_out, "the unstable cells, with the sweep's reasons")]
 
 
 def _terms(fit: dict[str, Any], ctx: Context) -> list:
@@ -161,13 +184,15 @@ def build(ctx: Context, cells: pd.DataFrame, fit: dict[str, Any], folder: Path) 
     resamples = int(fit["options"]["resamples"])
     groups = C.heldout_groups(fit, pred)
     forms = C.form_mape(pred, [f["form"] for f in fit["forms"]], resamples)
-    regime = C.regime_map(cells)
+    stable = exclude_unstable(cells, ctx.exclude_unstable)[0]
+    regime = C.regime_map(stable)
     families = {f["form"]: f["family"] for f in fit["forms"]}
-    figures = write_figures(pred, cells, forms, regime, families, folder / "figures")
+    figures = write_figures(pred, stable, forms, regime, families, folder / "figures")
     doc = Document(f"Cross-SKU comparison: {ctx.study}")
-    for part in (_verdicts(fit, groups), _provenance(ctx, cells), _terms(fit, ctx),
+    for part in (_verdicts(fit, groups), _unstable(fit, cells, ctx.exclude_unstable), _provenance(ctx, cells),
+                 _terms(fit, ctx),
                  _heldout(fit, pred, groups, forms, figures), _falsification(fit, pred),
-                 _shrink(fit, pred, figures, resamples), _study_wide(cells, regime, figures, ctx), _cells(pred)):
+                 _shrink(fit, pred, figures, resamples), _study_wide(stable, regime, figures, ctx), _cells(pred)):
         doc.add(*part)
     if fit["warnings"] or ctx.warnings:
         doc.add(Heading("Warnings"), Bullets(tuple(ctx.warnings + fit["warnings"])))

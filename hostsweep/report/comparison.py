@@ -53,11 +53,13 @@ def group_verdict(group: dict[str, Any]) -> tuple[str, str]:
         return "inconclusive", "no in-regime cells"
     if group["verdict"] == "k-invariant" and group.get("beats_baseline"):
         return "validated", f"k-invariant ({group['reason']}); {group['winner']} beats the baseline"
+    # an inconclusive question carries whether the cells' noise could have resolved it
+    noise = f"; {group['noise']['sentence']}" if group.get("noise") else ""
     if group["verdict"] == "k-invariant":
-        return "inconclusive", f"k-invariant, but {group['winner']} does not beat the baseline by the margin"
+        return "inconclusive", f"k-invariant, but {group['winner']} does not beat the baseline by the margin{noise}"
     if group["verdict"] == "k-scaling":
         return "falsified", f"the TP-invariant host term is rejected: k-scaling forms predict better ({group['reason']})"
-    return "inconclusive", group["reason"]
+    return "inconclusive", group["reason"] + noise
 
 
 def heldout_groups(fit: dict[str, Any], pred: pd.DataFrame) -> pd.DataFrame:

@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 
 from hostsweep.config.redact import redact
 from hostsweep.config.resolve import Study, resolve
+from hostsweep.model.unstable import Exclusion, exclude_unstable
 from hostsweep.record.reports import ReportRun, load_fit_json
 from hostsweep.record.views import runs_table_url, ui_command
 from hostsweep.record.store import quiet_mlflow
@@ -87,32 +88,37 @@ def compare_study(study: Study, run_dir: Path, keys: Optional[Iterable[str]] = N
     cfg = study.config
     selection = select_cells(study, keys)
     fit, fit_run, sources, warnings = _fit(study, selection, run_dir)
+    unstable = exclude_unstable(selection.cells, cfg.fit.exclude_unstable)[1]  # the report leaves them out too
     folder = run_dir / "compare"
     report_run = ReportRun(cfg.tracking.uri, selection.experiment, f"compare-{study.name}",
                            {"study": study.name, "fit_run": fit_run, "run_dir": str(run_dir)})
     try:
         ctx = Context(study.name, selection.experiment, selection.experiment_id, cfg.tracking.uri, report_run.run_id,
                       fit_run, cfg.fit.models_experiment, datetime.now().strftime("%Y-%m-%d %H:%M:%S"), command_line(),
-                      tuple(s.name for s in study.skus), sources, warnings)
+                      tuple(s.name for s in study.skus), sources, warnings, cfg.fit.exclude_unstable)
         doc, groups = build(ctx, selection.cells, fit, folder)
         (folder / "report.md").write_text(to_markdown(doc, folder))
         (folder / "report.html").write_text(to_html(doc))
         (folder / "fit.json").write_text(json.dumps(fit, indent=1))
         selection.cells.to_csv(folder / "cells.csv", index=False)
         params, metrics = _params_and_metrics(fit, groups, fit_run, len(selection.cells))
+        params |= {"unstable_cells": unstable.flagged, "unstable_left_out": unstable.count}
         report_run.log(folder, params, metrics, _note(fit, groups))
         report_run.finish()
     except BaseException:
         report_run.finish("FAILED")
         raise
-    print(_summary(fit, groups, folder, report_run, cfg.tracking.uri, cfg.compare.ui_port, warnings))
+    print(_summary(fit, groups, folder, report_run, cfg.tracking.uri, cfg.compare.ui_port, warnings, unstable))
     return 0
 
 
 def _summary(fit: dict[str, Any], groups: pd.DataFrame, folder: Path, report_run: ReportRun, uri: str,
-             port: int, warnings: list[str]) -> str:
+             port: int, warnings: list[str], unstable: Exclusion) -> str:
     lines = [f"warning: {w}" for w in warnings + fit["warnings"]]
+    lines += [f"cells: {unstable.describe()}"]
     lines += [f"host term across held-out groups: {fit['verdict']['verdict']} ({fit['verdict']['reason']})"]
+    if fit["verdict"].get("noise"):
+        lines += [f"noise: {fit['verdict']['noise']['summary']}"]
     lines += [f"held-out {r.sku} TP-{r.tp}: {r.verdict} — {r.reason}" for r in groups.itertuples()]
     lines += [f"report: {folder / 'report.html'} and {folder / 'report.md'} (figures in {folder / 'figures'})",
               f"MLflow: run {report_run.run_name} ({report_run.run_id}) in experiment {report_run.experiment_id} of {redact(uri)}",

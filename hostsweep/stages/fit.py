@@ -3,8 +3,9 @@
     python -m hostsweep +experiment=generalize-cpu stage=fit
     python -m hostsweep +experiment=tp70b stage=fit calibration=seed002-h100
 
-The cells of `fit.mode` are selected (select.*), the training selection checked, the
-fixed terms assembled (stages/terms.py), then `hostsweep.model.fit_command.fit_and_log`
+The cells of `fit.mode` are selected (select.*), those the sweep flagged unstable left
+out (fit.exclude_unstable, counted in fit.json's "unstable"), the training selection
+checked, the fixed terms assembled (stages/terms.py), then `hostsweep.model.fit_command.fit_and_log`
 (the same path as `hostsweep-model fit`) fits, writes fit.json and predictions.csv under
 the run directory's fit/ and logs the model to the `fit.models_experiment` experiment.
 """
@@ -13,14 +14,17 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+
+import pandas as pd
 from omegaconf import DictConfig
 
 from hostsweep.config.redact import redact
 from hostsweep.config.resolve import Study, resolve
-from hostsweep.config.schema import ConfigError
+from hostsweep.config.schema import ConfigError, FitConfig
 from hostsweep.model.fit_command import FitOutcome, fit_and_log
 from hostsweep.model.fit_console import render
 from hostsweep.model.study_fit import FitOptions
+from hostsweep.model.unstable import Exclusion, exclude_unstable
 from hostsweep.record.store import quiet_mlflow
 from hostsweep.stages.select import Selection, fit_cells, select_cells, train_selection
 from hostsweep.stages.terms import FixedTerms, check_fit_sources, fixed_terms
@@ -52,26 +56,46 @@ class StudyFit:
     selection: Selection
     fixed: FixedTerms
     outcome: FitOutcome
+    exclusion: Exclusion  # the unstable cells of fit.mode left out (fit.exclude_unstable)
 
     @property
     def data(self) -> dict:
         return self.outcome.data
 
 
+def stable_cells(cells: pd.DataFrame, fit: FitConfig) -> tuple[pd.DataFrame, Exclusion]:
+    """The cells of fit.mode without those flagged unstable (fit.exclude_unstable), and
+    what was left out; a selection with nothing stable left is a ConfigError."""
+    kept, exclusion = exclude_unstable(fit_cells(cells, fit), fit.exclude_unstable)
+    if kept.empty:
+        raise ConfigError(f"fit: every one of the {exclusion.total} cells of mode {fit.mode} is flagged unstable "
+                          f"({exclusion.describe()}): measure again on a quieter host, or set "
+                          "fit.exclude_unstable=false")
+    return kept.reset_index(drop=True), exclusion
+
+
 def fit_selection(study: Study, selection: Selection, run_dir: Path) -> StudyFit:
     """Fit the selected cells of fit.mode: checks first, then terms, then the fit."""
     cfg = study.config
-    cells = fit_cells(selection.cells, cfg.fit)
-    train_sku, train_tp = train_selection(cells, cfg.fit)
-    options = fit_options(study, train_sku, train_tp)
-    fixed = fixed_terms(cells, train_sku, cfg.calibration, cfg.fit, cfg.tracking.uri, cfg.ray.address)
+    cells, exclusion = stable_cells(selection.cells, cfg.fit)
+    log.info("fit: %s", exclusion.describe())
+    try:
+        train_sku, train_tp = train_selection(cells, cfg.fit)
+        options = fit_options(study, train_sku, train_tp)
+        fixed = fixed_terms(cells, train_sku, cfg.calibration, cfg.fit, cfg.tracking.uri, cfg.ray.address)
+    except ConfigError as exc:
+        if not exclusion.count:
+            raise
+        raise ConfigError(f"{exc} ({exclusion.describe()})") from None
     extra = {"study": study.name, "experiment": selection.experiment, "mode": cfg.fit.mode,
              "cells": len(cells), "sweep_runs": ",".join(selection.parent_runs)[:500],
              **{f"{s['term']}_source.{s['sku']}": s["source"] for s in fixed.sources}}
+    host_line = {**fixed.host_line.values(), "fitted": fixed.host_line.describe()} if fixed.host_line else None
     outcome = fit_and_log(cells, fixed.terms, fixed.skus, options, run_dir / "fit" / "fit.json", cfg.tracking.uri,
-                          cfg.fit.models_experiment, "datasheet", extra_params=extra)
+                          cfg.fit.models_experiment, "datasheet", extra_params=extra, exclusion=exclusion,
+                          host_line=host_line)
     log.info("fit logged as run %s of experiment %s", outcome.run_id, cfg.fit.models_experiment)
-    return StudyFit(selection, fixed, outcome)
+    return StudyFit(selection, fixed, outcome, exclusion)
 
 
 def run(raw_cfg: DictConfig, run_dir: Path) -> int:

@@ -18,7 +18,7 @@ import psutil
 from hostsweep.config.options import check_option, load_calibration, load_model_shape, load_sku
 from hostsweep.config.schema import (HOST_SOURCES, ROOF_SOURCES, AllReduceCalibration, CalibrationConfig, ConfigError,
                                      FitConfig, HostCalibration, RoofsCalibration)
-from hostsweep.model.calibrate import host_calibration, measure_roofs, run_on_sku
+from hostsweep.model.calibrate import HostLineCalibration, calibrate_host, measure_roofs, run_on_sku
 from hostsweep.model.compare import DTYPE_BYTES
 from hostsweep.model.study_fit import CalibrationTerms, calibration_terms
 from hostsweep.record.registry import log_calibration
@@ -34,6 +34,7 @@ class FixedTerms:
     skus: dict[str, dict[str, Any]]  # SKU specs; peak_bf16_tflops / mem_bandwidth_gbps hold the roofs in use
     sources: list[dict[str, Any]] = field(default_factory=list)  # term, sku, value, source, run_id
     warnings: list[str] = field(default_factory=list)
+    host_line: Optional[HostLineCalibration] = None  # H(N) fitted here from TP-1 cells, with its CI
 
     def note(self, term: str, sku: str, value: str, source: str, run_id: str = "") -> None:
         self.sources.append({"term": term, "sku": sku, "value": value, "source": source, "run_id": run_id})
@@ -139,7 +140,9 @@ def host_source(calibration: CalibrationConfig, fit: FitConfig) -> str:
 
 def _host(cells: pd.DataFrame, train_sku: str, calibration: CalibrationConfig, fit: FitConfig, uri: str,
           fixed: FixedTerms) -> None:
-    """H(N) from the calibration, or fitted to host_ms of the train SKU's TP-1 split cells."""
+    """H(N) from the calibration, or fitted to host_ms of the train SKU's TP-1 split cells:
+    bounded to >= 0 up to the largest batch of `cells` (every cell it is applied to), with
+    a bootstrap CI, unstable cells left out (fit.exclude_unstable)."""
     if host_source(calibration, fit) == "calibration":
         host = calibration.host
         fixed.note("host", "all", f"H(N) = {host.s0_ms:.3f} + {host.s1_ms:.4f}·(N−1) ms", "calibration")
@@ -148,18 +151,25 @@ def _host(cells: pd.DataFrame, train_sku: str, calibration: CalibrationConfig, f
     if fit.host_model:
         single = single[single["model"] == fit.host_model]
     try:
-        hfit, table = host_calibration(single)
-    except ValueError:
-        raise ConfigError(f"fit.host=cells needs TP-1 split cells (host_ms) of sku {train_sku}"
-                          f"{' model ' + fit.host_model if fit.host_model else ''} at two or more batch sizes; "
-                          "measure tp=1 with split.enabled=true or compose a calibration with a host section") from None
-    table["run_id"] = single.loc[table.index, "run_id"]
-    values = {"s0_ms": hfit.s0_s * 1e3, "s1_ms": hfit.s1_s * 1e3}
-    run_id = log_calibration(uri, "host", train_sku, {"model": fit.host_model or "all", "cells": len(table)},
-                             values, table)
-    calibration.host = HostCalibration(**values)
-    fixed.note("host", train_sku, f"H(N) = {values['s0_ms']:.3f} + {values['s1_ms']:.4f}·(N−1) ms",
-               f"fitted to host_ms of {len(table)} TP-1 cells", run_id)
+        calibrated = calibrate_host(single, cells["batch"].to_numpy(float), fit.exclude_unstable, seed=fit.seed)
+    except ValueError as exc:
+        raise ConfigError(f"fit.host=cells, sku {train_sku}{' model ' + fit.host_model if fit.host_model else ''}: "
+                          f"{exc}; measure tp=1 with split.enabled=true or compose a calibration with a host "
+                          "section") from None
+    values = calibrated.values()
+    run_id = log_calibration(uri, "host", train_sku, {"model": fit.host_model or "all", "cells": len(calibrated.table),
+                                                      "bound": f"H >= 0 for N = 1..{calibrated.line.high:g}",
+                                                      "ci": "residual bootstrap, expanded percentile 95%"},
+                             values, calibrated.table)
+    calibration.host = HostCalibration(values["s0_ms"], values["s1_ms"])
+    fixed.host_line = calibrated
+    fixed.note("host", train_sku, calibrated.describe(), f"fitted to host_ms of {len(calibrated.table)} TP-1 cells",
+               run_id)
+    if calibrated.line.at_bound:
+        fixed.warnings.append(f"H(N) fitted to the TP-1 cells would go negative over N = 1..{calibrated.line.high:g} "
+                              f"(unbounded {calibrated.line.unbounded_s0_ms:.3f} "
+                              f"{calibrated.line.unbounded_s1_ms:+.4f}·(N−1) ms): held >= 0 there "
+                              f"({', '.join(calibrated.line.at_bound)} at 0); the TP-1 host split is noisy or stale")
 
 
 def fixed_terms(cells: pd.DataFrame, train_sku: str, composed: Optional[CalibrationConfig], fit: FitConfig,
