@@ -17,6 +17,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from hostsweep.config.keys import check_known_keys
 from hostsweep.config.options import check_group_overrides
 from hostsweep.config.redact import redact, redact_log_records
 from hostsweep.config.schema import ConfigError, register_configs
@@ -76,6 +77,7 @@ def main() -> None:
     signals.install()
     try:
         check_group_overrides(sys.argv[1:])
+        check_known_keys(sys.argv[1:])
         check_output_dir(sys.argv[1:])
     except ConfigError as exc:
         print(f"hostsweep: error: {redact(str(exc))}", file=sys.stderr)

@@ -41,6 +41,14 @@ BAD_INPUT = [
     (["+sku=cpu", "+engine.engine_args.enforce_eagr=true"], "did you mean 'enforce_eager'?"),
     (["+sku=cpu", "workload=creative"], "workload='creative' is not allowed; allowed: random, repeat"),
     (["+sku=cpu", "modes=[eager,turbo]"], "unknown mode 'turbo' in modes"),
+    # an unknown key, with `+` (Hydra would add it and nothing would read it: the default
+    # study ran) or without (Hydra's multi-line error, exit 1), names the closest known key
+    (["+mesure.T=5"], "unknown key 'mesure.T' in +mesure.T=5; did you mean 'measure.T'?"),
+    (["+measure.Tt=5"], "unknown key 'measure.Tt' in +measure.Tt=5; did you mean 'measure.T'?"),
+    (["mesure.T=5"], "unknown key 'mesure.T' in mesure.T=5; did you mean 'measure.T'?"),
+    (["+sku=cpu", "split.enabeld=false"], "did you mean 'split.enabled'?"),
+    (["+sku=cpu", "model.shape.hiden_size=64"], "did you mean 'model.shape.hidden_size'?"),
+    (["+sku=cpu", "engine.engine_args.enforce_eagr=true"], "did you mean 'enforce_eager'?"),
 ]
 
 
