@@ -9,9 +9,12 @@ Ctrl-C does: its runs are marked KILLED and its engines and Ray stopped.
 import gc
 import logging
 import os
+import shutil
 import signal
 import sys
+import time
 from pathlib import Path
+from typing import Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -31,6 +34,10 @@ OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
 # Worst exit code over the jobs of this process: a multirun (-m) runs several sweeps
 # in one process, so a job must not exit before the others have run.
 _exit_codes: list[int] = [0]
+# A refused job leaves nothing behind: the folders Hydra made for it before it ran
+# (its run directory, and the parents that were made for it) are removed at exit.
+_STARTED = time.time()
+_refused: list[tuple[Path, set[Path]]] = []  # (run dir, the folders made for it)
 
 
 def redact_hydra_files(run_dir: Path) -> None:
@@ -54,17 +61,72 @@ def check_output_dir(argv: list[str]) -> None:
     check_writable_folder(Path.cwd(), "the current folder (outputs/ goes there)")
 
 
+HYDRA_ONLY = {".hydra", "hostsweep.log"}  # what Hydra writes into a run directory before the job runs
+
+
+def hydra_only(run_dir: Path) -> bool:
+    """Whether run_dir holds nothing but Hydra's saved config and the run's log."""
+    return {p.name for p in run_dir.iterdir()} <= HYDRA_ONLY
+
+
+def made_for_this_job(run_dir: Path) -> Optional[set[Path]]:
+    """The folders Hydra made for this job: run_dir and those of its parents (outputs/<date>/,
+    a multirun's sweep folder) that changed since this process started; None when run_dir
+    already held something (a rerun into the same hydra.run.dir), which is never removed.
+    Called as the job starts, when Hydra has written only .hydra/ and opened an empty log."""
+    run_dir = run_dir.resolve()
+    log = run_dir / "hostsweep.log"
+    if not hydra_only(run_dir) or (log.exists() and log.stat().st_size):
+        return None
+    made, cwd = {run_dir}, Path.cwd().resolve()
+    for parent in run_dir.parents:
+        # 1 s of slack: some file systems keep whole-second times
+        if parent == cwd or parent.stat().st_mtime < _STARTED - 1:
+            break
+        made.add(parent)
+    return made
+
+
+def discard_refused_runs() -> None:
+    """Remove the run directories of refused jobs, and the folders made for them that
+    nothing else has come to use (a parent is removed only once it is empty)."""
+    if not _refused:
+        return
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in list(getattr(logger, "handlers", [])):  # Hydra's file log, else it reopens on the next record
+            if isinstance(handler, logging.FileHandler) and any(
+                    Path(handler.baseFilename).is_relative_to(run_dir) for run_dir, _ in _refused):
+                logger.removeHandler(handler)
+                handler.close()
+    for run_dir, made in _refused:  # resolved paths
+        shutil.rmtree(run_dir, ignore_errors=True)
+        folder = run_dir.parent
+        while folder in made and folder.is_dir():
+            # a multirun whose every job was refused: its sweep folder holds only multirun.yaml
+            if [p.name for p in folder.iterdir()] == ["multirun.yaml"]:
+                (folder / "multirun.yaml").unlink()
+            if any(folder.iterdir()):
+                break
+            folder.rmdir()
+            folder = folder.parent
+
+
 @hydra.main(version_base="1.3", config_path="pkg://hostsweep.conf", config_name="config")
 def _sweep(cfg: DictConfig) -> None:
     from hostsweep.stages import stage_module
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     redact_hydra_files(run_dir)
+    made = made_for_this_job(run_dir)
     try:
         _exit_codes.append(stage_module(cfg).run(cfg, run_dir))
     except ConfigError as exc:
         print(f"hostsweep: error: {redact(str(exc))}", file=sys.stderr)  # a message may quote any override
         _exit_codes.append(2)
+        # a refusal after results were written (stage=all: the comparison refused after the
+        # sweep measured) keeps the run directory: only what Hydra made alone is removed
+        if made is not None and hydra_only(run_dir):
+            _refused.append((run_dir.resolve(), made))
     except KeyboardInterrupt:
         signum = signals.received() or signal.SIGINT
         print(f"hostsweep: interrupted by {signal.Signals(signum).name}: its runs are marked KILLED; measured cells "
@@ -83,6 +145,7 @@ def main() -> None:
         print(f"hostsweep: error: {redact(str(exc))}", file=sys.stderr)
         sys.exit(2)
     _sweep()
+    discard_refused_runs()
     # The interpreter's last garbage collection walks every object the libraries left
     # (pandas, MLflow, Ray, matplotlib): a second after the results are printed, for memory
     # the OS frees anyway. Frozen objects are skipped; atexit handlers still run.

@@ -71,7 +71,7 @@ def test_bad_input_is_one_line_nonzero_exit_and_starts_nothing(args, needle, bad
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("hostsweep: error:") and needle in lines[0]
-    assert not (cwd / "outputs" / "mlflow.db").exists()
+    assert not (cwd / "outputs").exists()  # no store, and no empty run directory either
 
 
 def test_cfg_job_prints_the_composed_config(tmp_path):
@@ -122,7 +122,7 @@ def preflight_runs(tmp_path_factory, poisoned_path) -> dict:
 def test_a_world_that_cannot_host_the_sweep_is_refused_in_seconds_before_ray_starts(args, needle, preflight_runs):
     cwd, (proc, elapsed) = preflight_runs[tuple(args)]
     assert_refused(proc, needle, elapsed)
-    assert not (cwd / "outputs" / "mlflow.db").exists()
+    assert not (cwd / "outputs").exists()  # no store, and no empty run directory either
 
 
 def test_a_gpu_sku_without_a_cluster_on_a_machine_without_that_gpu_is_refused_before_ray(tmp_path, poisoned_path):
@@ -137,11 +137,10 @@ def test_a_gpu_sku_without_a_cluster_on_a_machine_without_that_gpu_is_refused_be
 def test_credentials_in_the_tracking_uri_never_reach_the_console(tmp_path, poisoned_path):
     proc = run_hostsweep(["+sku=cpu", "tracking.uri=http://alice:s3cret@127.0.0.1:9"], tmp_path,
                          pythonpath=poisoned_path)
-    line = assert_refused(proc, "tracking.uri=http://alice:***@127.0.0.1:9 does not answer", 0)
+    assert_refused(proc, "tracking.uri=http://alice:***@127.0.0.1:9 does not answer", 0)
     assert "s3cret" not in proc.stderr + proc.stdout
-    hydra_files = "".join(p.read_text() for p in (tmp_path / "outputs").rglob("*.yaml"))
-    assert "alice:***@" in hydra_files and "s3cret" not in hydra_files  # Hydra's saved overrides too
-    assert line
+    # Hydra saved the overrides before the refusal; the refused run's folder is gone with them
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and b"s3cret" in p.read_bytes()]
 
 
 def test_a_second_sweep_on_this_machine_is_refused_while_the_first_measures(tmp_path, poisoned_path):
@@ -168,7 +167,29 @@ def test_help_says_what_hostsweep_is_how_to_choose_skus_and_runs_and_the_main_ke
     assert "_schema" not in text and "is powered by Hydra" not in text
 
 
-def test_the_run_log_is_named_for_hostsweep(tmp_path, poisoned_path):
-    proc = run_hostsweep(["+sku=cpu", "tp=3", f"hydra.run.dir={tmp_path}/run"], tmp_path, pythonpath=poisoned_path)
-    assert proc.returncode == 2
-    assert (tmp_path / "run" / "hostsweep.log").is_file() and not (tmp_path / "run" / "__main__.log").exists()
+def test_a_refused_run_leaves_no_folder_behind_where_hydra_made_one(tmp_path, poisoned_path):
+    # tp=3 is refused when the study is resolved: after Hydra made the run directory
+    proc = run_hostsweep(["+sku=cpu", "tp=3"], tmp_path, pythonpath=poisoned_path)
+    assert_refused(proc, "tp=3 does not divide", 0)
+    assert not (tmp_path / "outputs").exists()
+    named = tmp_path / "named" / "run"
+    proc = run_hostsweep(["+sku=cpu", "tp=3", f"hydra.run.dir={named}"], tmp_path, pythonpath=poisoned_path)
+    assert_refused(proc, "tp=3 does not divide", 0)
+    assert not (tmp_path / "named").exists()
+
+
+def test_a_refused_rerun_into_a_run_directory_keeps_what_was_there(tmp_path, poisoned_path):
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / "hostsweep.log").write_text("the first run's log\n")
+    (run_dir / "cells.csv").write_text("key\n")
+    proc = run_hostsweep(["+sku=cpu", "tp=3", f"hydra.run.dir={run_dir}"], tmp_path, pythonpath=poisoned_path)
+    assert_refused(proc, "tp=3 does not divide", 0)
+    assert (run_dir / "cells.csv").read_text() == "key\n"
+    assert (run_dir / "hostsweep.log").read_text().startswith("the first run's log\n")
+
+
+def test_a_multirun_whose_every_job_is_refused_leaves_no_folder(tmp_path, poisoned_path):
+    proc = run_hostsweep(["-m", "+sku=cpu", "tp=3,5"], tmp_path, pythonpath=poisoned_path)
+    assert proc.returncode == 2, proc.stderr
+    assert not (tmp_path / "multirun").exists(), sorted(map(str, tmp_path.rglob("*")))
