@@ -165,3 +165,12 @@ def test_the_command_line_gate_exits_1(command_line):
     proc = command_line[("gate",)]
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "diff.fail_on=slower: FAIL" in proc.stdout
+
+
+def test_the_preset_names_both_sides_of_its_two_studies():
+    from tests.conftest import compose_typed
+
+    base = compose_typed(["+experiment=diff-cpu", "+sku=cpu"]).config
+    head = compose_typed(["+experiment=diff-cpu", "+sku=cpu", "study=diff-cpu-head", "tp=2"]).config
+    assert (base.study, base.tp, head.study, head.tp) == ("diff-cpu-base", [1], "diff-cpu-head", [2])
+    assert (base.diff.base, base.diff.head) == ("diff-cpu-base", "diff-cpu-head")

@@ -22,6 +22,7 @@ import pandas as pd
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from hostsweep.config.redact import redact
 from hostsweep.config.schema import ConfigError
 from hostsweep.record.readback import FilterRefused, experiment_ids
 from hostsweep.record.store import local_artifact_root
@@ -71,7 +72,7 @@ def check_store(tracking_uri: str) -> None:
     """A sqlite store must exist: opening a missing one would create an empty store."""
     root = local_artifact_root(tracking_uri)
     if root is not None and not Path(tracking_uri[len("sqlite:///"):]).is_file():
-        raise ConfigError(f"diff: no MLflow store at {tracking_uri}; run the sweeps first (stage=sweep)")
+        raise ConfigError(f"diff: no MLflow store at {redact(tracking_uri)}; run the sweeps first (stage=sweep)")
 
 
 def _studies(known: dict[str, str]) -> str:
@@ -91,12 +92,12 @@ def locate(tracking_uri: str, given: Optional[str], key: str) -> Located:
         if name in known:
             return Located(given, "study", name, known[name])
     if not RUN_ID.fullmatch(given):
-        raise ConfigError(f"{key}={given!r} is neither a study in {tracking_uri} (studies there: {_studies(known)}) "
+        raise ConfigError(f"{key}={given!r} is neither a study in {redact(tracking_uri)} (studies there: {_studies(known)}) "
                           "nor a run id (32 hex digits)")
     try:
         run = MlflowClient(tracking_uri).get_run(given)
     except MlflowException:
-        raise ConfigError(f"{key}={given}: no such run in {tracking_uri} (and no study of that name; studies "
+        raise ConfigError(f"{key}={given}: no such run in {redact(tracking_uri)} (and no study of that name; studies "
                           f"there: {_studies(known)})") from None
     tags = run.data.tags
     if "cell_key" in tags:
@@ -121,7 +122,7 @@ def read_cells(tracking_uri: str, where: Located, filter_string: Optional[str], 
         runs = runs[runs["tags.cell_key"].notna() & (runs["status"] == "FINISHED")]
     if runs.empty or "tags.cell_key" not in runs:
         scope = f"sweep {where.parent_run}" if where.parent_run else f"experiment {where.experiment!r}"
-        raise ConfigError(f"{key}={where.given}: no FINISHED cell runs in {scope} of {tracking_uri}"
+        raise ConfigError(f"{key}={where.given}: no FINISHED cell runs in {scope} of {redact(tracking_uri)}"
                           + (f" matching diff.filter={filter_string!r}" if filter_string else ""))
     runs = runs.sort_values("start_time", ascending=False).drop_duplicates("tags.cell_key")
     frame = pd.DataFrame({c[len("params."):]: runs[c] for c in runs if c.startswith("params.")})

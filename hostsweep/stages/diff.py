@@ -19,6 +19,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from hostsweep.config.redact import redact
 from hostsweep.config.resolve import resolve
 from hostsweep.config.schema import ConfigError, DiffConfig
 from hostsweep.record.readback import FilterRefused
@@ -105,7 +106,7 @@ def diff_sides(base: Side, head: Side, options: DiffOptions, uri: str, experimen
                                             "diff.head": head.located.given})
     folder = run_dir / "diff"
     try:
-        ctx = DiffContext(side_info(base), side_info(head), uri, run.run_id, experiment,
+        ctx = DiffContext(side_info(base), side_info(head), redact(uri), run.run_id, experiment,
                           datetime.now().strftime("%Y-%m-%d %H:%M:%S"), command_line())
         folder.mkdir(parents=True, exist_ok=True)
         write(result, ctx, folder)
@@ -119,7 +120,7 @@ def diff_sides(base: Side, head: Side, options: DiffOptions, uri: str, experimen
 
 def _closing(result: DiffResult, run: ReportRun, folder: Path, uri: str, port: int) -> str:
     lines = [f"diff: {folder / 'diff.html'} and {folder / 'diff.md'} (diff.json, figures/ratios.png)",
-             f"MLflow: run {run.run_name} ({run.run_id}) in experiment {run.experiment_id} of {uri}",
+             f"MLflow: run {run.run_name} ({run.run_id}) in experiment {run.experiment_id} of {redact(uri)}",
              f"open the UI: {ui_command(uri, port)}",
              f"  the diff: {runs_table_url(run.experiment_id, port, run.run_id)} (Artifacts)"]
     failing = result.failing()
