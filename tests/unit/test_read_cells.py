@@ -64,3 +64,21 @@ def test_a_cell_measured_again_by_a_later_sweep_counts_once_with_its_newest_run(
 
 def test_a_cell_run_name_reads_batch_context_mode_tp_then_sku_and_model():
     assert cell_run_name({**PARAMS, "batch": 4, "ctx": 512}) == "b4-ctx512-eager-tp1-cpu-tiny-llama"
+
+
+def test_the_stability_verdict_comes_back_with_each_cell_and_a_cell_without_one_is_stable(store):
+    from mlflow.tracking import MlflowClient
+
+    from hostsweep.model.unstable import exclude_unstable, unstable_mask
+
+    uri, _ = store
+    assert not unstable_mask(read_cells(uri, ["hostsweep-unit"])).any()
+    frame = read_cells(uri, ["hostsweep-unit"])
+    run_id = frame.loc[frame["cell_key"] == "tiny-llama/4", "run_id"].iloc[0]
+    MlflowClient(uri).set_tag(run_id, "stable", "false")
+    MlflowClient(uri).set_tag(run_id, "unstable_reasons", "foreign_cpu,ci_width")
+    frame = read_cells(uri, ["hostsweep-unit"])
+    flagged = frame.set_index("cell_key").loc["tiny-llama/4"]
+    assert (flagged["stable"], flagged["unstable_reasons"]) == ("false", "foreign_cpu,ci_width")
+    kept, exclusion = exclude_unstable(frame)
+    assert len(kept) == 3 and exclusion.reasons() == {"ci_width": 1, "foreign_cpu": 1}
