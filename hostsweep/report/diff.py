@@ -26,18 +26,15 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import pandas as pd
 
-# Cell params, in the order a label names them; matched on unless they are what differs.
-CELL_DIMS = ("sku", "model", "mode", "tp", "workload", "batch", "ctx", "dtype", "engine_args", "engine",
-             "tp_executor", "T", "reps", "warmups", "target_ci_pct", "min_reps", "max_reps")
-# Where a number came from: reported when it differs, never matched on.
-PROVENANCE_DIMS = ("vllm_version", "torch_version", "hostsweep_version", "ray_version", "git_sha",
-                   "device_name", "hostname")
+from hostsweep.report.diff_match import (  # noqa: F401 - re-exported: the rules live in one place for readers
+    CELL_DIMS, PROVENANCE_DIMS, Difference, cell_label, dimensions, match_cells, text,
+)
+
 VERDICTS = ("faster", "slower", "same", "inconclusive")
 FAIL_ON = ("slower", "inconclusive")
 GATED = "step_ms"  # the quantity fail_on judges: the one with raw pairs on both sides
 RAW, SUMMARY, HOST_FIXED, POINT = ("raw pairs", "summary CIs (approximate: no raw_timings.csv)",
                                    "step pairs, device_ms held fixed", "point only (no raw pairs)")
-LABEL_PREFIX = {"batch": "b", "ctx": "ctx", "tp": "tp", "T": "T"}
 
 
 @dataclass(frozen=True)
@@ -61,87 +58,6 @@ class DiffOptions:
             raise ValueError("quantities must name at least one metric, e.g. [step_ms]")
         if self.fail_on is not None and self.fail_on not in FAIL_ON:
             raise ValueError(f"fail_on={self.fail_on!r} is not allowed; allowed: null, {', '.join(FAIL_ON)}")
-
-
-@dataclass(frozen=True)
-class Difference:
-    name: str
-    base: tuple[str, ...]
-    head: tuple[str, ...]
-
-    def text(self) -> str:
-        return f"{name_values(self.base)} → {name_values(self.head)}"
-
-
-def name_values(values: Sequence[str]) -> str:
-    shown = [v if v != "" else "(unset)" for v in values]
-    return shown[0] if len(shown) == 1 else "{" + ", ".join(shown) + "}"
-
-
-def _values(frame: pd.DataFrame, dim: str) -> tuple[str, ...]:
-    if dim not in frame:
-        return ("",)
-    return tuple(sorted({text(v) for v in frame[dim]}))
-
-
-def text(value: Any) -> str:
-    """A param or tag as the string it was logged as; missing (None, NaN) is ''."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return ""
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value)
-
-
-def dimensions(base: pd.DataFrame, head: pd.DataFrame) -> tuple[list[str], list[Difference], dict[str, str]]:
-    """(cell dims matched on, what differs, provenance both sides share by name)."""
-    matched, differs, shared = [], [], {}
-    for dim in CELL_DIMS:
-        b, h = _values(base, dim), _values(head, dim)
-        if len(b) == 1 and len(h) == 1 and b != h:
-            differs.append(Difference(dim, b, h))
-        elif b != ("",) or h != ("",):
-            matched.append(dim)
-    for dim in PROVENANCE_DIMS:
-        b, h = _values(base, dim), _values(head, dim)
-        if b != h:
-            differs.append(Difference(dim, b, h))
-        elif b != ("",):
-            shared[dim] = name_values(b)
-    return matched, differs, shared
-
-
-def cell_label(row: Mapping[str, Any], dims: Sequence[str]) -> str:
-    """b4-ctx512-eager-tp2: the matching dims that vary across the compared cells."""
-    order = [d for d in ("batch", "ctx") if d in dims] + [d for d in dims if d not in ("batch", "ctx")]
-    parts = [f"{LABEL_PREFIX.get(d, '')}{text(row.get(d))}" if d in LABEL_PREFIX else text(row.get(d))
-             for d in order]
-    return "-".join(parts) or "cell"
-
-
-def _keyed(frame: pd.DataFrame, on: Sequence[str]) -> pd.DataFrame:
-    out = frame.copy()
-    out["_match"] = [tuple(text(r.get(d)) for d in on) for r in frame.to_dict("records")] if len(frame) else []
-    if "start_time" in out:  # a key measured twice on one side: its newest run
-        out = out.sort_values("start_time", ascending=False, kind="stable")
-    return out
-
-
-def match_cells(base: pd.DataFrame, head: pd.DataFrame, on: Sequence[str]
-                ) -> tuple[list[tuple[dict, dict]], pd.DataFrame, list[str]]:
-    """(matched (base row, head row) pairs, unmatched cells, warnings), on the given dims."""
-    b, h = _keyed(base, on), _keyed(head, on)
-    warnings = [f"{side}: {n} cell(s) share their matching dimensions with a newer one and are left out"
-                for side, frame in (("base", b), ("head", h)) if (n := int(frame["_match"].duplicated().sum()))]
-    b, h = b.drop_duplicates("_match"), h.drop_duplicates("_match")
-    heads = {row["_match"]: row for row in h.to_dict("records")}
-    bases = {row["_match"]: row for row in b.to_dict("records")}
-    pairs = [(row, heads[key]) for key, row in bases.items() if key in heads]
-    lonely = [{"side": side, **{d: row.get(d) for d in on}, "run_id": row.get("run_id"),
-               "reason": f"no {other} cell with the same {', '.join(on) or 'dimensions'}"}
-              for side, other, rows, others in (("base", "head", bases, heads), ("head", "base", heads, bases))
-              for key, row in rows.items() if key not in others]
-    return pairs, pd.DataFrame(lonely, columns=["side", *on, "run_id", "reason"]), warnings
 
 
 def median_draws(values: np.ndarray, resamples: int, rng: np.random.Generator) -> np.ndarray:

@@ -114,7 +114,7 @@ def ratio_figure(result: DiffResult, path: Path) -> Optional[Path]:
                        facecolors=np.where(part["unstable"], "white", palette[key]))
         ax.set_yticks(y, mine["cell"] + np.where(mine["unstable"], " *", ""), fontsize=7)
         ax.set_xlabel(f"{quantity}: head / base")
-        ax.set_title(f"{quantity} ({mine['ci_source'].iloc[0] if len(mine) else ''})", fontsize=9)
+        ax.set_title(f"{quantity}: {mine['ci_source'].iloc[0] if len(mine) else ''}", fontsize=9)
         ax.legend(fontsize=7, loc="lower right")
     fig.suptitle(f"head/base per cell, 95% CI; grey band ±{result.options.threshold_pct:g}%; hollow *: unstable",
                  fontsize=10)
