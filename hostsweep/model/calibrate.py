@@ -49,6 +49,10 @@ def measure_roofs(gpu: bool, gemm_size: int = 4096, copy_mib: int = 512, reps: i
             "device": torch.cuda.get_device_name(0) if gpu else "cpu"}
 
 
+def _line_text(s0_ms: float, s1_ms: float) -> str:
+    return f"{s0_ms:.3f} {'−' if s1_ms < 0 else '+'} {abs(s1_ms):.4f}·(N−1) ms"
+
+
 @dataclass(frozen=True)
 class HostLineCalibration:
     """H(N) fitted to TP-1 host_ms: the bounded line with its CI, the cells it was fitted
@@ -75,10 +79,10 @@ class HostLineCalibration:
         ci = (f"s0 95% CI [{line.s0_ci_ms[0]:.3f}, {line.s0_ci_ms[1]:.3f}], s1 [{line.s1_ci_ms[0]:.4f}, "
               f"{line.s1_ci_ms[1]:.4f}] (residual bootstrap over {line.cells} cells)" if line.resamples
               else f"no CI ({line.cells} cells leave no residual)")
-        text = (f"H(N) = {line.s0_ms:.3f} + {line.s1_ms:.4f}·(N−1) ms, {ci}; bounded H >= 0 for N = 1..{line.high:g}")
+        text = f"H(N) = {_line_text(line.s0_ms, line.s1_ms)}, {ci}; bounded H >= 0 for N = 1..{line.high:g}"
         if line.at_bound:
-            text += (f"; {', '.join(line.at_bound)} held at 0 (unbounded: {line.unbounded_s0_ms:.3f} "
-                     f"{line.unbounded_s1_ms:+.4f}·(N−1) ms)")
+            text += (f"; {', '.join(line.at_bound)} held at 0 (unbounded: "
+                     f"{_line_text(line.unbounded_s0_ms, line.unbounded_s1_ms)})")
         if self.exclusion.count:
             text += f"; {self.exclusion.count} unstable TP-1 cell(s) left out"
         return text

@@ -166,10 +166,11 @@ def _host(cells: pd.DataFrame, train_sku: str, calibration: CalibrationConfig, f
     fixed.note("host", train_sku, calibrated.describe(), f"fitted to host_ms of {len(calibrated.table)} TP-1 cells",
                run_id)
     if calibrated.line.at_bound:
-        fixed.warnings.append(f"H(N) fitted to the TP-1 cells would go negative over N = 1..{calibrated.line.high:g} "
-                              f"(unbounded {calibrated.line.unbounded_s0_ms:.3f} "
-                              f"{calibrated.line.unbounded_s1_ms:+.4f}·(N−1) ms): held >= 0 there "
-                              f"({', '.join(calibrated.line.at_bound)} at 0); the TP-1 host split is noisy or stale")
+        line = calibrated.line
+        fixed.warnings.append(f"H(N) fitted to the TP-1 cells would go negative over N = 1..{line.high:g} (unbounded "
+                              f"{line.unbounded_s0_ms:.3f} {'−' if line.unbounded_s1_ms < 0 else '+'} "
+                              f"{abs(line.unbounded_s1_ms):.4f}·(N−1) ms): held >= 0 there "
+                              f"({', '.join(line.at_bound)} at 0); the TP-1 host split is noisy or stale")
 
 
 def fixed_terms(cells: pd.DataFrame, train_sku: str, composed: Optional[CalibrationConfig], fit: FitConfig,

@@ -229,3 +229,70 @@ def test_the_report_says_when_cells_carry_no_stability_verdict(tmp_path):
     ctx = Context("old", "hostsweep-old", "1", "sqlite:///x.db", "c" * 32, "f" * 32, "models", "now", "cmd")
     text = to_markdown(build(ctx, cells, fit, tmp_path)[0], tmp_path)
     assert "carry no stability verdict (measured before it): every one is treated as stable" in text
+
+
+# --- the compare stage on a store whose TP-1 host split is noisy --------------------------
+
+def log_study(uri: str, experiment: str) -> None:
+    """generalize-cpu's 24 cells as FINISHED cell runs, drawn from the TP model with the TP-1
+    host times on the reported falling line (negative from N = 4 unbounded), two flagged
+    unstable: a TP-1 cell whose host time a neighbour inflated, and a TP-2 cell."""
+    from itertools import product
+
+    from mlflow.tracking import MlflowClient
+
+    from hostsweep.model.compare import cell_frame
+    from hostsweep.model.fit import AllReduceFit, allreduce_s, sharded_compute_s
+
+    rows = pd.DataFrame([{"sku": "cpu", "model": m, "tp": k, "batch": n, "ctx": c, "T": 17, "dtype": "float32"}
+                         for m, k, n, c in product(["tiny-llama", "small-llama"], [1, 2], [1, 2, 4], [128, 512])])
+    spec = {**asdict(load_sku("cpu")), "peak_bf16_tflops": 1.0, "mem_bandwidth_gbps": 20.0, "device_memory_gib": 64}
+    frame = cell_frame(rows, {m: load_model_shape(m) for m in rows["model"].unique()}, {"cpu": spec})
+    rng = np.random.default_rng(0)
+    host = 5.969 - 2.296 * (rows["batch"] - 1) + rng.normal(0, 0.3, len(rows))
+    step = 0.5 * sharded_compute_s(frame) * 1e3 + allreduce_s(frame, AllReduceFit(50e-6, 5e9)) * 1e3 + 1.0
+    step = step * (1 + rng.normal(0, 0.02, len(rows)))
+    client = MlflowClient(uri)
+    experiment_id = client.create_experiment(experiment)
+    for i, row in rows.iterrows():
+        flagged = {3: "foreign_cpu", 20: "drift,ci_width"}.get(i)
+        tags = {"cell_key": f"key{i}", "mlflow.parentRunId": "parent0", "stable": "false" if flagged else "true",
+                "unstable_reasons": flagged or ""}
+        run = client.create_run(experiment_id, tags=tags).info.run_id
+        for name in ("sku", "model", "tp", "batch", "ctx", "T", "dtype"):
+            client.log_param(run, name, row[name])
+        client.log_param(run, "mode", "eager")
+        metrics = {"step_ms": step[i], "step_ci_low_ms": step[i] * 0.97, "step_ci_high_ms": step[i] * 1.03}
+        if row["tp"] == 1:
+            cell_host = host[i] + (30.0 if flagged else 0.0)
+            metrics |= {"host_ms": cell_host, "device_ms": step[i] - cell_host, "host_frac": cell_host / step[i]}
+        for name, value in metrics.items():
+            client.log_metric(run, name, float(value))
+        client.set_terminated(run, "FINISHED")
+
+
+def test_the_compare_stage_leaves_unstable_cells_out_and_bounds_h_of_n(tmp_path, new_store, capsys):
+    import yaml
+
+    from hostsweep.stages.compare import compare_study
+    from tests.conftest import compose_typed
+
+    uri = new_store(tmp_path / "mlflow.db")
+    log_study(uri, "hostsweep-generalize-cpu")
+    calibration = tmp_path / "calibration.yaml"
+    calibration.write_text(yaml.safe_dump({"roofs": {"cpu": {"measured_tflops": 1.0, "measured_bandwidth_gbps": 20.0}},
+                                           "allreduce": {"cpu": {"latency_us": 50.0, "bandwidth_gbps": 5.0}}}))
+    study = compose_typed(["+experiment=generalize-cpu", "+sku=cpu", f"tracking.uri={uri}", "fit.resamples=200",
+                           f"fit.calibration_file={calibration}"])
+    assert compare_study(study, tmp_path / "run") == 0
+    out = capsys.readouterr().out
+    assert "cells: left out 2 of 24 cells as unstable (ci_width: 1, drift: 1, foreign_cpu: 1)" in out
+    fit = json.loads((tmp_path / "run" / "compare" / "fit.json").read_text())
+    assert fit["unstable"]["left_out"] == 2 and {c["run_id"] for c in fit["unstable"]["cells"]}.isdisjoint(
+        c["run_id"] for c in fit["cells"])
+    host = fit["calibration"]["host"]
+    assert host["s0_ms"] + 3 * host["s1_ms"] >= -1e-9  # H(4) >= 0: the unbounded line is negative there
+    assert host["s0_ci_low_ms"] <= host["s0_ms"] <= host["s0_ci_high_ms"] and host["bounded_to_batch"] == 4
+    assert any("would go negative over N = 1..4" in w for w in fit["warnings"] + [out])
+    report = (tmp_path / "run" / "compare" / "report.md").read_text()
+    assert "2 of 24 selected cells are flagged unstable" in report and "The fit: left out 2 of 24" in report
