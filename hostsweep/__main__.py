@@ -115,6 +115,9 @@ def discard_refused_runs() -> None:
 def _sweep(cfg: DictConfig) -> None:
     from hostsweep.stages import stage_module
 
+    from hostsweep.record.store import retry_chatter_to_log_file
+
+    retry_chatter_to_log_file()  # Hydra has just set up the console and file handlers
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     redact_hydra_files(run_dir)
     made = made_for_this_job(run_dir)

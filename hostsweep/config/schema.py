@@ -286,6 +286,9 @@ class TrackingConfig:
     # Measuring goes on while MLflow is down for up to outage_s; then the sweep stops and
     # the run directory's journal keeps what was measured for the next run to upload.
     outage_s: float = 120.0
+    # Measuring is over and MLflow is unreachable: wait at most this long for it to come
+    # back before exiting (the cells it did not take stay in the journal).
+    exit_wait_s: float = 15.0
     heartbeat_s: float = 30.0  # the sweep's parent run is touched this often
     # A RUNNING run whose sweep has not touched it for this long is stale: its cells may be
     # claimed by another sweep, and it is marked KILLED. More than outage_s + heartbeat_s.

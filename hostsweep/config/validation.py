@@ -183,6 +183,8 @@ def check_faults_and_tracking(cfg: SweepConfig) -> None:
     for name in ("outage_s", "heartbeat_s"):
         if getattr(t, name) <= 0:
             raise ConfigError(f"tracking.{name} must be positive, got {getattr(t, name)}")
+    if t.exit_wait_s < 0:
+        raise ConfigError(f"tracking.exit_wait_s must be >= 0, got {t.exit_wait_s}")
     if t.stale_after_s <= t.outage_s + t.heartbeat_s:
         raise ConfigError(f"tracking.stale_after_s={t.stale_after_s} must exceed tracking.outage_s + tracking.heartbeat_s "
                           f"({t.outage_s + t.heartbeat_s}): a sweep waiting out an outage would look dead")

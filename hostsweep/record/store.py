@@ -97,6 +97,28 @@ def quiet_mlflow() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+# HTTP libraries that log every retry of a call to an unreachable store at WARNING
+# ("Retrying (Retry(total=0, ...)) after connection broken by ..."): the uploader says once
+# that MLflow is unreachable and what happens to the cells; the retries go to the log file.
+RETRY_CHATTER = ("urllib3", "requests")
+
+
+class LogFileOnly(logging.Filter):
+    """Drops the HTTP libraries' records below ERROR from the handler it is added to."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name.split(".")[0] in RETRY_CHATTER and record.levelno < logging.ERROR)
+
+
+def retry_chatter_to_log_file() -> None:
+    """Keep the HTTP libraries' retry lines off the console: every handler of the root logger
+    but the log files (Hydra's hostsweep.log) gets the LogFileOnly filter."""
+    for handler in logging.getLogger().handlers:
+        if not isinstance(handler, logging.FileHandler) and not any(isinstance(f, LogFileOnly)
+                                                                     for f in handler.filters):
+            handler.addFilter(LogFileOnly())
+
+
 def local_artifact_root(tracking_uri: str) -> Optional[Path]:
     """Artifacts beside a local sqlite store (outputs/mlartifacts), None for servers."""
     prefix = "sqlite:///"

@@ -8,7 +8,8 @@ so other sweeps can tell this one is alive.
 
 At most `max_backlog` cells wait in memory: when MLflow is that far behind, `submit` waits
 for it (a sweep of instant cells then goes at MLflow's pace, with flat memory; real cells
-take far longer than their logging). Closing waits for as long as MLflow keeps taking cells.
+take far longer than their logging). Closing waits for as long as MLflow keeps taking cells,
+and for an unreachable MLflow only as long as the caller allows (tracking.exit_wait_s).
 """
 from __future__ import annotations
 
@@ -68,7 +69,11 @@ class BackgroundLogger(Generic[Item]):
                 now = self.clock()
                 if self.down_since is None:
                     self.down_since = now
-                    log.warning("MLflow did not take %s (%s); retrying for up to %.0f s while measuring goes on",
+                    # said once, at the first refusal: what the user needs to know, not the retries
+                    log.warning("MLflow is unreachable (%s did not go through: %s). Measuring goes on; each measured "
+                                "cell is kept in the journal (journal.jsonl) and cells.csv until MLflow takes it. "
+                                "Retrying for up to %.0f s (tracking.outage_s), then the sweep stops; a rerun "
+                                "uploads what MLflow did not take",
                                 what, redact(str(exc).splitlines()[0] if str(exc) else type(exc).__name__),
                                 self.outage_s)
                 if now - self.down_since >= self.outage_s:
@@ -76,7 +81,7 @@ class BackgroundLogger(Generic[Item]):
                                      f"(tracking.outage_s={self.outage_s:.0f}): "
                                      f"{redact(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)}")
                     return False
-                if self.closing and now - self.down_since >= min(self.outage_s, 10.0):
+                if self.closing and (self.given_up or now - self.down_since >= min(self.outage_s, 10.0)):
                     return False  # closing: the journal keeps it, no point waiting the full outage
                 self.wake.wait(min(delay, self.outage_s - (now - self.down_since)))
                 delay = min(2 * delay, MAX_BACKOFF_S)
@@ -103,17 +108,22 @@ class BackgroundLogger(Generic[Item]):
             if not self._failure and self._attempt(lambda: self.deliver(item), "a measured cell"):
                 self.delivered += 1
 
-    def close(self, timeout_s: float, patient: bool = True) -> int:
+    def close(self, timeout_s: float, patient: bool = True, down_wait_s: Optional[float] = None) -> int:
         """Deliver what is queued, stop the thread; returns how many items MLflow did not get
         (they are in the journal). Patient: wait while MLflow keeps taking cells, until it
         has taken none for timeout_s (a long backlog drains however long it is); else wait
-        timeout_s at most."""
+        timeout_s at most. down_wait_s: while MLflow is unreachable, wait at most this long
+        (from the later of closing and the outage's start) for it to come back."""
         started = progress_at = self.clock()
         last = self.delivered
         while self.pending() and not self._failure and self.thread.is_alive():
             now = self.clock()
             if self.delivered != last:
                 last, progress_at = self.delivered, now
+            down = self.down_since
+            if down_wait_s is not None and down is not None and now - max(started, down) >= down_wait_s:
+                self.given_up = True
+                break
             if now - (progress_at if patient else started) >= timeout_s:
                 self.given_up = True
                 break

@@ -82,9 +82,13 @@ class SweepRecorder:
     def should_stop(self) -> Optional[str]:
         return self.uploader.failure()
 
-    def close(self, timeout_s: float, patient: bool = True) -> int:
+    def close(self, timeout_s: float, patient: bool = True, down_wait_s: Optional[float] = None) -> int:
         """Let MLflow take what is queued (BackgroundLogger.close); the count it did not take."""
-        return self.uploader.close(timeout_s, patient)
+        return self.uploader.close(timeout_s, patient, down_wait_s)
+
+    def unreachable(self) -> bool:
+        """Whether MLflow is refusing calls right now (or gave up on)."""
+        return self.uploader.failure() is not None or self.uploader.down_since is not None
 
 
 def upload_orphans(tracker: SweepTracker, own: Journal) -> int:

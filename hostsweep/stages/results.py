@@ -124,14 +124,18 @@ def _close(figs: dict[str, Any]) -> None:
         plt.close(fig)
 
 
-def where_results_are(tracker: SweepTracker, table: CellTable, summary: Optional[Path]) -> str:
-    """The lines that say where the results are and how to browse them."""
+def where_results_are(tracker: SweepTracker, table: CellTable, summary: Optional[Path],
+                      unrecorded: Optional[str] = None) -> str:
+    """The lines that say where the results are and how to browse them; `unrecorded` in
+    place of the MLflow lines when MLflow did not get the cells."""
     run_dir = table.path.parent
     present = ["cells.csv", "summary.json" if summary else "", f"{FIGURES_FOLDER}/" if any((run_dir / FIGURES_FOLDER).glob("*.png")) else "",
                "workers/*.log" if any(run_dir.glob("workers/*.log")) else "", "hostsweep.log"]
-    lines = [f"results: {run_dir}  ({', '.join(p for p in present if p)})",
-             f"MLflow: experiment {tracker.experiment} ({tracker.experiment_id}), parent run {tracker.parent_run_id} "
-             f"in {redact(absolute_store_uri(tracker.tracking_uri))}"]
+    lines = [f"results: {run_dir}  ({', '.join(p for p in present if p)})"]
+    if unrecorded:
+        return "\n".join([*lines, unrecorded])
+    lines += [f"MLflow: experiment {tracker.experiment} ({tracker.experiment_id}), parent run {tracker.parent_run_id} "
+              f"in {redact(absolute_store_uri(tracker.tracking_uri))}"]
     if not tracker.tracking_uri.startswith(("http://", "https://")):
         lines.append(f"open the UI: {ui_command(tracker.tracking_uri)}")
     lines.append(f"  then browse {tracker.runs_table_url()}")
@@ -139,9 +143,9 @@ def where_results_are(tracker: SweepTracker, table: CellTable, summary: Optional
 
 
 def print_results(rows: pd.DataFrame, resumed: int, tracker: SweepTracker, table: CellTable,
-                  summary: Optional[Path]) -> None:
+                  summary: Optional[Path], unrecorded: Optional[str] = None) -> None:
     """The console's last lines: where things are, then the table itself."""
-    print(where_results_are(tracker, table, summary))
+    print(where_results_are(tracker, table, summary, unrecorded))
     print()
     if len(rows) > MAX_PRINTED_ROWS:
         print(format_overview(rows))

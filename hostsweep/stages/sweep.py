@@ -261,29 +261,40 @@ def _measure_and_record(study: Study, grid: list[Cell], run_dir: Path, dispatche
         dispatcher.run()
         measured()
         stop = dispatcher.stopped
-        if not stop:
+        if not stop and not recorder.unreachable():  # an unreachable store would only add retries
             record_study_summary(study, table.study_frame(grid), tracker)
         failed = table.failed()
         status = "FAILED" if failed or stop else "FINISHED"
     finally:
-        unlogged = close_records(tracker, recorder, journal, claims, status, stop, cfg.tracking.outage_s)
+        unlogged = close_records(tracker, recorder, journal, claims, status, stop, cfg.tracking.outage_s,
+                                 cfg.tracking.exit_wait_s)
     mlflow_up = not (recorder.uploader.failure() or unlogged)
     summary = write_results(study, tracker, table, run_dir, status, tags, started, mlflow_up,
                             [c.key for c in grid])
-    print_results(table.study_frame(grid), table.resumed_count, tracker, table, summary)
-    if unlogged or stop:
-        print(f"hostsweep: stopped early: {stop or 'MLflow did not take every cell'}; {unlogged} measured cell(s) are "
-              f"kept in {journal.path} for MLflow: rerun the same command to upload them and measure the rest",
-              file=sys.stderr)
+    # with MLflow down, the summary names where the cells are, not a parent run that lacks them
+    store = redact(tracker.tracking_uri)
+    unrecorded = None if mlflow_up else (
+        f"MLflow: not recorded to MLflow ({store} did not answer): {unlogged} measured cell(s) kept in the journal "
+        f"{journal.path}" if unlogged else f"MLflow: {store} stopped answering; every measured cell is in MLflow, "
+        "but the sweep's runs may be left RUNNING (the next sweep of the study marks them)")
+    print_results(table.study_frame(grid), table.resumed_count, tracker, table, summary, unrecorded)
+    if stop:
+        print(f"hostsweep: stopped early: {stop}; {unlogged} measured cell(s) are kept in {journal.path} for MLflow: "
+              "rerun the same command to upload them and measure the rest", file=sys.stderr)
+    elif unlogged:  # every cell was measured; only MLflow is missing some
+        print(f"hostsweep: {unlogged} measured cell(s) not recorded to MLflow, kept in the journal {journal.path}: "
+              "rerun the same command once MLflow answers to upload them", file=sys.stderr)
     return 0 if status == "FINISHED" and not unlogged else 1
 
 
 def close_records(tracker: SweepTracker, recorder: SweepRecorder, journal: Journal, claims: dict[str, str],
-                  status: str, stop: Optional[str], outage_s: float) -> int:
+                  status: str, stop: Optional[str], outage_s: float, exit_wait_s: Optional[float] = None) -> int:
     """Drain the MLflow queue, end the claims of unmeasured cells and the parent run; the
-    count of measured cells MLflow did not take (they stay in the journal)."""
+    count of measured cells MLflow did not take (they stay in the journal). An unreachable
+    MLflow is waited for exit_wait_s at most (tracking.exit_wait_s), not the whole outage_s."""
     interrupted = status == "KILLED"
-    unlogged = recorder.close(INTERRUPTED_DRAIN_S, patient=False) if interrupted else recorder.close(outage_s)
+    unlogged = (recorder.close(INTERRUPTED_DRAIN_S, patient=False) if interrupted
+                else recorder.close(outage_s, down_wait_s=exit_wait_s))
     tracker.end()
     down = recorder.uploader.failure() or (unlogged and "MLflow did not answer")
     if not down:

@@ -125,6 +125,28 @@ def test_an_outage_longer_than_outage_s_gives_up_and_counts_what_mlflow_did_not_
     assert logger.close(timeout_s=1) == 3 and store.taken == []
 
 
+def test_closing_on_an_unreachable_store_waits_down_wait_s_not_the_outage():
+    """Measuring is over and MLflow is down: the sweep exits after tracking.exit_wait_s, the
+    cells left in the journal, not after the whole tracking.outage_s."""
+    store = FlakyStore(failures=10**6)
+    logger = BackgroundLogger(store.deliver, store.heartbeat, outage_s=60, heartbeat_s=60)
+    for item in range(3):
+        logger.submit(item)
+    while logger.down_since is None:
+        time.sleep(0.01)
+    started = time.monotonic()
+    assert logger.close(timeout_s=60, down_wait_s=0.5) == 3
+    assert 0.5 <= time.monotonic() - started < 5 and not logger.thread.is_alive()
+
+
+def test_a_store_that_comes_back_within_down_wait_s_gets_every_cell():
+    store = FlakyStore(failures=2)
+    logger = BackgroundLogger(store.deliver, store.heartbeat, outage_s=60, heartbeat_s=60)
+    for item in range(3):
+        logger.submit(item)
+    assert logger.close(timeout_s=60, down_wait_s=10) == 0 and store.taken == [0, 1, 2]
+
+
 class SlowStore(FlakyStore):
     """Answers every call, each after `delay_s`; records the longest backlog it saw."""
 
@@ -248,3 +270,28 @@ def test_log_records_are_redacted_once_an_entry_point_installs_its_factory():
         assert record.getMessage() == "uri http://u:***@h"
     finally:
         logging.setLogRecordFactory(before)
+
+
+def test_http_retry_chatter_stays_off_the_console_but_not_out_of_the_log_file(tmp_path):
+    import logging
+
+    from hostsweep.record.store import retry_chatter_to_log_file
+
+    root = logging.getLogger()
+    console, log_file = logging.StreamHandler(), logging.FileHandler(tmp_path / "hostsweep.log")
+    root.addHandler(console)
+    root.addHandler(log_file)
+    try:
+        retry_chatter_to_log_file()
+        retry = logging.getLogger("urllib3.connectionpool").makeRecord(
+            "urllib3.connectionpool", logging.WARNING, __file__, 1, "Retrying (Retry(total=0))", (), None)
+        failed = logging.getLogger("urllib3.connectionpool").makeRecord(
+            "urllib3.connectionpool", logging.ERROR, __file__, 1, "gave up", (), None)
+        ours = logging.getLogger("hostsweep.record.uploader").makeRecord(
+            "hostsweep.record.uploader", logging.WARNING, __file__, 1, "MLflow is unreachable", (), None)
+        assert [console.filter(r) for r in (retry, failed, ours)] == [False, True, True]
+        assert log_file.filter(retry)
+    finally:
+        root.removeHandler(console)
+        root.removeHandler(log_file)
+        log_file.close()
