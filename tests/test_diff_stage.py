@@ -39,11 +39,13 @@ def swept(root, uri: str, study: str, reps: int) -> str:
 
 
 def pin_stability(uri: str, study: str, unstable: tuple[str, ...] = ()) -> None:
-    """The sweep judges stability from this machine's load; the test pins it."""
+    """The sweep judges stability from this machine's load, and tags the checkout's commit,
+    which may move between the two sweeps of a shared checkout: the test pins both."""
     client = MlflowClient(uri)
     runs = mlflow.search_runs(experiment_names=[f"hostsweep-{study}"], filter_string="tags.cell_key != ''")
     for run_id, name in zip(runs["run_id"], runs["tags.mlflow.runName"]):
         client.set_tag(run_id, "stable", "false" if name in unstable else "true")
+        client.set_tag(run_id, "git_sha", "0" * 40)
 
 
 @pytest.fixture(scope="module")
