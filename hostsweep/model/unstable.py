@@ -92,11 +92,3 @@ def exclude_unstable(cells: pd.DataFrame, enabled: bool = True) -> tuple[pd.Data
     if not enabled:
         return cells, Exclusion(len(cells), flagged.iloc[0:0], False, int(unstable.sum()))
     return cells[~unstable], Exclusion(len(cells), flagged, True, int(unstable.sum()))
-
-
-def exclusion_from_dict(data: dict[str, Any] | None) -> Exclusion | None:
-    """The Exclusion a fit.json recorded (None for a fit.json from before the verdict)."""
-    if not data:
-        return None
-    return Exclusion(int(data["total"]), pd.DataFrame(data.get("cells", [])), bool(data["enabled"]),
-                     int(data.get("flagged", data["left_out"])))
