@@ -94,7 +94,7 @@ def test_what_differs_is_stated_first_and_the_gate_fails(gated):
     assert [d["name"] for d in data["differs"]] == ["reps"] and "batch" in data["matched_on"]
     assert lines[0] == "what differs: reps: 8 → 10"
     assert gated["code"] == diff_stage.GATE_FAILED and data["failing"] == [PLANTED]
-    assert f"diff.fail_on=slower: FAIL: 1 stable cell(s) slower beyond ±15%: {PLANTED}" in gated["out"]
+    assert f"diff.fail_on=slower: FAIL: 1 cell(s) slower (±15%): {PLANTED}\n" in gated["out"]
     assert data["unmatched"] == [] and data["base"]["raw_missing"] == 0
 
 
@@ -121,7 +121,8 @@ def test_sweeps_named_by_parent_run_id_and_unstable_cells_counted_apart(store):
     data = json.loads((run_dir / "diff" / "diff.json").read_text())
     assert code == 0 and data["failing"] == []  # the slower cell is unstable: it never gates
     assert data["base"]["kind"] == "sweep" and data["base"]["label"] == store["base"][:8]
-    assert data["summary"]["step_ms"]["unstable_counts"]["slower"] == 1 and "1 unstable (counted apart)" in out
+    assert data["summary"]["step_ms"]["unstable_counts"]["slower"] == 1 and "1 unstable (counted apart: 1 slower" in out
+    assert "diff.fail_on=slower: pass: 3 stable cell(s) judged, none slower (±15%); 1 unstable cell(s) not judged" in out
 
 
 MISTAKES = [

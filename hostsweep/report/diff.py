@@ -190,12 +190,32 @@ class DiffResult:
     warnings: list[str] = field(default_factory=list)
 
     def failing(self) -> pd.DataFrame:
-        """The rows fail_on fails on: stable cells of GATED whose verdict it names."""
-        if self.options.fail_on is None or self.cells.empty:
-            return self.cells.iloc[0:0]
-        bad = ("slower",) if self.options.fail_on == "slower" else ("slower", "inconclusive")
-        rows = self.cells
-        return rows[(rows["quantity"] == GATED) & ~rows["unstable"] & rows["verdict"].isin(bad)]
+        """The GATED rows fail_on fails on. slower: stable cells judged slower. inconclusive:
+        every cell not shown stable and same or faster (unstable cells are inconclusive)."""
+        rows = self.cells[self.cells["quantity"] == GATED] if len(self.cells) else self.cells
+        if self.options.fail_on is None or rows.empty:
+            return rows.iloc[0:0]
+        if self.options.fail_on == "slower":
+            return rows[~rows["unstable"] & (rows["verdict"] == "slower")]
+        return rows[rows["unstable"] | ~rows["verdict"].isin(("same", "faster"))]
+
+    def gate(self) -> tuple[bool, str]:
+        """(failed, why) under fail_on. A gate with no stable cell to judge fails: a release
+        must not pass on no evidence."""
+        if self.options.fail_on is None:
+            return False, ""
+        rows = self.cells[self.cells["quantity"] == GATED] if len(self.cells) else self.cells
+        unstable = rows[rows["unstable"]] if len(rows) else rows
+        note = (f"; {len(unstable)} unstable cell(s) not judged ({int((unstable['verdict'] == 'slower').sum())} "
+                "measured slower: measure them again on a quiet machine)" if len(unstable) else "")
+        failing, t = self.failing(), self.options.threshold_pct
+        if len(failing):
+            return True, (f"{len(failing)} cell(s) {self.options.fail_on} (±{t:g}%): "
+                          f"{', '.join(failing['cell'])}{note}")
+        judged = len(rows) - len(unstable)
+        if not judged:
+            return True, f"no stable matched cell to judge{note}"
+        return False, f"{judged} stable cell(s) judged, none {self.options.fail_on} (±{t:g}%){note}"
 
 
 def _cell_rows(pairs: list[tuple[dict, dict]], raw: Mapping[str, np.ndarray], label_dims: Sequence[str],
@@ -243,7 +263,9 @@ def _summary(rows: pd.DataFrame, draws: dict[str, list[np.ndarray]], options: Di
         with_ci = stable[stable["ci_low"].notna()] if draws[quantity] else stable
         gm, low, high = geometric_mean(with_ci["ratio"].tolist(), draws[quantity], options.level)
         counts = {v: int((stable["verdict"] == v).sum()) for v in VERDICTS}
+        everything = mine["ratio"][mine["ratio"] > 0].dropna()
         out[quantity] = {"geomean_ratio": gm, "ci_low": low, "ci_high": high, "cells": int(len(mine)),
+                         "geomean_ratio_all": float(np.exp(np.log(everything).mean())) if len(everything) else math.nan,
                          "cells_in_geomean": int(with_ci["ratio"].gt(0).sum()),
                          "ci_source": ", ".join(sorted(set(mine["ci_source"]))), "counts": counts,
                          "no_verdict": int(stable["verdict"].isna().sum()),

@@ -63,8 +63,12 @@ def headline(result: DiffResult) -> str:
         return f"no matched cell has {GATED}"
     c = s["counts"]
     text = (f"{GATED} head/base geometric mean {fmt_ratio(s['geomean_ratio'], s['ci_low'], s['ci_high'])} over "
-            f"{s['cells_in_geomean']} cells; " + ", ".join(f"{c[v]} {v}" for v in VERDICTS))
-    return text + (f"; {s['unstable']} unstable (counted apart)" if s["unstable"] else "")
+            f"{s['cells_in_geomean']} stable cells; " + ", ".join(f"{c[v]} {v}" for v in VERDICTS))
+    if not s["unstable"]:
+        return text
+    slower = s["unstable_counts"]["slower"]
+    return text + (f"; {s['unstable']} unstable (counted apart: {slower} slower; geometric mean with them "
+                   f"{s['geomean_ratio_all']:.3f}×)")
 
 
 def counts_table(result: DiffResult) -> pd.DataFrame:
@@ -134,8 +138,9 @@ def _method(result: DiffResult) -> Bullets:
         "log-normal.",
         f"Verdicts (t = {o.threshold_pct:g}%): slower = CI above 1 and ratio above 1+t; faster = CI below 1 and "
         "ratio below 1−t; same = the whole CI inside [1−t, 1+t]; else inconclusive.",
-        "Unstable cells (stable=false on either side) keep their verdict but are counted apart and never gate.",
-        f"fail_on={o.fail_on or 'null'} judges {GATED} of stable cells."))
+        "Unstable cells (stable=false on either side) keep their verdict but are counted apart: fail_on=slower "
+        "judges stable cells only, fail_on=inconclusive counts unstable cells as inconclusive.",
+        f"fail_on={o.fail_on or 'null'} judges {GATED}; with no stable cell to judge it fails."))
 
 
 def _sources(ctx: DiffContext) -> Table:
@@ -156,10 +161,9 @@ def build(result: DiffResult, ctx: DiffContext, folder: Path) -> Document:
                  + (f" Same on both sides: {', '.join(f'{k} {v}' for k, v in result.shared.items())}."
                     if result.shared else "")),
             Heading("Verdict"), Text(f"**{headline(result)}**"), Table(counts_table(result)))
-    failing = result.failing()
+    failed, why = result.gate()
     if result.options.fail_on:
-        doc.add(Text(f"fail_on={result.options.fail_on}: **{'FAIL' if len(failing) else 'pass'}** "
-                     f"({len(failing)} stable cell(s) {result.options.fail_on})."))
+        doc.add(Text(f"fail_on={result.options.fail_on}: **{'FAIL' if failed else 'pass'}**: {why}."))
     if figure is not None:
         doc.add(Figure(figure, "head/base per cell with its 95% CI, sorted by ratio; grey: the ±threshold band."))
     for quantity in result.summary:
@@ -193,7 +197,7 @@ def to_json(result: DiffResult, ctx: DiffContext) -> dict[str, Any]:
         "matched_on": result.matched_on, "shared": result.shared,
         "options": {**result.options.__dict__, "quantities": list(result.options.quantities)},
         "summary": {q: {k: _clean(v) for k, v in s.items()} for q, s in result.summary.items()},
-        "failing": result.failing()["cell"].tolist(),
+        "failing": result.failing()["cell"].tolist(), "gate": dict(zip(("failed", "why"), result.gate())),
         "cells": [{k: _clean(v) for k, v in row.items()} for row in result.cells.to_dict("records")],
         "unmatched": [{k: _clean(v) for k, v in row.items()} for row in result.unmatched.to_dict("records")],
         "warnings": result.warnings,

@@ -8,7 +8,8 @@ Both sides are named and read back from MLflow first (record/sides.py; an unknow
 run is a one-line error, exit 2), compared by report/diff.py, written under
 <run dir>/diff/ (diff.md, diff.html, diff.json, figures/ratios.png) and logged as a run
 `diff-<base>-<head>` in the head's experiment. With diff.fail_on=slower the exit code is 1
-when any stable cell's step_ms is slower beyond diff.threshold_pct (a release gate).
+when any stable cell's step_ms is slower beyond diff.threshold_pct, or no cell is stable
+enough to judge (a release gate).
 """
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ def _metrics(result: DiffResult) -> dict[str, float]:
         metrics |= {f"{prefix}geomean_ratio": s["geomean_ratio"], f"{prefix}geomean_ci_low": s["ci_low"],
                     f"{prefix}geomean_ci_high": s["ci_high"], f"{prefix}unstable": s["unstable"],
                     **{f"{prefix}{verdict}": n for verdict, n in s["counts"].items()}}
-    return metrics | {"failing": float(len(result.failing())), "unmatched": float(len(result.unmatched))}
+    return metrics | {"failing": float(len(result.failing())), "gate_failed": float(result.gate()[0]),
+                      "unmatched": float(len(result.unmatched))}
 
 
 def write(result: DiffResult, ctx: DiffContext, folder: Path) -> None:
@@ -123,11 +125,9 @@ def _closing(result: DiffResult, run: ReportRun, folder: Path, uri: str, port: i
              f"MLflow: run {run.run_name} ({run.run_id}) in experiment {run.experiment_id} of {redact(uri)}",
              f"open the UI: {ui_command(uri, port)}",
              f"  the diff: {runs_table_url(run.experiment_id, port, run.run_id)} (Artifacts)"]
-    failing = result.failing()
+    failed, why = result.gate()
     if result.options.fail_on:
-        verdict = (f"FAIL: {len(failing)} stable cell(s) {result.options.fail_on} beyond "
-                   f"±{result.options.threshold_pct:g}%: {', '.join(failing['cell'])}" if len(failing) else "pass")
-        lines.append(f"diff.fail_on={result.options.fail_on}: {verdict}")
+        lines.append(f"diff.fail_on={result.options.fail_on}: {'FAIL' if failed else 'pass'}: {why}")
     return "\n".join(lines)
 
 
@@ -141,4 +141,4 @@ def run(raw_cfg: DictConfig, run_dir: Path) -> int:
     result, _, report_run, folder = diff_sides(base, head, options, uri, experiment, run_dir)
     print(console(result))
     print(_closing(result, report_run, folder, uri, cfg.ui_port))
-    return GATE_FAILED if len(result.failing()) else 0
+    return GATE_FAILED if result.gate()[0] else 0

@@ -153,6 +153,21 @@ def test_unstable_cells_are_counted_apart_and_never_gate():
     s = result.summary[GATED]
     assert s["unstable"] == 1 and s["unstable_counts"]["slower"] == 1 and s["counts"]["slower"] == 1
     assert result.failing()["cell"].tolist() == ["b2-ctx512"]
+    assert result.gate() == (True, "1 cell(s) slower (±5%): b2-ctx512; 1 unstable cell(s) not judged (1 measured "
+                                   "slower: measure them again on a quiet machine)")
+    strict = diff(base, head, {**raw_b, **raw_h}, DiffOptions(fail_on="inconclusive"))
+    assert strict.failing()["cell"].tolist() == ["b2-ctx512", "b4-ctx128"]  # unstable is inconclusive there
+
+
+def test_a_gate_with_no_stable_cell_to_judge_fails():
+    base, raw_b = side("a", {}, 1)
+    head, raw_h = side("b", {}, 1)
+    head["stable"] = "false"
+    result = diff(base, head, {**raw_b, **raw_h}, DiffOptions(fail_on="slower"))
+    assert result.failing().empty and result.gate()[0]
+    assert result.gate()[1].startswith("no stable matched cell to judge; 6 unstable cell(s) not judged (0 measured")
+    assert math.isnan(result.summary[GATED]["geomean_ratio"])
+    assert result.summary[GATED]["geomean_ratio_all"] == pytest.approx(1.0, abs=0.02)
 
 
 def test_without_a_stable_flag_nothing_is_unstable():
@@ -164,8 +179,9 @@ def test_the_gate():
     same, _, _ = run({}, {}, 4, fail_on="slower")
     slower, _, _ = run({}, PLANTED, 4, fail_on="slower")
     off, _, _ = run({}, PLANTED, 4)
-    assert same.failing().empty and off.failing().empty
-    assert sorted(slower.failing()["cell"]) == ["b2-ctx512", "b4-ctx128"]
+    assert same.failing().empty and off.failing().empty and not off.gate()[0]
+    assert same.gate() == (False, "6 stable cell(s) judged, none slower (±5%)")
+    assert sorted(slower.failing()["cell"]) == ["b2-ctx512", "b4-ctx128"] and slower.gate()[0]
 
 
 def test_host_ms_holds_device_fixed_device_ms_has_no_ci_and_no_verdict():
@@ -206,7 +222,8 @@ def test_the_document_json_and_console_say_what_differs_first(tmp_path: Path):
     doc = build(result, ctx, tmp_path)
     md, page = to_markdown(doc, tmp_path), to_html(doc)
     assert md.index("## What differs") < md.index("## Verdict") and "**vllm_version**: 0.31.0 → 0.32.0" in md
-    assert "fail_on=slower: **FAIL** (2 stable cell(s) slower)" in md and "data:image/png;base64," in page
+    assert "fail_on=slower: **FAIL**: 2 cell(s) slower (±5%): b2-ctx512, b4-ctx128." in md
+    assert "data:image/png;base64," in page
     assert (tmp_path / "figures" / "ratios.png").stat().st_size > 1000
     data = json.loads(json.dumps(to_json(result, ctx)))
     assert data["differs"] == [{"name": "vllm_version", "base": ["0.31.0"], "head": ["0.32.0"]}]
