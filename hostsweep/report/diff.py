@@ -279,7 +279,8 @@ def diff(base: pd.DataFrame, head: pd.DataFrame, raw: Mapping[str, np.ndarray], 
     run_id and an optional `stable`); `raw` holds each run's timed step_ms pairs."""
     matched_on, differs, shared = dimensions(base, head)
     pairs, unmatched, warnings = match_cells(base, head, matched_on)
-    label_dims = [d for d in matched_on if len({text(b.get(d)) for b, _ in pairs}) > 1]
+    label_dims = [d for d in matched_on if len({text(b.get(d)) for b, _ in pairs}) > 1] or \
+        [d for d in ("batch", "ctx") if d in matched_on]  # one cell: still named b1-ctx128
     rows, draws = _cell_rows(pairs, raw, label_dims, options)
     columns = ["cell", "quantity", "base", "head", "ratio", "ci_low", "ci_high", "verdict", "ci_source", "unstable",
                "stable_flag", "base_run", "head_run", *label_dims]

@@ -16,6 +16,7 @@ from hostsweep.report.diff import GATED, HOST_FIXED, POINT, RAW, SUMMARY, VERDIC
 from hostsweep.report.document import Bullets, Document, Figure, Heading, Table, Text
 
 VERDICT_COLORS = {"slower": "#d62728", "faster": "#2ca02c", "same": "#7f7f7f", "inconclusive": "#ff7f0e"}
+LABELLED_CELLS = 80  # more cells than this in the figure: unnamed (the tables name them)
 CONSOLE_ROWS = 12  # cells the console shows: the slowest and the fastest when there are more
 
 
@@ -99,7 +100,7 @@ def ratio_figure(result: DiffResult, path: Path) -> Optional[Path]:
     if not quantities:
         return None
     rows = max((result.cells["quantity"] == q).sum() for q in quantities)
-    fig, axes = F.panels(len(quantities), width=5.5, height=max(2.5, 0.28 * rows + 1.2), columns=3)
+    fig, axes = F.panels(len(quantities), width=5.5, height=min(max(2.5, 0.28 * rows + 1.2), 24), columns=3)
     group = result.label_dims[0] if result.label_dims and result.label_dims[0] not in ("batch", "ctx") else None
     t = result.options.threshold_pct / 100
     for ax, quantity in zip(axes, quantities):
@@ -116,7 +117,11 @@ def ratio_figure(result: DiffResult, path: Path) -> Optional[Path]:
             ax.errorbar(part["ratio"], y[sel], xerr=np.nan_to_num(err), fmt="none", ecolor=palette[key], lw=1.2)
             ax.scatter(part["ratio"], y[sel], color=palette[key], label=f"{group}={key}" if group else key, zorder=3,
                        facecolors=np.where(part["unstable"], "white", palette[key]))
-        ax.set_yticks(y, mine["cell"] + np.where(mine["unstable"], " *", ""), fontsize=7)
+        if len(mine) <= LABELLED_CELLS:
+            ax.set_yticks(y, mine["cell"] + np.where(mine["unstable"], " *", ""), fontsize=7)
+        else:  # too many to name: diff.md lists them in the same order
+            ax.set_yticks([])
+            ax.set_ylabel(f"{len(mine)} cells, sorted by ratio")
         ax.set_xlabel(f"{quantity}: head / base")
         ax.set_title(f"{quantity}: {mine['ci_source'].iloc[0] if len(mine) else ''}", fontsize=9)
         ax.legend(fontsize=7, loc="lower right")

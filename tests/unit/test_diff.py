@@ -131,6 +131,13 @@ def test_cells_one_side_lacks_are_listed_unmatched_not_dropped():
     assert len(verdicts(result)) == 4
 
 
+def test_a_single_matched_cell_is_still_named_by_batch_and_ctx():
+    base, raw_b = side("a", {}, 0)
+    head, raw_h = side("b", {}, 0)
+    result = diff(base.iloc[[3]], head.iloc[[3]], {**raw_b, **raw_h}, DiffOptions())
+    assert set(result.cells["cell"]) == {"b2-ctx512"}
+
+
 def test_a_side_measured_twice_keeps_its_newest_cell():
     base, _ = side("a", {}, 0)
     twice = pd.concat([base.assign(start_time=1), base.assign(start_time=2, run_id=base["run_id"] + "-new")])
