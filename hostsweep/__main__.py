@@ -37,7 +37,11 @@ _exit_codes: list[int] = [0]
 # A refused job leaves nothing behind: the folders Hydra made for it before it ran
 # (its run directory, and the parents that were made for it) are removed at exit.
 _STARTED = time.time()
+# Where the command was started (hydra.job.chdir may move the job): only folders below it
+# are ever removed besides a refused job's own run directory.
+_LAUNCH_DIR = Path.cwd().resolve()
 _refused: list[tuple[Path, set[Path]]] = []  # (run dir, the folders made for it)
+_existing_run_dirs: set[Path] = set()  # hydra.run.dir values that existed before Hydra ran: kept
 
 
 def redact_hydra_files(run_dir: Path) -> None:
@@ -58,6 +62,8 @@ def check_output_dir(argv: list[str]) -> None:
         key, _, value = arg.partition("=")
         if key.lstrip("+") in ("hydra.run.dir", "hydra.sweep.dir") and value:
             check_writable_folder(Path(value), key.lstrip("+"))
+            if Path(value).is_dir():
+                _existing_run_dirs.add(Path(value).resolve())
     check_writable_folder(Path.cwd(), "the current folder (outputs/ goes there)")
 
 
@@ -78,10 +84,10 @@ def made_for_this_job(run_dir: Path) -> Optional[set[Path]]:
     log = run_dir / "hostsweep.log"
     if not hydra_only(run_dir) or (log.exists() and log.stat().st_size):
         return None
-    made, cwd = {run_dir}, Path.cwd().resolve()
+    made = {run_dir}
     for parent in run_dir.parents:
         # 1 s of slack: some file systems keep whole-second times
-        if parent == cwd or parent.stat().st_mtime < _STARTED - 1:
+        if not parent.is_relative_to(_LAUNCH_DIR) or parent == _LAUNCH_DIR or parent.stat().st_mtime < _STARTED - 1:
             break
         made.add(parent)
     return made
@@ -99,6 +105,10 @@ def discard_refused_runs() -> None:
                 logger.removeHandler(handler)
                 handler.close()
     for run_dir, made in _refused:  # resolved paths
+        if run_dir in _existing_run_dirs:  # the user's folder (empty before): only what Hydra put there goes
+            shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
+            (run_dir / "hostsweep.log").unlink(missing_ok=True)
+            continue
         shutil.rmtree(run_dir, ignore_errors=True)
         folder = run_dir.parent
         while folder in made and folder.is_dir():

@@ -189,6 +189,14 @@ def test_a_refused_rerun_into_a_run_directory_keeps_what_was_there(tmp_path, poi
     assert (run_dir / "hostsweep.log").read_text().startswith("the first run's log\n")
 
 
+def test_a_refused_run_into_an_empty_folder_of_the_users_leaves_it_empty(tmp_path, poisoned_path):
+    run_dir = tmp_path / "mine"
+    run_dir.mkdir()
+    proc = run_hostsweep(["+sku=cpu", "tp=3", f"hydra.run.dir={run_dir}"], tmp_path, pythonpath=poisoned_path)
+    assert_refused(proc, "tp=3 does not divide", 0)
+    assert run_dir.is_dir() and not any(run_dir.iterdir())
+
+
 def test_a_multirun_whose_every_job_is_refused_leaves_no_folder(tmp_path, poisoned_path):
     proc = run_hostsweep(["-m", "+sku=cpu", "tp=3,5"], tmp_path, pythonpath=poisoned_path)
     assert proc.returncode == 2, proc.stderr
