@@ -84,13 +84,15 @@ class FakeBackend:
         fates = self.fates.get(cell.key, [])
         return fates.pop(0) if fates else "ok"
 
-    def submit(self, worker: FakeWorker, cell: Cell, options: MeasureOptions) -> FakePending:
-        pending = self._submit(worker, cell, options)
+    def submit(self, worker: FakeWorker, cell: Cell, options: MeasureOptions,
+               companions: tuple[Cell, ...] = ()) -> FakePending:
+        pending = self._submit(worker, cell, options, companions)
         pending.begins = max(self.clock, worker.ready_at)
         self.pending.append(pending)
         return pending
 
-    def _submit(self, worker: FakeWorker, cell: Cell, options: MeasureOptions) -> FakePending:
+    def _submit(self, worker: FakeWorker, cell: Cell, options: MeasureOptions,
+                companions: tuple[Cell, ...]) -> FakePending:
         begins = max(self.clock, worker.ready_at)
         if worker.real is None:
             return FakePending(worker, cell, worker.ready_at, WorkerLost("engine failed to start", at_start=True))
@@ -99,7 +101,7 @@ class FakeBackend:
             if callable(self.on_measure):
                 self.on_measure(cell)
             self.measured.append(cell.key)
-            return FakePending(worker, cell, begins + self.cell_s, worker.real.measure(cell, options))
+            return FakePending(worker, cell, begins + self.cell_s, worker.real.measure(cell, options, companions))
         if fate == "raises":
             return FakePending(worker, cell, begins + self.cell_s,
                                CellResult(cell.key, cell.params(), "FAILED", None, "RuntimeError: boom"))

@@ -78,6 +78,9 @@ class Cell:
     # min_reps pairs; `reps` is then the most it may take (measure.max_reps).
     target_ci_pct: Optional[float] = None
     min_reps: int = 0
+    # Independent engine starts the cell is measured in (measure.replicates); its CI then
+    # comes from a two-level bootstrap over them (measure/replicates.py).
+    replicates: int = 1
 
     @property
     def key(self) -> str:
@@ -101,6 +104,8 @@ class Cell:
             fields.append({"weights": "random"})
         if self.target_ci_pct is not None:
             fields.append({"target_ci_pct": self.target_ci_pct, "min_reps": self.min_reps})
+        if self.replicates != 1:
+            fields.append({"replicates": self.replicates})
         identity = json.dumps(fields, sort_keys=True)
         digest = hashlib.sha1(identity.encode()).hexdigest()[:10]
         return f"{e.label}/b{self.batch}/ctx{self.ctx}/T{self.T}/{digest}"
@@ -116,6 +121,7 @@ class Cell:
             "reps": self.reps, "warmups": self.warmups, "dtype": e.dtype, "engine": e.engine,
             "tp_executor": e.tp_executor, "workload": self.workload,
             "engine_args": canonical_json(e.keyed_args), **adaptive,
+            **({"replicates": self.replicates} if self.replicates != 1 else {}),
         }
 
 
@@ -158,7 +164,8 @@ def build_cells(study: Study) -> list[Cell]:
         spec = engine_spec(study, sku, tp, mode, model)
         skip = unsupported_reason(mode, sku, spec.keyed_args)
         for batch, ctx, workload in product(cfg.batch, cfg.ctx, cfg.workload):
-            cells.append(Cell(spec, batch, ctx, m.T, m.warmups, reps, m.seed, workload, skip, *rule))
+            cells.append(Cell(spec, batch, ctx, m.T, m.warmups, reps, m.seed, workload, skip, *rule,
+                              replicates=m.replicates))
     return cells
 
 

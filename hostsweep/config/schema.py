@@ -106,6 +106,23 @@ class MeasureConfig:
     target_ci_pct: Optional[float] = None
     min_reps: int = 5
     max_reps: int = 48
+    # Noisy hosts (measure/stability.py). The cells of one engine are timed in interleaved
+    # rounds, one pair of each per round in a seeded shuffled order, at most
+    # interleave_max_cells together; false: cell after cell. Neither joins a cell's key.
+    interleave: bool = True
+    interleave_max_cells: int = 64
+    # A cell is unstable when others used more than this share of the machine's CPU during
+    # its pairs, or its CI's half-width is above max_ci_pct % of its median, or its pairs
+    # drifted, or (the group's first cell) its replicate at the group's end disagrees.
+    max_foreign_cpu_frac: float = 0.10
+    max_ci_pct: float = 10.0
+    replicate_first: bool = True
+    # Unstable cells are timed again at the end of their group, at most this many times;
+    # every attempt is kept, the last one reported.
+    remeasure_unstable: int = 1
+    # Each engine group measured again in this many fresh engine starts in all; a cell's CI
+    # then covers what changes from one start to the next (two-level bootstrap). 1: one start.
+    replicates: int = 1
 
 
 @dataclass

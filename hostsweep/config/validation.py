@@ -68,6 +68,21 @@ def check_measure(cfg: SweepConfig) -> None:
             f"measure.bootstrap_resamples must be >= 100, got {m.bootstrap_resamples}"
         )
     check_adaptive(m)
+    check_stability(m)
+
+
+def check_stability(m: Any) -> None:
+    """The noisy-host keys (measure/stability.py)."""
+    if m.interleave_max_cells < 1:
+        raise ConfigError(f"measure.interleave_max_cells must be >= 1, got {m.interleave_max_cells}")
+    if not 0.0 < m.max_foreign_cpu_frac <= 1.0:
+        raise ConfigError(f"measure.max_foreign_cpu_frac must be a fraction in (0, 1], got {m.max_foreign_cpu_frac:g}")
+    if not m.max_ci_pct > 0.0:
+        raise ConfigError(f"measure.max_ci_pct must be a percentage > 0, got {m.max_ci_pct:g}")
+    if m.remeasure_unstable < 0:
+        raise ConfigError(f"measure.remeasure_unstable must be >= 0, got {m.remeasure_unstable}")
+    if m.replicates < 1:
+        raise ConfigError(f"measure.replicates must be >= 1 (engine starts per cell), got {m.replicates}")
 
 
 def check_adaptive(m: Any) -> None:

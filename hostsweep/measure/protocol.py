@@ -24,12 +24,26 @@ StopRule = Callable[[Sequence["RepTiming"]], bool]
 
 
 @dataclass(frozen=True)
+class Contention:
+    """What else the machine did while one timed pair ran (run/contention.py measures it).
+    Fractions are of the whole machine's CPU time over the pair's interval."""
+
+    foreign_cpu_frac: float  # CPU used by processes outside the engine tree and the sweep's daemons
+    engine_cpu_frac: float  # CPU used by the engine's own process tree (the worker included)
+    steal_frac: float  # time the hypervisor ran other guests on this machine's CPUs
+    load1: float  # the 1-minute load average at the pair's end
+
+
+@dataclass(frozen=True)
 class RepTiming:
     rep: int
     t1_first: bool  # whether the T=1 generate ran before the T generate in this pair
     wall_1_s: float
     wall_T_s: float
     step_s: float
+    round: int = -1  # the interleaved round the pair belongs to (-1: measured cell by cell)
+    contention: Optional[Contention] = None  # None where the machine could not be observed
+    replicate: int = 0  # the engine start it was measured in (measure.replicates), 0-based
 
 
 @dataclass(frozen=True)
@@ -82,6 +96,57 @@ def run_protocol(timed_generate: TimedGenerate, T: int, warmups: int, reps: int,
         if stop is not None and stop(timings):
             break
     return timings
+
+
+# One timed pair of cell `index` (its k-th, 0-based), T=1 first or not: the worker builds it.
+PairRunner = Callable[[int, int, bool], RepTiming]
+# Told at the start of each round: (round 1-based, cells still measuring).
+RoundHook = Callable[[int, int], None]
+
+
+def round_order(cells: Sequence[int], round_index: int, seed: int) -> list[int]:
+    """The order the cells of one round are measured in: a shuffle seeded by (seed, round),
+    so a run can be replayed and no cell always runs first (right after another cell's
+    generate, or right after a pause)."""
+    order = list(cells)
+    np.random.default_rng([seed, round_index]).shuffle(order)
+    return order
+
+
+@dataclass(frozen=True)
+class Rounds:
+    """The timed pairs of a group of cells measured in interleaved rounds."""
+
+    timings: tuple[tuple[RepTiming, ...], ...]  # per cell, in the order measured
+    orders: tuple[tuple[int, ...], ...]  # per round, the cells in the order they ran
+
+
+def interleaved_rounds(reps: Sequence[int], pair: PairRunner, seed: int,
+                       stops: Optional[Sequence[Optional[StopRule]]] = None,
+                       on_round: Optional[RoundHook] = None) -> Rounds:
+    """Time the cells' pairs in rounds, one pair of every cell still measuring per round,
+    in a seeded shuffled order: slow drift and a neighbour's bursts then land on every cell
+    alike instead of on whichever cell was running (asv's interleaved rounds). A cell leaves
+    the rotation after reps[i] pairs, or once its stop rule says its pairs suffice. Each
+    cell's pairs alternate which generate runs first, as run_protocol's do."""
+    timings: list[list[RepTiming]] = [[] for _ in reps]
+    active = [i for i, n in enumerate(reps) if n > 0]
+    orders: list[tuple[int, ...]] = []
+    round_index = 0
+    while active:
+        if on_round is not None:
+            on_round(round_index + 1, len(active))
+        order = round_order(active, round_index, seed)
+        for i in order:
+            k = len(timings[i])
+            timing = pair(i, k, k % 2 == 0)
+            timings[i].append(RepTiming(k, timing.t1_first, timing.wall_1_s, timing.wall_T_s, timing.step_s,
+                                        round_index, timing.contention))
+        orders.append(tuple(order))
+        rule = stops or [None] * len(reps)
+        active = [i for i in active if len(timings[i]) < reps[i] and not (rule[i] and rule[i](timings[i]))]
+        round_index += 1
+    return Rounds(tuple(tuple(t) for t in timings), tuple(orders))
 
 
 def ci_target_rule(target_pct: float, min_reps: int, resamples: int, level: float, seed: int) -> StopRule:

@@ -17,6 +17,7 @@ from hostsweep.config.schema import LinearityConfig, MeasureConfig, SplitConfig,
 from hostsweep.measure.protocol import CellMeasurement
 from hostsweep.measure.speculative import SpecResult, spec_metrics
 from hostsweep.measure.split import LinearityResult, SplitResult
+from hostsweep.measure.stability import Stability, StabilityRules, between_replicate_spread_pct
 from hostsweep.measure.threadstates import idle_fraction
 
 # A cell's status: measured, failed while measuring, or never dispatched because its SKU
@@ -47,6 +48,13 @@ class MeasureOptions:
         return self.split.pyspy_seconds if self.split.pyspy else 0.0
 
 
+def stability_rules_of(options: MeasureOptions, seed: Optional[int] = None) -> StabilityRules:
+    """The stability thresholds and bootstrap settings of these options (measure.*)."""
+    m = options.measure
+    return StabilityRules(m.max_foreign_cpu_frac, m.max_ci_pct, m.bootstrap_resamples, m.ci_level,
+                          m.seed if seed is None else seed)
+
+
 @dataclass(frozen=True)
 class CellResult:
     key: str
@@ -68,6 +76,8 @@ class CellResult:
     started_at: float = 0.0
     ended_at: float = 0.0
     log_tail: str = ""  # the end of the worker's log, shipped with a FAILED cell (remote nodes)
+    stability: Optional[Stability] = None  # the stability verdict (measure/stability.py)
+    earlier_timings: tuple = ()  # per earlier attempt, the timed pairs a re-measure replaced
 
 
 def skipped_result(key: str, params: dict[str, object], reason: str) -> CellResult:
@@ -123,6 +133,7 @@ def _raw_metrics(result: CellResult) -> dict[str, float]:
         "wall_1_ms": m.wall_1_ms, "wall_T_ms": m.wall_T_ms, "cell_duration_s": result.duration_s,
         "timed_s": m.timed_s, "reps_used": float(len(m.reps)), "ci_half_width_pct": m.ci_half_width_pct,
     }
+    metrics.update(stability_metrics(result.stability))
     if result.split is not None:
         sp = result.split
         metrics.update(device_ms=sp.device_ms, host_ms=sp.host_ms, host_frac=sp.host_frac,
@@ -132,6 +143,8 @@ def _raw_metrics(result: CellResult) -> dict[str, float]:
         if sp.kernel_source == "cuda":
             metrics.update(copy_ms=sp.copy_ms, copy_bytes_per_step=sp.copy_bytes,
                            launches_per_step=sp.launches_per_step)
+        if not split_is_possible(result):  # device time above the step: no fraction to plot
+            del metrics["host_frac"]
     if result.thread_states is not None and not result.thread_states.empty:
         metrics["pyspy_idle_frac"] = idle_fraction(result.thread_states)
     if result.spec is not None:
@@ -141,6 +154,38 @@ def _raw_metrics(result: CellResult) -> dict[str, float]:
         metrics.update(r2_wall=lin.r2_wall, r2_kernel=lin.r2_kernel,
                        slope_disagreement=lin.slope_disagreement, linearity_slope_fit_ms=lin.slope_fit_ms)
     return metrics
+
+
+def split_is_possible(result: CellResult) -> bool:
+    return result.stability is None or "split_impossible" not in result.stability.reasons
+
+
+def stability_metrics(stability: Optional[Stability]) -> dict[str, float]:
+    """A cell's contention record and re-measure count (measure/stability.py)."""
+    if stability is None:
+        return {}
+    metrics = {"stability_attempts": float(stability.attempts)}
+    c = stability.contention
+    if c is not None:
+        metrics.update(foreign_cpu_frac=c.foreign_cpu_frac, foreign_cpu_frac_max=c.foreign_cpu_frac_max,
+                       engine_cpu_frac=c.engine_cpu_frac, steal_frac=c.steal_frac, load1_max=c.load1_max)
+    if stability.replicate_step_ms is not None:
+        metrics["replicate_step_ms"] = stability.replicate_step_ms
+    if len(stability.start_medians_ms) > 1:
+        metrics["replicates"] = float(len(stability.start_medians_ms))
+        metrics["replicate_spread_pct"] = between_replicate_spread_pct([[m] for m in stability.start_medians_ms])
+    return metrics
+
+
+# A cell's stability verdict as tags and cell-table columns: "true"/"false", and the rules
+# it broke, comma-separated (empty when stable). Absent on cells logged before the verdict.
+STABILITY_TAGS = ("stable", "unstable_reasons")
+
+
+def stability_tags(result: CellResult) -> dict[str, str]:
+    if result.stability is None or result.measurement is None:
+        return {}
+    return {"stable": str(result.stability.stable).lower(), "unstable_reasons": ",".join(result.stability.reasons)}
 
 
 SPLIT_TAGS = ("kernel_source", "regime")
@@ -153,6 +198,8 @@ ENGINE_TAGS = ("compilation_mode", "cudagraph_mode", "cudagraph_capture_sizes", 
 def split_tags(result: CellResult) -> dict[str, str]:
     if result.split is None:
         return {}
+    if not split_is_possible(result):
+        return {"kernel_source": result.split.kernel_source}
     return dict(zip(SPLIT_TAGS, (result.split.kernel_source, result.split.regime)))
 
 
@@ -189,6 +236,7 @@ def cell_row(result: CellResult, run_id: str, provenance: Optional[dict[str, str
         "status": result.status,
         **cell_metrics(result),
         **split_tags(result),
+        **stability_tags(result),
         **{k: result.host[k] for k in ENGINE_TAGS if k in result.host},
         **{k: tags.get(k, "") for k in PROVENANCE_COLUMNS},
         "cell_key": result.key,
@@ -206,7 +254,7 @@ def logged_row(params: dict[str, str], metrics: dict[str, float], tags: dict[str
         **params,
         "status": "FINISHED",
         **{name: round_metric(name, value) for name, value in metrics.items()},
-        **{k: tags[k] for k in SPLIT_TAGS + ENGINE_TAGS if k in tags},
+        **{k: tags[k] for k in SPLIT_TAGS + STABILITY_TAGS + ENGINE_TAGS if k in tags},
         **{k: tags.get(k, "") for k in PROVENANCE_COLUMNS},
         "cell_key": tags["cell_key"],
         "mlflow_run_id": run_id,

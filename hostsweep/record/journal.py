@@ -25,10 +25,11 @@ from typing import IO, Iterator, Optional
 import pandas as pd
 
 from hostsweep.config.schema import ConfigError
-from hostsweep.measure.protocol import CellMeasurement, RepTiming
+from hostsweep.measure.protocol import CellMeasurement, Contention, RepTiming
 from hostsweep.measure.results import CellResult
 from hostsweep.measure.speculative import SpecResult
 from hostsweep.measure.split import LinearityResult, SplitResult
+from hostsweep.measure.stability import ContentionSummary, Stability
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ def encode_result(result: CellResult) -> dict[str, object]:
 def decode_result(data: dict) -> CellResult:
     """The CellResult encode_result wrote."""
     m = data["measurement"]
-    measurement = None if m is None else CellMeasurement(**{**m, "reps": tuple(RepTiming(**r) for r in m["reps"])})
+    measurement = None if m is None else CellMeasurement(**{**m, "reps": decode_timings(m["reps"])})
     sp = data["split"]
     split = None if sp is None else SplitResult(**{**sp, "per_rank_device_ms": tuple(sp["per_rank_device_ms"]),
                                                    "top_ops": tuple(tuple(op) for op in sp["top_ops"])})
@@ -61,7 +62,24 @@ def decode_result(data: dict) -> CellResult:
         None if states is None else pd.read_json(StringIO(states), orient="split"),
         spec=None if spec is None else SpecResult(**spec),
         attempt=data.get("attempt", 1), retry_reasons=tuple(data.get("retry_reasons", ())),
+        stability=decode_stability(data.get("stability")),
+        earlier_timings=tuple(decode_timings(reps) for reps in data.get("earlier_timings", ())),
     )
+
+
+def decode_timings(reps: list[dict]) -> tuple[RepTiming, ...]:
+    """Timed pairs as encode_result wrote them (entries before contention records had none)."""
+    return tuple(RepTiming(**{**r, "contention": None if r.get("contention") is None else Contention(**r["contention"])})
+                 for r in reps)
+
+
+def decode_stability(data: Optional[dict]) -> Optional[Stability]:
+    if data is None:
+        return None
+    contention = data.get("contention")
+    return Stability(tuple(data["reasons"]), data["attempts"],
+                     None if contention is None else ContentionSummary(**contention), data.get("replicate_step_ms"),
+                     tuple(data.get("start_medians_ms", ())))
 
 
 def pending_folder(root: Path, tracking_uri: str, experiment: str) -> Path:

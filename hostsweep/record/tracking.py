@@ -27,9 +27,9 @@ import pandas as pd
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
-from hostsweep.measure.results import CellResult, cell_metrics, logged_row, split_tags
+from hostsweep.measure.results import CellResult, cell_metrics, logged_row, split_tags, stability_tags
 from hostsweep.record import crashpoints
-from hostsweep.record.artifacts import linearity_table, timings_table, top_ops_table
+from hostsweep.record.artifacts import earlier_timings_table, linearity_table, timings_table, top_ops_table
 from hostsweep.record.store import local_artifact_root, quiet_mlflow
 from hostsweep.record.views import JOURNAL_TAG, KIND, KIND_TAG, NOTE_TAG, cell_note, cell_run_name, runs_table_url, ui_base
 from hostsweep.record.claims import (
@@ -244,6 +244,7 @@ class SweepTracker:
             "cell_key": result.key,
             **result.host,
             **split_tags(result),
+            **stability_tags(result),
             "attempt": str(result.attempt),
             **tags,
         }
@@ -259,6 +260,8 @@ class SweepTracker:
         crashpoints.reached("uploading")
         if result.measurement is not None:
             self.client.log_text(run_id, timings_table(result), "raw_timings.csv")
+            if result.earlier_timings:
+                self.client.log_text(run_id, earlier_timings_table(result), "raw_timings_earlier_attempts.csv")
         self._log_analysis(run_id, result)
         if result.status == "SKIPPED":
             # MLflow has no SKIPPED status: KILLED (never measured, never resumed as done)

@@ -192,6 +192,22 @@ def regime_map(table: pd.DataFrame, threshold: float = 0.5) -> Figure:
     return fig
 
 
+def unstable_mask(rows: pd.DataFrame) -> np.ndarray:
+    """Which cells were judged unstable (measure/stability.py): drawn hollow or hatched."""
+    if "stable" not in rows:
+        return np.zeros(len(rows), dtype=bool)
+    return rows["stable"].map(lambda v: str(v).lower() == "false").to_numpy(bool)
+
+
+def _hollow_unstable(ax: plt.Axes, x: pd.Series, y: pd.Series, rows: pd.DataFrame, color: str) -> None:
+    """Circle the unstable cells' points with a hollow marker (labelled once per axes)."""
+    mask = unstable_mask(rows)
+    if mask.any():
+        labelled = any(h.get_label() == "unstable cell (hollow)" for h in ax.collections)
+        ax.scatter(np.asarray(x)[mask], np.asarray(y)[mask], s=90, facecolors="white", edgecolors=color,
+                   linewidths=1.5, zorder=3, label=None if labelled else "unstable cell (hollow)")
+
+
 def step_times(cells: pd.DataFrame) -> Figure:
     """Step time per cell with its 95% CI across batch, one line per (model, mode, TP,
     ctx), one panel per SKU."""
@@ -205,6 +221,7 @@ def step_times(cells: pd.DataFrame) -> Figure:
         for key, line in rows.sort_values("batch").groupby(keys):
             ax.errorbar(line["batch"], line["step_ms"], yerr=_ci_yerr(line), marker="o", ms=4, capsize=3,
                         color=palette[tuple(key)], label=f"{key[0]} {key[1]} TP-{key[2]} ctx {key[3]}")
+            _hollow_unstable(ax, line["batch"], line["step_ms"], line, palette[tuple(key)])
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted(rows["batch"].unique()), [str(b) for b in sorted(rows["batch"].unique())])
         ax.set_xlabel("batch N")
@@ -243,17 +260,22 @@ def split_composition(cells: pd.DataFrame) -> Figure:
         rows = rows.sort_values(["ctx", "batch"])
         x = np.arange(len(rows))
         device, host = rows["device_ms"].to_numpy(float), rows["host_ms"].to_numpy(float).clip(min=0)
-        ax.bar(x, device, 0.7, color=SPLIT_COLORS["device"], label="device (kernels / compute ops)")
-        ax.bar(x, host, 0.7, bottom=device, color=SPLIT_COLORS["host"], label="host (step − device)")
+        hatch = ["//" if bad else "" for bad in unstable_mask(rows)]
+        ax.bar(x, device, 0.7, color=SPLIT_COLORS["device"], label="device (kernels / compute ops)", hatch=hatch,
+               edgecolor="white")
+        ax.bar(x, host, 0.7, bottom=device, color=SPLIT_COLORS["host"], label="host (step − device)", hatch=hatch,
+               edgecolor="white")
         ax.errorbar(x, rows["step_ms"], yerr=_ci_yerr(rows), fmt="none", ecolor="k", capsize=3,
                     label="step, 95% CI")
-        for i, frac in enumerate(rows["host_frac"].to_numpy(float)):
-            ax.text(i, device[i] + host[i] / 2, f"{frac:.2f}", ha="center", va="center", fontsize=7, color="white")
-        ax.set_xticks(x, [f"b{b}\nctx{c}" for b, c in zip(rows["batch"], rows["ctx"])], fontsize=8)
+        for i, frac in enumerate(rows["host_frac"].to_numpy(float) if "host_frac" in rows else np.full(len(x), np.nan)):
+            if np.isfinite(frac):  # no fraction where the split was impossible (stability)
+                ax.text(i, device[i] + host[i] / 2, f"{frac:.2f}", ha="center", va="center", fontsize=7, color="white")
+        marks = ["\nunstable" if bad else "" for bad in unstable_mask(rows)]
+        ax.set_xticks(x, [f"b{b}\nctx{c}{m}" for b, c, m in zip(rows["batch"], rows["ctx"], marks)], fontsize=8)
         ax.set_ylabel("ms per decode step")
         ax.set_title(_engine_title(key), fontsize=10)
     fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=3, fontsize=8)
-    fig.suptitle("Decode step = device + host, per cell (bar labels: host_frac)", fontsize=11)
+    fig.suptitle("Decode step = device + host, per cell (bar labels: host_frac; hatched: unstable)", fontsize=11)
     return fig
 
 
@@ -269,6 +291,7 @@ def host_fraction_by_batch(cells: pd.DataFrame, threshold: float = 0.5) -> Figur
         palette = colors(sorted(rows["ctx"].unique()))
         for ctx, line in rows.sort_values("batch").groupby("ctx"):
             ax.plot(line["batch"], line["host_frac"], marker="o", color=palette[ctx], label=f"ctx {ctx}")
+            _hollow_unstable(ax, line["batch"], line["host_frac"], line, palette[ctx])
         ax.axhline(threshold, color="k", ls="--", lw=1, label=f"host-bound at {threshold:g}")
         batches = sorted(rows["batch"].unique())
         ax.set_xscale("log", base=2)

@@ -23,11 +23,44 @@ STEP = {"median": "step_ms", "ci95_low": "step_ci_low_ms", "ci95_high": "step_ci
         "p10": "step_p10_ms", "p25": "step_p25_ms", "p75": "step_p75_ms", "p90": "step_p90_ms"}
 SPLIT = ("device_ms", "host_ms", "host_frac", "regime", "kernel_source")
 WHERE = ("hostname", "device_name", "vllm_version", "torch_version")
+STABILITY = {"foreign_cpu_frac": "foreign_cpu_frac", "foreign_cpu_frac_max": "foreign_cpu_frac_max",
+             "steal_frac": "steal_frac", "load1_max": "load1_max", "attempts": "stability_attempts",
+             "replicate_step_ms": "replicate_step_ms"}
 # MLflow's run tags cap at 8,000 characters and longer values are cut silently (server side):
 # the parent's description stays under that, and says where the rest is.
 NOTE_LIMIT = 7_900
 # Columns of the printed table that summary.json rebuilds exactly (tests/unit/test_summary.py).
-ROW_KEYS = (*PARAMS, "status", *STEP.values(), *SPLIT, "hostname", "cell_key", "mlflow_run_id", "error")
+ROW_KEYS = (*PARAMS, "status", *STEP.values(), *SPLIT, "hostname", "stable", "unstable_reasons", "cell_key",
+            "mlflow_run_id", "error")
+
+
+def _is_unstable(row: dict[str, Any]) -> bool:
+    return str(row.get("stable")).lower() == "false"
+
+
+def _reasons(row: dict[str, Any]) -> list[str]:
+    text = _plain(row.get("unstable_reasons"))
+    return [r for r in str(text).split(",") if r] if text else []
+
+
+def stability_counts(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """How many measured cells are unstable, of how many judged, and for which reasons."""
+    judged = [r for r in rows if str(r.get("stable")).lower() in ("true", "false")]
+    unstable = [r for r in judged if _is_unstable(r)]
+    reasons = pd.Series([reason for r in unstable for reason in _reasons(r)], dtype=object).value_counts()
+    return {"unstable": len(unstable), "judged": len(judged), "reasons": {str(k): int(v) for k, v in reasons.items()}}
+
+
+def stability_line(rows: list[dict[str, Any]]) -> Optional[str]:
+    """'2 of 6 cells unstable (foreign_cpu 2, drift 1)', or None when no cell was judged
+    (cells measured before the verdict existed)."""
+    counts = stability_counts(rows)
+    if not counts["judged"]:
+        return None
+    if not counts["unstable"]:
+        return f"all {counts['judged']} measured cells stable"
+    why = ", ".join(f"{reason} {n}" for reason, n in counts["reasons"].items())
+    return f"{counts['unstable']} of {counts['judged']} measured cells unstable ({why})"
 
 
 def _plain(value: Any) -> Any:
@@ -55,6 +88,9 @@ def cell_entry(row: dict[str, Any], run_url: Optional[Callable[[str], str]] = No
         "step_ms": {name: _plain(row.get(column)) for name, column in STEP.items()},
         "split": {k: _plain(row.get(k)) for k in SPLIT},
         "where": {k: _plain(row.get(k)) for k in WHERE},
+        "stability": None if _plain(row.get("stable")) is None else {
+            "stable": not _is_unstable(row), "reasons": _reasons(row),
+            **{name: _plain(row.get(column)) for name, column in STABILITY.items()}},
         "resumed": bool(_plain(row.get("resumed")) or False),
         "mlflow_run_id": run_id,
         "mlflow_url": run_url(run_id) if run_url and run_id else None,
@@ -72,7 +108,10 @@ def build_summary(cells: pd.DataFrame, meta: dict[str, Any],
         **meta,
         "units": {"*_ms": "milliseconds per decode step (per output token), to the microsecond",
                   "host_frac": "host_ms / step_ms, a fraction",
-                  "step_ms": "median over the timed reps with its bootstrap 95% CI, and percentiles of the reps"},
+                  "step_ms": "median over the timed reps with its bootstrap 95% CI, and percentiles of the reps",
+                  "foreign_cpu_frac": "CPU time of processes outside the engine and the sweep over the timed "
+                                      "pairs, a fraction of the machine's CPU time"},
+        "stability": {**stability_counts(rows), "line": stability_line(rows)},
         "cells": [cell_entry(row, run_url) for row in rows],
     }
 
@@ -85,6 +124,9 @@ def rows_from_summary(summary: dict[str, Any]) -> list[dict[str, Any]]:
                "mlflow_run_id": cell["mlflow_run_id"], "error": cell["error"], "hostname": cell["where"]["hostname"]}
         row.update({column: cell["step_ms"][name] for name, column in STEP.items()})
         row.update(cell["split"])
+        stability = cell.get("stability")
+        row.update({"stable": None, "unstable_reasons": None} if stability is None else
+                   {"stable": str(stability["stable"]).lower(), "unstable_reasons": ",".join(stability["reasons"])})
         rows.append(row)
     return rows
 
@@ -98,6 +140,8 @@ def sweep_description(meta: dict[str, Any], rows: list[dict[str, Any]],
         f"**{meta['what']}**, {len(rows)} cells (" + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) +
         f"), sweep {meta['status']}. Milliseconds per decode step; `host_frac` = host / step; "
         "a batch links to its cell's run.",
+        *([f"**Stability**: {stability_line(rows)}; unstable cells are marked in the table's `stable` column "
+           "(reasons: docs/measurement.md, Stability)."] if stability_line(rows) else []),
         "",
     ]
     tail = [

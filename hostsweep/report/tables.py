@@ -37,14 +37,29 @@ def display_row(row: dict[str, object]) -> dict[str, str]:
     else:
         shown["device_ms"], shown["host_frac"], shown["regime"] = "-", "-", "-"
     shown["workload"] = str(row.get("workload") or "random")
+    shown["stable"] = stable_mark(row)
     return shown
 
 
+def stable_mark(row: dict[str, object]) -> str:
+    """'yes', or 'NO: foreign_cpu,drift' for an unstable cell ('' when it was not judged)."""
+    stable = str(row.get("stable")).lower()
+    if stable == "true":
+        return "yes"
+    if stable == "false":
+        reasons = row.get("unstable_reasons")
+        return "NO: " + (str(reasons) if reasons is not None and not pd.isna(reasons) else "?")  # type: ignore[arg-type]
+    return ""
+
+
 def table_columns(rows: list[dict[str, object]]) -> list[str]:
-    """COLUMNS, with a workload column when a study has a workload other than random prompts."""
+    """COLUMNS, with a workload column when a study has a workload other than random prompts,
+    and a stable column when its cells were judged (measure/stability.py)."""
     columns = list(COLUMNS)
     if any(str(r.get("workload") or "random") != "random" for r in rows):
         columns.insert(columns.index("ctx") + 1, "workload")
+    if any(stable_mark(r) for r in rows):
+        columns.append("stable")
     return columns
 
 

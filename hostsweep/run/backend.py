@@ -51,8 +51,8 @@ class RayBackend:
         self.ready_refs[id(worker)] = worker.actor.host_info.remote()
         return worker
 
-    def submit(self, worker: WorkerHandle, cell: Cell, options: MeasureOptions) -> object:
-        return worker.actor.measure.remote(cell, options)
+    def submit(self, worker: WorkerHandle, cell: Cell, options: MeasureOptions, companions: tuple[Cell, ...] = ()) -> object:
+        return worker.actor.measure.remote(cell, options, companions)
 
     def wait(self, pending: list[object], timeout_s: float) -> list[object]:
         import ray

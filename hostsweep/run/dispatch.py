@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, defaultdict, deque
+from itertools import islice
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional, Protocol
 
 from hostsweep.config.grid import Cell, EngineSpec, group_by_engine
-from hostsweep.measure.results import CellResult, MeasureOptions
+from hostsweep.measure.replicates import merge_starts
+from hostsweep.measure.results import CellResult, MeasureOptions, stability_rules_of
 from hostsweep.run.faults import CallFailed, FaultPolicy, Outcome, WorkerLost, first_exception
 from hostsweep.run.progress import ProgressReporter
 from hostsweep.run.worklog import last_start, log_tail, worker_log_path
@@ -40,8 +42,9 @@ class WorkerBackend(Protocol):
     def start(self, spec: EngineSpec) -> object:
         """A new worker; its engine starts in the background."""
 
-    def submit(self, worker: object, cell: Cell, options: MeasureOptions) -> object:
-        """Ask the worker to measure a cell; a pending handle."""
+    def submit(self, worker: object, cell: Cell, options: MeasureOptions, companions: tuple[Cell, ...] = ()) -> object:
+        """Ask the worker to measure a cell (with `companions`, the cells it will be asked for
+        next, in interleaved rounds); a pending handle."""
 
     def wait(self, pending: list[object], timeout_s: float) -> list[object]:
         """The pending handles that are done, waiting up to timeout_s for the first."""
@@ -86,6 +89,12 @@ class Dispatcher:
                  should_stop: Callable[[], Optional[str]] = lambda: None, log_dir: Optional[Path] = None,
                  prestarted: Optional[dict[EngineSpec, tuple[object, float]]] = None) -> None:
         self.queues = {spec: deque(group) for spec, group in group_by_engine(cells).items()}
+        # measure.replicates: each spec's cells again in fresh engine starts; a cell's results
+        # are held until its last start, then merged (measure/replicates.py) and reported.
+        self.replicates = max((cell.replicates for cell in cells), default=1)
+        self.spec_cells = {spec: tuple(queue) for spec, queue in self.queues.items()} if self.replicates > 1 else {}
+        self.start_number = {spec: 1 for spec in self.queues}
+        self.held: dict[str, list[CellResult]] = defaultdict(list)
         self.log_dir = log_dir  # where workers log (workers/<spec>.log), None: not to files
         self.options, self.on_result, self.policy = options, on_result, policy
         self.backend, self.progress, self.should_stop = backend, progress, should_stop
@@ -95,6 +104,9 @@ class Dispatcher:
         # engine start is not charged to its first cell.
         self.ready_at: dict[EngineSpec, float] = {}
         self.inflight: dict[object, tuple[EngineSpec, Cell, float]] = {}
+        # Per pending cell: the seconds it may take once its engine is ready, and the cells
+        # its worker times with it (their time counts).
+        self.limits: dict[object, tuple[float, int]] = {}
         # Lost attempts and their reasons, per cell key, for the cells not yet reported.
         self.attempts: Counter = Counter()
         self.reasons: dict[str, list[str]] = defaultdict(list)
@@ -109,9 +121,17 @@ class Dispatcher:
 
     def _report(self, result: CellResult, lost_last: bool = False) -> None:
         """Hand a cell's final result on, with its attempts: the lost ones, plus the one that
-        produced this result unless it was lost too (retries exhausted)."""
+        produced this result unless it was lost too (retries exhausted). With replicates, a
+        measured cell's result waits for its other engine starts and is merged with them."""
         self.done += 1
         key = result.key
+        if self.replicates > 1 and result.status == "FINISHED":
+            self.held[key].append(result)
+            if len(self.held[key]) < self.replicates:
+                return
+            result = merge_starts(self.held.pop(key), stability_rules_of(self.options), self.options.split.host_bound_threshold)
+        elif self.replicates > 1:  # failed in this start: reported failed, measured no more
+            self.done += self.replicates - 1 - len(self.held.pop(key, []))
         # A reported cell is done with: nothing of it stays here (10,000-cell sweeps).
         attempt = self.attempts.pop(key, 0) + (0 if lost_last else 1)
         self.on_result(replace(result, attempt=attempt, retry_reasons=tuple(self.reasons.pop(key, ()))))
@@ -128,8 +148,22 @@ class Dispatcher:
         exception, which Ray reports, says 'initialization failed'), else Ray's reason."""
         return first_exception(last_start(self._log_file(spec))) or reason
 
+    def _next_start(self, spec: EngineSpec) -> None:
+        """Queue the spec's cells for their next engine start (measure.replicates), those
+        that still await one; their current worker is retired and a new one started."""
+        if self.start_number[spec] >= self.replicates:
+            return
+        self.start_number[spec] += 1
+        again = [cell for cell in self.spec_cells[spec] if cell.key in self.held]
+        if again:
+            log.info("%s: engine start %d of %d for %d cell(s)", spec.label, self.start_number[spec],
+                     self.replicates, len(again))
+            self.queues[spec].extend(again)
+
     def _submit_next(self, spec: EngineSpec) -> None:
         if not self.queues[spec] and not self.stopped:
+            if not any(s == spec for s, _, _ in self.inflight.values()):
+                self._next_start(spec)
             self._retire(spec)
         if not self.queues[spec] or self.stopped:
             return
@@ -138,8 +172,18 @@ class Dispatcher:
             self.started_at[spec] = self.backend.now()
             self.ready_at.pop(spec, None)
         cell = self.queues[spec].popleft()
-        pending = self.backend.submit(self.workers[spec], cell, self.options)
+        companions = self._companions(spec)
+        pending = self.backend.submit(self.workers[spec], cell, self.options, companions)
         self.inflight[pending] = (spec, cell, self.backend.now())
+        self.limits[pending] = (self.policy.timeout_for(cell, self.options, companions), 1 + len(companions))
+
+    def _companions(self, spec: EngineSpec) -> tuple[Cell, ...]:
+        """The cells this spec's worker will be asked for next, which it times together with
+        the one submitted (measure.interleave); those it already timed it keeps, not redoes."""
+        m = self.options.measure
+        if not m.interleave:
+            return ()
+        return tuple(islice(self.queues[spec], m.interleave_max_cells - 1))
 
     def _retire(self, spec: EngineSpec) -> None:
         """Close the engine of a spec with no cells left, so its resources go to the next
@@ -178,6 +222,7 @@ class Dispatcher:
     def _lose(self, pending: object, reason: str) -> None:
         """The worker measuring `pending` is lost (or gave up): replace it, retry the cell."""
         spec, cell, _ = self.inflight.pop(pending)
+        self.limits.pop(pending, None)
         self._replace_worker(spec)
         self._retry_or_fail(spec, cell, reason)
         self._submit_next(spec)
@@ -187,6 +232,7 @@ class Dispatcher:
         outcome = self.backend.outcome(pending)
         if isinstance(outcome, WorkerLost) and outcome.at_start:
             del self.inflight[pending]
+            self.limits.pop(pending, None)
             self._replace_worker(spec)
             cause = self._start_cause(spec, outcome.reason)
             self._fail_spec(spec, cell, f"worker for {spec.label} failed to start: {cause}")
@@ -195,6 +241,7 @@ class Dispatcher:
             return
         else:
             _, _, submitted = self.inflight.pop(pending)
+            self.limits.pop(pending, None)
             self._note_measured(spec, submitted)
             if isinstance(outcome, CallFailed):
                 self._report(self._failed(cell, outcome.reason))
@@ -219,16 +266,18 @@ class Dispatcher:
                              now - self.started_at[spec])
                 elif now - self.started_at[spec] > self.policy.engine_start_timeout_s:
                     del self.inflight[pending]
+                    self.limits.pop(pending, None)
                     self._replace_worker(spec)
                     self._fail_spec(spec, cell, f"worker for {spec.label} failed to start: engine not ready after "
                                                 f"{self.policy.engine_start_timeout_s:.0f} s (faults.engine_start_timeout_s)")
                 continue
             fault = self.backend.engine_fault(worker)
-            limit = self.policy.timeout_for(cell, self.options)
+            limit, timed_together = self.limits[pending]
             if fault is not None:
                 self._lose(pending, f"engine died: {fault}")
             elif now - max(submitted, self.ready_at[spec]) > limit:
-                self._lose(pending, f"timed out after {limit:.0f} s (faults.cell_timeout_s)")
+                together = f" for {timed_together} cells timed together" if timed_together > 1 else ""
+                self._lose(pending, f"timed out after {limit:.0f} s{together} (faults.cell_timeout_s)")
 
     def _current(self) -> dict[str, str]:
         """Per worker: its cell and what it is doing ('b2 ctx512: rep 3 of 12')."""
@@ -253,6 +302,7 @@ class Dispatcher:
         self.stopped = reason
         log.error("stopping the sweep: %s; %d cell(s) in flight abandoned", reason, len(self.inflight))
         self.inflight.clear()
+        self.limits.clear()
         for spec in list(self.workers):
             self._replace_worker(spec)
 

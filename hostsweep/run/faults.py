@@ -92,9 +92,11 @@ class FaultPolicy:
         return cls(faults.cell_timeout_s, faults.timeout_base_s, faults.timeout_per_step_s,
                    faults.engine_start_timeout_s, faults.max_retries, poll_s)
 
-    def timeout_for(self, cell: Cell, options: MeasureOptions) -> float:
+    def timeout_for(self, cell: Cell, options: MeasureOptions, companions: tuple[Cell, ...] = ()) -> float:
         """Seconds a cell may run once its engine is ready: the configured value, or a
-        base plus a generous allowance per decode step (py-spy's sampling time on top)."""
+        base plus a generous allowance per decode step (py-spy's sampling time on top).
+        With companions (timed with the cell in interleaved rounds) their work counts too."""
         if self.cell_timeout_s is not None:
-            return self.cell_timeout_s
-        return self.timeout_base_s + self.timeout_per_step_s * decode_steps(cell, options) + 3 * options.pyspy_seconds
+            return self.cell_timeout_s * (1 + len(companions))
+        steps = decode_steps(cell, options) + sum(decode_steps(c, options) for c in companions)
+        return self.timeout_base_s + self.timeout_per_step_s * steps + 3 * options.pyspy_seconds

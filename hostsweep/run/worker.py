@@ -15,8 +15,9 @@ import shutil
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -24,10 +25,13 @@ from hostsweep.engines.base import Engine, start_engine
 from hostsweep.config.grid import Cell, EngineSpec
 from hostsweep.config.machine import hostname
 from hostsweep.measure.protocol import (
-    CellMeasurement, ci_target_rule, own_text_seeds, prompt_digest, random_prompts, run_protocol, summarize,
+    CellMeasurement, RepTiming, Rounds, ci_target_rule, interleaved_rounds, own_text_seeds, prompt_digest,
+    random_prompts, step_time, summarize,
 )
-from hostsweep.measure.results import CellResult, MeasureOptions
+from hostsweep.measure.results import CellResult, MeasureOptions, stability_rules_of
 from hostsweep.measure.speculative import SpecResult, spec_summary
+from hostsweep.measure.stability import Stability, judge, replicate_disagrees
+from hostsweep.run.contention import ContentionProbe, sweep_root_pid
 from hostsweep.run.faults import EngineDied
 from hostsweep.run.hygiene import (
     descendant_pids, new_scratch_folder, release_ray_thread_limits, release_shared_memory, remove_stale_scratch,
@@ -60,6 +64,19 @@ def ray_placement(tp_gpus: Optional[list[str]] = None) -> dict[str, str]:
     context = ray.get_runtime_context()
     gpus = tp_gpus if tp_gpus is not None else context.get_accelerator_ids().get("GPU", [])
     return {"ray_node_id": context.get_node_id(), "ray_gpu_ids": ",".join(map(str, gpus)) or "none"}
+
+
+@dataclass(frozen=True)
+class TimedCell:
+    """A cell's timed pairs, summarized and judged: measured with its group's other cells in
+    interleaved rounds, kept until the dispatcher asks for the cell."""
+
+    prompts: list[list[int]]
+    measurement: CellMeasurement
+    spec: Optional[SpecResult]
+    stability: Stability
+    earlier: tuple[tuple[RepTiming, ...], ...]  # the pairs of attempts the re-measure replaced
+    started_at: float  # epoch seconds: when the group's measurement began
 
 
 def prompt_seed(cell: Cell) -> int:
@@ -96,7 +113,11 @@ class SweepWorker:
         engine_start_s = time.perf_counter() - started
         self.watch = EngineWatch(engine_processes(os.getpid(), before))
         self._profile_count = 0
-        self._spec_log: list[list[dict]] = []  # per-request speculation counts of T-token generates
+        # Cells measured in a group's rounds that the dispatcher has not asked for yet.
+        self._timed_cells: dict[str, TimedCell] = {}
+        self.probe = ContentionProbe(os.getpid(), sweep_root_pid())
+        log.info("contention: the engine is the tree of pid %d, the sweep that of pid %d; others are foreign",
+                 self.probe.engine_root, self.probe.sweep_root)
         self.host = {
             "hostname": hostname(),
             **self.engine.describe(),
@@ -149,7 +170,9 @@ class SweepWorker:
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
 
-    def _timed_generate(self, prompts: list[list[int]]):
+    def _timed_generate(self, prompts: list[list[int]], spec_log: Optional[list[list[dict]]] = None):
+        """A generate of the prompts timed in seconds; with speculation, the per-request
+        counts of each T-token generate go to spec_log."""
         def timed(tokens: int) -> float:
             start = time.perf_counter()
             lengths = self.engine.generate(prompts, tokens)
@@ -157,9 +180,9 @@ class SweepWorker:
             # A request that stopped early would shrink wall_T and corrupt the step time.
             if any(n != tokens for n in lengths):
                 raise RuntimeError(f"asked for {tokens} tokens per request, engine produced {lengths}")
-            stats = self.engine.spec_stats() if tokens > 1 else None
+            stats = self.engine.spec_stats() if tokens > 1 and spec_log is not None else None
             if stats is not None:
-                self._spec_log.append(stats)
+                spec_log.append(stats)
             return elapsed
 
         return timed
@@ -233,39 +256,127 @@ class SweepWorker:
         self.engine.generate(seeds, cell.ctx - len(seeds[0]))
         return [seed + text for seed, text in zip(seeds, self.engine.last_tokens())]
 
-    def _timed(self, cell: Cell, prompts: list[list[int]],
-               options: MeasureOptions) -> tuple[CellMeasurement, Optional[SpecResult]]:
-        """Warm-ups and timed pairs, fewer when the cell's CI target is met early; summarized,
-        with their wall time (timed_s) and, with speculation, the T-token generates' counts."""
+    def _rounds(self, cells: Sequence[Cell], generates: list, options: MeasureOptions, what: str) -> Rounds:
+        """Timed pairs of the cells in interleaved rounds, each pair with its contention record."""
         m = options.measure
-        stop = None if cell.target_ci_pct is None else \
-            ci_target_rule(cell.target_ci_pct, cell.min_reps, m.bootstrap_resamples, m.ci_level, cell.seed)
-        self._spec_log = []
-        started = time.perf_counter()
-        timings = run_protocol(self._timed_generate(prompts), cell.T, cell.warmups, cell.reps, self._tell, stop)
-        timed_s = time.perf_counter() - started
-        spec = spec_summary(self._spec_log[-len(timings):], cell.T)
-        return dataclasses.replace(summarize(timings, m.bootstrap_resamples, m.ci_level, cell.seed),
-                                   timed_s=timed_s), spec
+        stops = [None if c.target_ci_pct is None else
+                 ci_target_rule(c.target_ci_pct, c.min_reps, m.bootstrap_resamples, m.ci_level, c.seed) for c in cells]
 
-    def measure(self, cell: Cell, options: MeasureOptions) -> CellResult:
-        """Run the differencing protocol on one cell; failures become FAILED results."""
+        def pair(i: int, k: int, t1_first: bool) -> RepTiming:
+            timed, T = generates[i], cells[i].T
+            mark = self.probe.mark()
+            if t1_first:
+                wall_1 = timed(1)
+                wall_T = timed(T)
+            else:
+                wall_T = timed(T)
+                wall_1 = timed(1)
+            return RepTiming(k, t1_first, wall_1, wall_T, step_time(wall_1, wall_T, T),
+                             contention=self.probe.since(mark))
+
+        def on_round(r: int, active: int) -> None:
+            self._phase = f"{what}: round {r} of {max(c.reps for c in cells)}, {active} cell(s)"
+            self.probe.refresh()
+
+        return interleaved_rounds([c.reps for c in cells], pair, cells[0].seed, stops, on_round)
+
+    def _warm_up(self, cells: Sequence[Cell], generates: list) -> None:
+        """Each cell's warm-up pairs, cell by cell and before any timed pair (discarded)."""
+        for cell, timed in zip(cells, generates):
+            for k in range(cell.warmups):
+                self._phase = f"warm-up {k + 1} of {cell.warmups}: b{cell.batch} ctx{cell.ctx}"
+                timed(1)
+                timed(cell.T)
+
+    def _measure_group(self, cells: Sequence[Cell], options: MeasureOptions) -> dict[str, TimedCell]:
+        """Warm-ups, then the group's timed pairs in interleaved rounds; the first cell measured
+        again at the end (the replicate); cells judged unstable measured again, up to
+        measure.remeasure_unstable times, each attempt kept."""
+        m, started_at = options.measure, time.time()
+        prompts = [self.prompts(cell) for cell in cells]
+        spec_logs: list[list[list[dict]]] = [[] for _ in cells]
+        generates = [self._timed_generate(p, log) for p, log in zip(prompts, spec_logs)]
+        self._warm_up(cells, generates)
+        final_from = [len(log) for log in spec_logs]
+        timings = list(self._rounds(cells, generates, options, "rep").timings)
+        summaries = [summarize(t, m.bootstrap_resamples, m.ci_level, c.seed) for t, c in zip(timings, cells)]
+        verdicts = [judge(t, s, stability_rules_of(options, c.seed)) for t, s, c in zip(timings, summaries, cells)]
+        if len(cells) > 1 and m.replicate_first:
+            again = summarize(self._rounds(cells[:1], generates[:1], options, "replicate").timings[0],
+                              m.bootstrap_resamples, m.ci_level, cells[0].seed)
+            verdicts[0] = dataclasses.replace(verdicts[0], replicate_step_ms=again.step_ms)
+            if replicate_disagrees(summaries[0], again):
+                verdicts[0] = verdicts[0].with_reason("replicate")
+        earlier: list[list[tuple[RepTiming, ...]]] = [[] for _ in cells]
+        for attempt in range(2, 2 + m.remeasure_unstable):
+            redo = [i for i, v in enumerate(verdicts) if not v.stable and "split_impossible" not in v.reasons]
+            if not redo:
+                break
+            log.info("re-measuring %d unstable cell(s) (attempt %d)", len(redo), attempt)
+            for i in redo:
+                final_from[i] = len(spec_logs[i])
+            rounds = self._rounds([cells[i] for i in redo], [generates[i] for i in redo], options, "re-measure")
+            for i, again_pairs in zip(redo, rounds.timings):
+                earlier[i].append(timings[i])
+                timings[i] = again_pairs
+                summaries[i] = summarize(again_pairs, m.bootstrap_resamples, m.ci_level, cells[i].seed)
+                verdicts[i] = dataclasses.replace(judge(again_pairs, summaries[i], stability_rules_of(options, cells[i].seed),
+                                                        attempt), replicate_step_ms=verdicts[i].replicate_step_ms)
+        timed_s = time.time() - started_at
+        return {cell.key: TimedCell(prompts[i], dataclasses.replace(summaries[i], timed_s=timed_s),
+                                    spec_summary(spec_logs[i][final_from[i]:final_from[i] + len(timings[i])], cell.T),
+                                    verdicts[i], tuple(earlier[i]), started_at)
+                for i, cell in enumerate(cells)}
+
+    def _timed_cell(self, cell: Cell, options: MeasureOptions, companions: Sequence[Cell]) -> TimedCell:
+        """The cell's timed measurement: kept from its group's rounds, or measured now with the
+        companions the dispatcher will ask for next (measure.interleave), which are kept."""
+        kept = self._timed_cells.pop(cell.key, None)
+        if kept is not None:
+            return kept
+        group = [cell]
+        if options.measure.interleave:
+            group += [c for c in companions if c.key not in self._timed_cells and c.key != cell.key]
+        measured = self._measure_group(group, options)
+        kept = measured.pop(cell.key)
+        self._timed_cells.update(measured)
+        return kept
+
+    def measure(self, cell: Cell, options: MeasureOptions, companions: Sequence[Cell] = ()) -> CellResult:
+        """Run the differencing protocol on one cell; failures become FAILED results.
+        `companions`: the cells the dispatcher will ask this worker for next, measured with
+        this one in interleaved rounds when measure.interleave is on."""
         try:
-            return self._measure(cell, options)
+            return self._measure(cell, options, companions)
         finally:
             self._phase = "idle"
 
-    def _measure(self, cell: Cell, options: MeasureOptions) -> CellResult:
+    def _split_checked(self, cell: Cell, timed: TimedCell, options: MeasureOptions,
+                       keep: Optional[dict[str, bytes]]) -> tuple[SplitResult, Stability]:
+        """The split, profiled again (up to measure.remeasure_unstable times) while its device
+        time exceeds the timed step, which no real step can have; still so, it is flagged."""
+        stability = timed.stability
+        for attempt in range(1 + options.measure.remeasure_unstable):
+            split = self._split(cell, timed.prompts, timed.measurement, options, keep)
+            if split.host_frac >= 0:
+                return split, stability
+            log.warning("%s: profiled device time %.3f ms exceeds the step %.3f ms (attempt %d)",
+                        cell.key, split.device_ms, timed.measurement.step_ms, attempt + 1)
+        return split, stability.with_reason("split_impossible")
+
+    def _measure(self, cell: Cell, options: MeasureOptions, companions: Sequence[Cell]) -> CellResult:
         start, started_at = time.perf_counter(), time.time()
         keep: Optional[dict[str, bytes]] = {} if options.split.keep_traces else None
         dead = self.watch.fault()
         if dead is not None:
             raise EngineDied(dead)
         try:
-            prompts = self.prompts(cell)
-            measurement, spec = self._timed(cell, prompts, options)
-            split = self._split(cell, prompts, measurement, options, keep) \
-                if options.split.enabled and self.spec.profile else None
+            timed = self._timed_cell(cell, options, companions)
+            started_at = min(started_at, timed.started_at)
+            prompts, measurement, stability = timed.prompts, timed.measurement, timed.stability
+            split = None
+            if options.split.enabled and self.spec.profile:
+                split, stability = self._split_checked(cell, timed, options, keep)
             lin = self._linearity(prompts, options, keep) if options.linearity_T else None
             self._phase = "py-spy" if options.pyspy_seconds > 0 else self._phase
             states = record_thread_states(os.getpid(), options.pyspy_seconds,
@@ -284,9 +395,11 @@ class SweepWorker:
                               log_tail=log_tail(self.log_path))
         self._phase = "recording"
         host = {**self.host_info(), "prompt_digest": prompt_digest(prompts)}
-        return CellResult(cell.key, cell.params(), "FINISHED", measurement, None, host,
-                          time.perf_counter() - start, split, lin, keep or {}, states, spec,
-                          started_at=started_at, ended_at=time.time())
+        ended_at = time.time()
+        return CellResult(key=cell.key, params=cell.params(), status="FINISHED", measurement=measurement,
+                          error=None, host=host, duration_s=ended_at - started_at, split=split, linearity=lin,
+                          traces=keep or {}, thread_states=states, spec=timed.spec, started_at=started_at,
+                          ended_at=ended_at, stability=stability, earlier_timings=timed.earlier)
 
     def close(self) -> None:
         """Stop the engine and return once its processes are gone: the next engine on this

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from hostsweep.measure.results import CellResult, cell_metrics, cell_row
+from hostsweep.measure.stability import Stability
 from hostsweep.record import crashpoints
 from hostsweep.record.celltable import CellTable
 from hostsweep.record.journal import Journal, decode_result
@@ -48,7 +49,20 @@ def describe(result: CellResult) -> str:
         step += f" (worker log: {result.host['worker_log']})"
     if result.attempt > 1:
         step += f" (attempt {result.attempt})"
+    if result.stability is not None and result.measurement is not None:
+        step += unstable_note(result.stability)
     return step
+
+
+def unstable_note(stability: Stability) -> str:
+    """', UNSTABLE: foreign_cpu 0.31, drift (measured 2 times)' for an unstable cell, else ''."""
+    if stability.stable:
+        return ""
+    c = stability.contention
+    reasons = [f"foreign_cpu {c.foreign_cpu_frac:.2f}" if r == "foreign_cpu" and c is not None else r
+               for r in stability.reasons]
+    again = f" (measured {stability.attempts} times)" if stability.attempts > 1 else ""
+    return f", UNSTABLE: {', '.join(reasons)}{again}"
 
 
 class SweepRecorder:

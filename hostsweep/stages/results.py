@@ -21,7 +21,7 @@ from hostsweep.record.celltable import CellTable
 from hostsweep.record.provenance import package_version
 from hostsweep.record.views import absolute_store_uri, ui_command
 from hostsweep.report.modes import cell_frame
-from hostsweep.report.summary import SUMMARY_FILE, build_summary, sweep_description
+from hostsweep.report.summary import SUMMARY_FILE, build_summary, stability_counts, stability_line, sweep_description
 from hostsweep.report.tables import MAX_PRINTED_ROWS, format_overview, format_table
 
 if TYPE_CHECKING:  # MLflow (1.5 s to import) loads only once a sweep records: bad input fails fast
@@ -154,3 +154,8 @@ def print_results(rows: pd.DataFrame, resumed: int, tracker: SweepTracker, table
         print(format_table(rows.to_dict("records")))
     if resumed:
         print(f"({resumed} of these cells were FINISHED by earlier runs: `resumed` in {table.path.name})")
+    records = rows.to_dict("records")
+    stability = stability_line(records)
+    if stability:
+        advice = "; see docs/measurement.md#stability for what each reason means and what to do on a shared host"
+        print(f"stability: {stability}" + (advice if stability_counts(records)["unstable"] else ""))

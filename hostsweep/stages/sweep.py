@@ -243,8 +243,8 @@ def _sweep(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, b
     if prestarted:  # engines take tens of seconds to start: load matplotlib for the figures meanwhile
         importlib.import_module("hostsweep.report.figures")
     dispatcher = Dispatcher(to_run, options, recorder.on_result, backend, FaultPolicy.of(cfg.faults),
-                            ProgressReporter(len(to_run)), should_stop, worker_log_folder(run_dir, cfg.verbose),
-                            prestarted)
+                            ProgressReporter(len(to_run) * cfg.measure.replicates), should_stop,
+                            worker_log_folder(run_dir, cfg.verbose), prestarted)
     try:  # the workers (and Ray) end while the sweep records and writes its results
         return _measure_and_record(study, grid, run_dir, dispatcher, recorder, tracker, claims, tags, started,
                                    wind_down.begin)

@@ -1,0 +1,161 @@
+"""Do a study's comparisons survive a noisy host? The default grid, run quiet and beside a CPU hog.
+
+Runs `python -m hostsweep split.enabled=false` (the default 6-cell grid: batch 1/2/4 x ctx
+128/512, 12 timed pairs) several times, each in a fresh process with its own MLflow store,
+study and run folder:
+
+    quiet-1, quiet-2   nothing else started by this script (interleaved rounds, the default)
+    noisy              beside a duty-cycled hog: one process spinning on one core, 2 s on /
+                       2 s off, from the engine's "engine ready" line to the sweep's end
+    seq-1, seq-2       quiet, measure.interleave=false (cell after cell, as before rounds)
+
+Per cell and run it prints the step and its CI, the ratio to the grid's first cell, how far
+that ratio moved from quiet-1 (%), and the stability flags; then the targets: the quiet runs
+reproduce every cell's ratio within 10 % and their CIs overlap; every noisy cell whose ratio
+moved more than 10 % beyond the quiet runs' spread is flagged; the noisy study is flagged;
+each quiet run flags at most one cell; and the b4/b1 ratio's spread across quiet runs with
+and without interleaving (what interleaving buys). Ratios are measured within one run, so a
+machine slower or faster overall does not move them.
+
+    .venv/bin/python benchmarks/noisy_neighbour.py [--runs quiet-1,quiet-2,noisy,seq-1,seq-2]
+        [--keep DIR] [hydra overrides...]
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+
+RUNS = ("quiet-1", "quiet-2", "noisy", "seq-1", "seq-2")
+BASE = ["split.enabled=false", "ray.exclusive=false"]
+MOVE_LIMIT_PCT = 10.0
+HOG_ON_S, HOG_OFF_S = 2.0, 2.0
+
+
+def duty_cycled_hog(on_s: float, off_s: float) -> None:
+    """Spin on one core for on_s, sleep off_s, forever (the parent terminates it)."""
+    while True:
+        until = time.monotonic() + on_s
+        while time.monotonic() < until:
+            pass
+        time.sleep(off_s)
+
+
+def run_sweep(root: Path, name: str, overrides: list[str]) -> Path:
+    """One `python -m hostsweep` in a fresh folder; the noisy run starts the hog once the
+    engine is ready. Returns the run folder (cells.csv)."""
+    folder = root / name
+    run_dir = folder / "run"
+    if (run_dir / "cells.csv").is_file():
+        return run_dir  # --keep: measured before
+    folder.mkdir(parents=True, exist_ok=True)
+    extra = ["measure.interleave=false"] if name.startswith("seq") else []
+    cmd = [sys.executable, "-m", "hostsweep", *BASE, *extra, f"study=noisy-{name}",
+           f"tracking.uri=sqlite:///{folder / 'mlflow.db'}", f"output.pending_dir={folder / 'pending'}",
+           f"hydra.run.dir={run_dir}", *overrides]
+    hog: Optional[multiprocessing.Process] = None
+    started = time.time()
+    with (folder / "console.txt").open("w") as console:
+        proc = subprocess.Popen(cmd, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            console.write(line)
+            if name == "noisy" and hog is None and "engine ready" in line:
+                hog = multiprocessing.Process(target=duty_cycled_hog, args=(HOG_ON_S, HOG_OFF_S), daemon=True)
+                hog.start()
+        rc = proc.wait()
+    if hog is not None:
+        hog.terminate()
+        hog.join()
+    print(f"  {name}: exit {rc} in {time.time() - started:.0f} s ({folder / 'console.txt'})", flush=True)
+    if rc != 0 or not (run_dir / "cells.csv").is_file():
+        sys.exit(f"{name}: hostsweep exited {rc}; see {folder / 'console.txt'}")
+    return run_dir
+
+
+def cells_of(run_dir: Path, name: str) -> pd.DataFrame:
+    cells = pd.read_csv(run_dir / "cells.csv")
+    cells = cells[cells["status"] == "FINISHED"].sort_values(["batch", "ctx"]).reset_index(drop=True)
+    cells["cell"] = [f"b{b} ctx{c}" for b, c in zip(cells["batch"], cells["ctx"])]
+    cells["ratio"] = cells["step_ms"] / cells["step_ms"].iloc[0]
+    cells["run"] = name
+    cells["unstable"] = cells.get("stable", pd.Series(True, index=cells.index)).map(lambda v: str(v).lower() == "false")
+    return cells
+
+
+def overlap(a: pd.Series, b: pd.Series) -> bool:
+    return not (a["step_ci_high_ms"] < b["step_ci_low_ms"] or b["step_ci_high_ms"] < a["step_ci_low_ms"])
+
+
+def report(frames: dict[str, pd.DataFrame]) -> None:
+    base = frames[next(iter(frames))].set_index("cell")
+    print(f"\n{'run':8} {'cell':11} {'step_ms':>8} {'ci95':>17} {'ratio':>6} {'moved%':>7}  flags")
+    for name, cells in frames.items():
+        for _, row in cells.iterrows():
+            moved = (row["ratio"] / base.loc[row["cell"], "ratio"] - 1) * 100
+            reasons = row.get("unstable_reasons")
+            flags = f"UNSTABLE: {reasons}" if row["unstable"] else "stable"
+            print(f"{name:8} {row['cell']:11} {row['step_ms']:8.3f} [{row['step_ci_low_ms']:6.3f}, "
+                  f"{row['step_ci_high_ms']:6.3f}] {row['ratio']:6.3f} {moved:+7.1f}  {flags}")
+    targets(frames)
+
+
+def targets(frames: dict[str, pd.DataFrame]) -> None:
+    quiet = [frames[n].set_index("cell") for n in frames if n.startswith("quiet")]
+    print("\ntargets")
+    if len(quiet) >= 2:
+        a, b = quiet[0], quiet[1]
+        moved = ((b["ratio"] / a["ratio"] - 1).abs() * 100)
+        overlapping = all(overlap(a.loc[c], b.loc[c]) for c in a.index)
+        print(f"  quiet runs reproduce every ratio within {MOVE_LIMIT_PCT:g} %: max move {moved.max():.1f} % "
+              f"({'met' if moved.max() <= MOVE_LIMIT_PCT else 'NOT met'})")
+        print(f"  quiet runs' CIs overlap in every cell: {'met' if overlapping else 'NOT met'}")
+        for n in frames:
+            if n.startswith("quiet"):
+                flagged = int(frames[n]["unstable"].sum())
+                print(f"  {n} flags at most one cell: {flagged} flagged ({'met' if flagged <= 1 else 'NOT met'})")
+    if "noisy" in frames and quiet:
+        noisy = frames["noisy"].set_index("cell")
+        ratios = pd.concat([q["ratio"] for q in quiet], axis=1)
+        low, high = ratios.min(axis=1), ratios.max(axis=1)
+        beyond = [c for c in noisy.index if noisy.loc[c, "ratio"] > high[c] * (1 + MOVE_LIMIT_PCT / 100)
+                  or noisy.loc[c, "ratio"] < low[c] * (1 - MOVE_LIMIT_PCT / 100)]
+        unflagged = [c for c in beyond if not noisy.loc[c, "unstable"]]
+        print(f"  noisy cells moved > {MOVE_LIMIT_PCT:g} % beyond the quiet spread: {beyond or 'none'}; "
+              f"unflagged among them: {unflagged or 'none'} ({'met' if not unflagged else 'NOT met'})")
+        print(f"  the noisy study is flagged: {int(noisy['unstable'].sum())} of {len(noisy)} cells "
+              f"({'met' if noisy['unstable'].any() else 'NOT met'})")
+    spreads = {}
+    for prefix, label in (("quiet", "interleaved"), ("seq", "cell after cell")):
+        runs = [frames[n].set_index("cell") for n in frames if n.startswith(prefix)]
+        if len(runs) >= 2:
+            b4b1 = [r.loc["b4 ctx128", "step_ms"] / r.loc["b1 ctx128", "step_ms"] for r in runs]
+            spreads[label] = (max(b4b1) / min(b4b1) - 1) * 100
+            print(f"  b4/b1 (ctx128) across quiet runs, {label}: " + ", ".join(f"{v:.3f}" for v in b4b1) +
+                  f" (spread {spreads[label]:.1f} %)")
+    if len(spreads) == 2:
+        print(f"  what interleaving buys: the spread of b4/b1 is {spreads['cell after cell']:.1f} % cell after cell, "
+              f"{spreads['interleaved']:.1f} % interleaved")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", default=",".join(RUNS), help="which runs, in order (first is the reference)")
+    parser.add_argument("--keep", type=Path, help="keep the runs in this folder (rerunning reports on them again)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (e.g. engine.name=fake)")
+    args = parser.parse_args()
+    root = args.keep or Path(tempfile.mkdtemp(prefix="noisy-neighbour-"))
+    print(f"runs in {root}", flush=True)
+    frames = {name: cells_of(run_sweep(root, name, args.overrides), name) for name in args.runs.split(",")}
+    report(frames)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""One cell measured in several engine starts, merged into the one result it reports (pure).
+
+With measure.replicates >= 2 every engine group is measured again in fresh engine starts.
+A cell's pairs from all starts are kept (each pair knows its start); its median and CI come
+from the two-level bootstrap (starts, then pairs within each), so the CI covers what changes
+from one engine start to the next, which a CI over one start's pairs cannot. The split of
+the start with the median device time stands for the cell, its host share recomputed
+against the merged step.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import numpy as np
+
+from hostsweep.measure.protocol import CellMeasurement, RepTiming
+from hostsweep.measure.results import CellResult
+from hostsweep.measure.split import SplitResult
+from hostsweep.measure.stability import (
+    REASONS, StabilityRules, Stability, contention_summary, two_level_bootstrap_ci,
+)
+
+
+def _steps_ms(result: CellResult) -> list[float]:
+    assert result.measurement is not None
+    return [r.step_s * 1e3 for r in result.measurement.reps]
+
+
+def merged_measurement(starts: Sequence[CellResult], rules: StabilityRules) -> CellMeasurement:
+    """Median and two-level bootstrap CI over the starts' pairs; every pair kept, tagged with
+    its start."""
+    step, low, high = two_level_bootstrap_ci([_steps_ms(r) for r in starts], rules.resamples, rules.level,
+                                             np.random.default_rng(rules.seed))
+    reps = tuple(dataclasses.replace(rep, replicate=i) for i, r in enumerate(starts)
+                 for rep in r.measurement.reps)  # type: ignore[union-attr]
+    return CellMeasurement(
+        step_ms=step, step_ci_low_ms=low, step_ci_high_ms=high,
+        wall_1_ms=float(np.median([rep.wall_1_s for rep in reps]) * 1e3),
+        wall_T_ms=float(np.median([rep.wall_T_s for rep in reps]) * 1e3),
+        reps=reps, timed_s=sum(r.measurement.timed_s for r in starts),  # type: ignore[union-attr]
+    )
+
+
+def merged_split(starts: Sequence[CellResult], step_ms: float, host_bound_threshold: float) -> Optional[SplitResult]:
+    """The split of the start with the median device time, host time against the merged step."""
+    splits = sorted((r.split for r in starts if r.split is not None), key=lambda s: s.device_ms)
+    if not splits:
+        return None
+    chosen = splits[(len(splits) - 1) // 2]
+    host_ms = step_ms - chosen.device_ms
+    host_frac = host_ms / step_ms if step_ms else float("nan")
+    return dataclasses.replace(chosen, host_ms=host_ms, host_frac=host_frac,
+                               regime="host-bound" if host_frac >= host_bound_threshold else "device-bound")
+
+
+def merged_stability(starts: Sequence[CellResult], measurement: CellMeasurement, rules: StabilityRules) -> Stability:
+    """What any start broke (its own CI's width aside), and the merged CI's width."""
+    reasons = {reason for r in starts if r.stability is not None for reason in r.stability.reasons} - {"ci_width"}
+    if measurement.ci_half_width_pct > rules.max_ci_pct:
+        reasons.add("ci_width")
+    first = starts[0].stability
+    return Stability(
+        reasons=tuple(r for r in REASONS if r in reasons),
+        attempts=max((r.stability.attempts for r in starts if r.stability is not None), default=1),
+        contention=contention_summary(measurement.reps),
+        replicate_step_ms=first.replicate_step_ms if first is not None else None,
+        start_medians_ms=tuple(float(np.median(_steps_ms(r))) for r in starts),
+    )
+
+
+def merge_starts(starts: Sequence[CellResult], rules: StabilityRules, host_bound_threshold: float) -> CellResult:
+    """The cell's one result from its FINISHED results of several engine starts, in start order."""
+    if not starts or any(r.status != "FINISHED" or r.measurement is None for r in starts):
+        raise ValueError("merge_starts takes the FINISHED results of one cell")
+    if len({r.key for r in starts}) != 1:
+        raise ValueError(f"results of different cells: {sorted({r.key for r in starts})}")
+    measurement = merged_measurement(starts, rules)
+    first = starts[0]
+    return dataclasses.replace(
+        first, measurement=measurement,
+        split=merged_split(starts, measurement.step_ms, host_bound_threshold),
+        stability=merged_stability(starts, measurement, rules),
+        duration_s=sum(r.duration_s for r in starts),
+        started_at=min(r.started_at for r in starts), ended_at=max(r.ended_at for r in starts),
+        earlier_timings=tuple(reps for r in starts for reps in r.earlier_timings),
+        traces={name: blob for r in starts for name, blob in r.traces.items()},
+    )
