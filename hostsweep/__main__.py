@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hostsweep.config.keys import check_known_keys
 from hostsweep.config.options import check_group_overrides
-from hostsweep.config.redact import redact, redact_log_records
+from hostsweep.config.redact import redact, redact_console, redact_log_records
 from hostsweep.config.schema import ConfigError, register_configs
 from hostsweep.stages import signals
 
@@ -148,6 +148,7 @@ def _sweep(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    redact_console()
     redact_log_records()
     signals.install()
     try:

@@ -143,6 +143,17 @@ def test_credentials_in_the_tracking_uri_never_reach_the_console(tmp_path, poiso
     assert not [p for p in tmp_path.rglob("*") if p.is_file() and b"s3cret" in p.read_bytes()]
 
 
+def test_credentials_in_the_overrides_stay_hidden_when_a_job_crashes(tmp_path, poisoned_path):
+    # the compare stage imports MLflow, poisoned here: an unexpected error, which Hydra
+    # reports by quoting every override ("Error executing job with overrides: [...]")
+    proc = run_hostsweep(["+sku=cpu", "stage=compare", "tracking.uri=http://alice:s3cret@127.0.0.1:9"], tmp_path,
+                         pythonpath=poisoned_path)
+    assert proc.returncode == 1 and "mlflow must not be imported" in proc.stderr, proc.stderr[-2000:]
+    assert "tracking.uri=http://alice:***@127.0.0.1:9" in proc.stderr
+    assert "s3cret" not in proc.stderr + proc.stdout
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and b"s3cret" in p.read_bytes()]
+
+
 def test_a_second_sweep_on_this_machine_is_refused_while_the_first_measures(tmp_path, poisoned_path):
     lock = (tmp_path / "hostsweep-local-cluster.lock").open("a+")
     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as the first sweep holds it
