@@ -20,7 +20,7 @@ import pandas as pd
 import yaml
 
 from hostsweep.config.options import load_sku
-from hostsweep.config.redact import redact, redact_log_records
+from hostsweep.config.redact import redact, redact_console, redact_log_records
 from hostsweep.config.schema import DEFAULT_TRACKING_URI, ConfigError
 from hostsweep.model.fit_command import fit_arguments, fit_command, measured_cells, synth_arguments, synth_command
 from hostsweep.model.tpmodel import tp_scaling
@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     commands = {"fit": fit_command, "synth": synth_command, "whatif": whatif_command,
                 "allreduce": allreduce_command, "roofs": roofs_command, "host": host_command}
     quiet_mlflow()
+    redact_console()
     redact_log_records()
     try:
         sys.exit(commands[args.command](args))
