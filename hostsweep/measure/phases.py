@@ -1,0 +1,164 @@
+"""Profiler trace → host time per named phase of a decode step, differenced like the split (pure).
+
+vLLM V1 marks the phases of a step with named profiler scopes when
+VLLM_CUSTOM_SCOPES_FOR_PROFILING=1 (`gpu_model_runner: preprocess / forward / postprocess /
+sample / draft / bookkeep / eplb / ModelRunnerOutput` in the model's worker process,
+`schedule: …` in the scheduler); hostsweep's vLLM plugin (engines/vllm_plugin.py) adds
+`hostsweep: …` scopes around what the EngineCore loop and the worker do per step. The scopes
+land in the chrome trace as `user_annotation` events. What counts as a phase's time:
+
+- only `user_annotation` events (the host timeline; a GPU trace's `gpu_user_annotation`
+  copies on the device stream are not host time) whose name has a known prefix
+  (PHASE_PREFIXES): the profiler's own "PyTorch Profiler (0)" span and user scopes are not
+  phases;
+- a phase scope nested inside another phase scope of the same thread is part of its parent
+  and is not counted again (the outermost-scope rule, as the kernel rule of traces.py);
+- a phase's **host** time is its scope time minus the compute ops inside it (on the CPU
+  build the compute ops are the split's device time, counted by traces.py's rule; on a GPU
+  the host scopes hold no kernels, they run on the device stream, so nothing is subtracted).
+  The forward phase is reported as `forward_dispatch` (host: Python, dispatch, launches) with
+  its compute ops beside as `forward_compute_ms` (device).
+
+Per step, each total is differenced exactly like the kernel totals:
+(total(T) - total(1)) / (T - 1).
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Optional
+
+from hostsweep.measure.traces import Interval, kernel_source, outermost_compute_ops
+
+# Scope-name prefixes that mark a phase; the rest of the name is the phase.
+PHASE_PREFIXES = ("gpu_model_runner: ", "schedule: ", "hostsweep: ")
+PHASE_CATEGORY = "user_annotation"
+# The phases in the order a step runs them (what figures stack); unknown phases follow.
+PHASE_ORDER = ("schedule", "engine_worker_ipc", "preprocess", "forward_dispatch", "postprocess", "sample",
+               "draft", "bookkeep", "eplb", "model_runner_output", "update_from_output", "other_engine_loop")
+
+
+def phase_name(scope: str) -> Optional[str]:
+    """'gpu_model_runner: ModelRunnerOutput' -> 'model_runner_output'; None for non-phases.
+    Scheduler scopes keep their prefix ('schedule: allocate_slots' -> 'schedule_allocate_slots')."""
+    for prefix in PHASE_PREFIXES:
+        if scope.startswith(prefix):
+            rest = scope[len(prefix):]
+            if prefix == "schedule: ":
+                rest = "schedule_" + rest
+            snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", rest).lower()
+            return re.sub(r"[^a-z0-9]+", "_", snake).strip("_") or None
+    return None
+
+
+@dataclass
+class PhaseTotals:
+    """Per phase of one trace (one rank, one profiled generate), in microseconds: scope time
+    (outermost scopes only) and the compute ops inside those scopes."""
+
+    scope_us: Counter = field(default_factory=Counter)
+    compute_us: Counter = field(default_factory=Counter)
+    count: Counter = field(default_factory=Counter)
+
+
+def outermost_phase_scopes(events: Iterable[dict[str, Any]]) -> list[tuple[Any, Interval]]:
+    """(thread, interval named by its phase) of phase scopes not nested in another phase scope
+    of the same thread."""
+    by_thread: dict[Any, list[Interval]] = {}
+    for e in events:
+        if e.get("cat") != PHASE_CATEGORY or e.get("ph") != "X":
+            continue
+        name = phase_name(str(e.get("name", "")))
+        if name is None:
+            continue
+        start = float(e["ts"])
+        by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(
+            Interval(start, start + float(e.get("dur", 0.0)), name))
+    kept: list[tuple[Any, Interval]] = []
+    for thread, intervals in by_thread.items():
+        intervals.sort(key=lambda i: (i.start_us, -i.end_us))  # a parent before its children
+        enclosing_end = float("-inf")
+        for iv in intervals:
+            if iv.end_us <= enclosing_end:
+                continue
+            kept.append((thread, iv))
+            enclosing_end = iv.end_us
+    return kept
+
+
+def _overlap_us(scope: Interval, ops: list[Interval]) -> float:
+    return sum(max(0.0, min(scope.end_us, op.end_us) - max(scope.start_us, op.start_us)) for op in ops)
+
+
+def phase_totals(trace: Mapping[str, Any]) -> PhaseTotals:
+    """Scope time, and compute time inside the scopes, per phase of one trace."""
+    events = trace.get("traceEvents", [])
+    scopes = outermost_phase_scopes(events)
+    out = PhaseTotals()
+    if not scopes:
+        return out
+    # On a GPU the host scopes hold no device time (kernels run on the stream, apart).
+    ops_by_thread: dict[Any, list[Interval]] = {}
+    if kernel_source(events) != "cuda":
+        cpu_by_thread: dict[Any, list[dict[str, Any]]] = {}
+        for e in events:
+            if e.get("cat") == "cpu_op":
+                cpu_by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+        ops_by_thread = {thread: outermost_compute_ops(ops) for thread, ops in cpu_by_thread.items()}
+    for thread, iv in scopes:
+        out.scope_us[iv.name] += iv.end_us - iv.start_us
+        out.compute_us[iv.name] += _overlap_us(iv, ops_by_thread.get(thread, []))
+        out.count[iv.name] += 1
+    return out
+
+
+@dataclass(frozen=True)
+class PhaseSplit:
+    """Host time per phase per decode step (ms), and how much of host_ms the phases cover."""
+
+    host_ms: dict[str, float]  # phase -> host ms per step (forward as forward_dispatch)
+    forward_compute_ms: float  # compute ops inside the forward scope, per step (device)
+    attributed_frac: float  # sum of host_ms over the cell's host_ms (nan without host time)
+
+    @property
+    def largest(self) -> Optional[tuple[str, float]]:
+        return max(self.host_ms.items(), key=lambda kv: kv[1]) if self.host_ms else None
+
+    def ordered(self) -> list[tuple[str, float]]:
+        known = [(p, self.host_ms[p]) for p in PHASE_ORDER if p in self.host_ms]
+        return known + sorted((p, v) for p, v in self.host_ms.items() if p not in PHASE_ORDER)
+
+
+def per_step_ms(total_1_us: float, total_T_us: float, T: int) -> float:
+    return (total_T_us - total_1_us) / (T - 1) / 1e3
+
+
+def phase_split(short: PhaseTotals, long: PhaseTotals, T: int, host_ms: float,
+                extra_ms: Optional[Mapping[str, float]] = None) -> Optional[PhaseSplit]:
+    """Differenced host ms per phase from a T=1 / T pair's phase totals (one rank), plus
+    phases measured elsewhere (extra_ms: e.g. the EngineCore's); None when the traces hold
+    no phase scopes (the scopes were off)."""
+    names = set(short.scope_us) | set(long.scope_us)
+    if not names and not extra_ms:
+        return None
+    host: dict[str, float] = {}
+    forward_compute = 0.0
+    for name in names:
+        scope = per_step_ms(short.scope_us[name], long.scope_us[name], T)
+        compute = per_step_ms(short.compute_us[name], long.compute_us[name], T)
+        if name == "forward":
+            host["forward_dispatch"] = scope - compute
+            forward_compute = compute
+        else:
+            host[name] = scope - compute
+    host.update(extra_ms or {})
+    attributed = sum(host.values()) / host_ms if host_ms > 0 else float("nan")
+    return PhaseSplit(host, forward_compute, attributed)
+
+
+def phase_metrics(split: PhaseSplit) -> dict[str, float]:
+    """phase_<name>_ms per phase, forward_compute_ms and attributed_frac."""
+    metrics = {f"phase_{name}_ms": ms for name, ms in split.ordered()}
+    metrics.update(forward_compute_ms=split.forward_compute_ms, attributed_frac=split.attributed_frac)
+    return metrics

@@ -1,0 +1,114 @@
+"""Host time per named phase, on synthesized CPU- and CUDA-style traces with known answers."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hostsweep.measure.phases import PhaseTotals, phase_metrics, phase_name, phase_split, phase_totals
+
+
+def scope(name, ts, dur, tid=1, cat="user_annotation"):
+    return {"ph": "X", "cat": cat, "name": name, "pid": 7, "tid": tid, "ts": ts, "dur": dur}
+
+
+def cpu_op(name, ts, dur, tid=1):
+    return {"ph": "X", "cat": "cpu_op", "name": name, "pid": 7, "tid": tid, "ts": ts, "dur": dur}
+
+
+def cpu_steps(steps: int) -> list[dict]:
+    """A prefill-ish preamble, then per step (1000 us): preprocess 80, forward 500 holding a
+    300-us compute op (with a nested one and a view), sample 60 holding a 10-us argmax,
+    bookkeep 40 with a nested phase scope; all inside the profiler's own span."""
+    events = [scope("PyTorch Profiler (0)", 0, 10_000_000), scope("gpu_model_runner: preprocess", 0, 900)]
+    clock = 1000.0
+    for _ in range(steps):
+        events += [
+            scope("gpu_model_runner: preprocess", clock, 80),
+            scope("gpu_model_runner: forward", clock + 100, 500),
+            cpu_op("aten::linear", clock + 150, 300),
+            cpu_op("aten::addmm", clock + 151, 298),  # nested compute: once
+            cpu_op("aten::view", clock + 460, 5),  # metadata: host
+            scope("gpu_model_runner: sample", clock + 620, 60),
+            cpu_op("aten::argmax", clock + 640, 10),
+            scope("gpu_model_runner: bookkeep", clock + 700, 40),
+            scope("gpu_model_runner: ModelRunnerOutput", clock + 710, 20),  # nested phase: once
+            scope("some user scope", clock + 700, 200),  # not a phase
+        ]
+        clock += 1000.0
+    return events
+
+
+@pytest.mark.parametrize("scope_name, phase", [
+    ("gpu_model_runner: preprocess", "preprocess"),
+    ("gpu_model_runner: ModelRunnerOutput", "model_runner_output"),
+    ("schedule: allocate_slots", "schedule_allocate_slots"),
+    ("hostsweep: engine_worker_ipc", "engine_worker_ipc"),
+    ("PyTorch Profiler (0)", None),
+    ("llm_engine step: get_output", None),
+    ("ProfilerStep#3", None),
+])
+def test_phase_names(scope_name, phase):
+    assert phase_name(scope_name) == phase
+
+
+def test_cpu_trace_nested_scopes_once_and_compute_inside_subtracted():
+    t = phase_totals({"traceEvents": cpu_steps(3)})
+    assert t.scope_us == {"preprocess": 900 + 3 * 80, "forward": 3 * 500, "sample": 3 * 60, "bookkeep": 3 * 40}
+    assert t.compute_us["forward"] == 3 * 300 and t.compute_us["sample"] == 3 * 10
+    assert t.compute_us["preprocess"] == 0 and "model_runner_output" not in t.scope_us
+
+
+def test_differenced_per_step_phases_known_answers():
+    T = 9
+    short, long = phase_totals({"traceEvents": cpu_steps(1)}), phase_totals({"traceEvents": cpu_steps(T)})
+    split = phase_split(short, long, T, host_ms=0.69)
+    assert split.host_ms == pytest.approx({"preprocess": 0.08, "forward_dispatch": 0.2, "sample": 0.05,
+                                           "bookkeep": 0.04})
+    assert split.forward_compute_ms == pytest.approx(0.3)
+    assert split.attributed_frac == pytest.approx(0.37 / 0.69)
+    assert split.largest == ("forward_dispatch", pytest.approx(0.2))
+    metrics = phase_metrics(split)
+    assert list(metrics)[:4] == ["phase_preprocess_ms", "phase_forward_dispatch_ms", "phase_sample_ms",
+                                 "phase_bookkeep_ms"]
+    assert metrics["attributed_frac"] == pytest.approx(0.37 / 0.69)
+
+
+def test_phases_on_separate_threads_each_count():
+    events = [scope("gpu_model_runner: sample", 0, 50, tid=1), scope("gpu_model_runner: sample", 10, 50, tid=2)]
+    assert phase_totals({"traceEvents": events}).scope_us["sample"] == 100
+
+
+def cuda_steps(steps: int) -> list[dict]:
+    """Host scopes with launches inside; kernels on the stream overlap them in time and are
+    not host time; the device stream's gpu_user_annotation copies are ignored."""
+    events = []
+    clock = 0.0
+    for _ in range(steps):
+        events += [
+            scope("gpu_model_runner: preprocess", clock, 30),
+            scope("gpu_model_runner: forward", clock + 40, 200),
+            {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "pid": 7, "tid": 1, "ts": clock + 50,
+             "dur": 10},
+            {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7, "ts": clock + 60, "dur": 400},
+            scope("gpu_model_runner: forward", clock + 60, 400, tid=7, cat="gpu_user_annotation"),
+            scope("gpu_model_runner: sample", clock + 250, 220),  # waits for the kernel
+        ]
+        clock += 500.0
+    return events
+
+
+def test_cuda_trace_host_scopes_keep_their_full_time():
+    T = 5
+    split = phase_split(phase_totals({"traceEvents": cuda_steps(1)}), phase_totals({"traceEvents": cuda_steps(T)}),
+                        T, host_ms=0.1)
+    assert split.host_ms == pytest.approx({"preprocess": 0.03, "forward_dispatch": 0.2, "sample": 0.22})
+    assert split.forward_compute_ms == 0
+
+
+def test_no_scopes_no_phases_and_extra_phases_join():
+    assert phase_split(PhaseTotals(), PhaseTotals(), 33, 1.0) is None
+    split = phase_split(PhaseTotals(), PhaseTotals(), 33, 2.0, extra_ms={"schedule": 0.5, "engine_worker_ipc": 0.3})
+    assert split.ordered() == [("schedule", 0.5), ("engine_worker_ipc", 0.3)]
+    assert split.attributed_frac == pytest.approx(0.4)
+    assert math.isnan(phase_split(PhaseTotals(), PhaseTotals(), 33, 0.0, extra_ms={"x": 1.0}).attributed_frac)
