@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 import time
 from typing import Callable, Generic, Optional, TypeVar
@@ -28,6 +29,16 @@ MAX_BACKOFF_S = 15.0
 MAX_BACKLOG = 500
 # Put on the queue by close(): the thread, waiting up to a second for an item, ends at once.
 _WAKE = object()
+_ERRNO = re.compile(r"\[Errno -?\d+\] [^\"')(]+")
+
+
+def short_reason(exc: BaseException) -> str:
+    """Why a call failed, in a few words: the OS error an HTTP client wraps three times
+    ("[Errno 111] Connection refused"), else the message's start (the full text is in the
+    HTTP library's lines in hostsweep.log)."""
+    text = redact(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+    errno = _ERRNO.search(text)
+    return errno.group(0) if errno else (text if len(text) <= 160 else text[:157] + "...")
 
 
 class BackgroundLogger(Generic[Item]):
@@ -73,13 +84,10 @@ class BackgroundLogger(Generic[Item]):
                     log.warning("MLflow is unreachable (%s did not go through: %s). Measuring goes on; each measured "
                                 "cell is kept in the journal (journal.jsonl) and cells.csv until MLflow takes it. "
                                 "Retrying for up to %.0f s (tracking.outage_s), then the sweep stops; a rerun "
-                                "uploads what MLflow did not take",
-                                what, redact(str(exc).splitlines()[0] if str(exc) else type(exc).__name__),
-                                self.outage_s)
+                                "uploads what MLflow did not take", what, short_reason(exc), self.outage_s)
                 if now - self.down_since >= self.outage_s:
                     self._failure = (f"MLflow has not answered for {now - self.down_since:.0f} s "
-                                     f"(tracking.outage_s={self.outage_s:.0f}): "
-                                     f"{redact(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)}")
+                                     f"(tracking.outage_s={self.outage_s:.0f}): {short_reason(exc)}")
                     return False
                 if self.closing and (self.given_up or now - self.down_since >= min(self.outage_s, 10.0)):
                     return False  # closing: the journal keeps it, no point waiting the full outage
