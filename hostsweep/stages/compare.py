@@ -121,7 +121,8 @@ def _summary(fit: dict[str, Any], groups: pd.DataFrame, folder: Path, report_run
         lines += [f"noise: {fit['verdict']['noise']['summary']}"]
     lines += [f"held-out {r.sku} TP-{r.tp}: {r.verdict} — {r.reason}" for r in groups.itertuples()]
     lines += [f"report: {folder / 'report.html'} and {folder / 'report.md'} (figures in {folder / 'figures'})",
-              f"MLflow: run {report_run.run_name} ({report_run.run_id}) in experiment {report_run.experiment_id} of {redact(uri)}",
+              f"MLflow: run {report_run.run_name} ({report_run.run_id}) in experiment {report_run.experiment_id} "
+              f"of {redact(uri)}",
               f"open the UI: {ui_command(uri, port)}",
               f"  then browse {runs_table_url(report_run.experiment_id, port)}",
               f"  the report: {runs_table_url(report_run.experiment_id, port, report_run.run_id)} (Artifacts)"]
