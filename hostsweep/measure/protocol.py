@@ -123,16 +123,22 @@ class Rounds:
 
 def interleaved_rounds(reps: Sequence[int], pair: PairRunner, seed: int,
                        stops: Optional[Sequence[Optional[StopRule]]] = None,
-                       on_round: Optional[RoundHook] = None) -> Rounds:
+                       on_round: Optional[RoundHook] = None,
+                       done: Optional[Sequence[Sequence[RepTiming]]] = None,
+                       on_pair: Optional[Callable[[int, RepTiming], None]] = None) -> Rounds:
     """Time the cells' pairs in rounds, one pair of every cell still measuring per round,
     in a seeded shuffled order: slow drift and a neighbour's bursts then land on every cell
     alike instead of on whichever cell was running (asv's interleaved rounds). A cell leaves
     the rotation after reps[i] pairs, or once its stop rule says its pairs suffice. Each
-    cell's pairs alternate which generate runs first, as run_protocol's do."""
-    timings: list[list[RepTiming]] = [[] for _ in reps]
-    active = [i for i, n in enumerate(reps) if n > 0]
+    cell's pairs alternate which generate runs first, as run_protocol's do. `done`: pairs
+    an earlier run measured (a killed sweep's); the rounds continue after them. `on_pair`
+    hears of each pair as soon as it is measured (cell index, the pair with its round)."""
+    rule = stops or [None] * len(reps)
+    timings: list[list[RepTiming]] = [list(d) for d in done] if done else [[] for _ in reps]
+    active = [i for i, n in enumerate(reps)
+              if len(timings[i]) < n and not (timings[i] and rule[i] and rule[i](timings[i]))]
     orders: list[tuple[int, ...]] = []
-    round_index = 0
+    round_index = 1 + max((t.round for cell in timings for t in cell), default=-1)
     while active:
         if on_round is not None:
             on_round(round_index + 1, len(active))
@@ -142,8 +148,9 @@ def interleaved_rounds(reps: Sequence[int], pair: PairRunner, seed: int,
             timing = pair(i, k, k % 2 == 0)
             timings[i].append(RepTiming(k, timing.t1_first, timing.wall_1_s, timing.wall_T_s, timing.step_s,
                                         round_index, timing.contention))
+            if on_pair is not None:
+                on_pair(i, timings[i][-1])
         orders.append(tuple(order))
-        rule = stops or [None] * len(reps)
         active = [i for i in active if len(timings[i]) < reps[i] and not (rule[i] and rule[i](timings[i]))]
         round_index += 1
     return Rounds(tuple(tuple(t) for t in timings), tuple(orders))

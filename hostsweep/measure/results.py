@@ -33,6 +33,9 @@ class MeasureOptions:
     measure: MeasureConfig = field(default_factory=MeasureConfig)
     split: SplitConfig = field(default_factory=SplitConfig)
     linearity: LinearityConfig = field(default_factory=LinearityConfig)
+    # Where workers keep each cell's timed pairs until it is reported (run/rounds.py), so a
+    # rerun continues a killed sweep's cells; the sweep sets it, None keeps none.
+    rounds_dir: Optional[str] = None
 
     @classmethod
     def of(cls, cfg: SweepConfig) -> "MeasureOptions":

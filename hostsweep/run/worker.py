@@ -32,6 +32,7 @@ from hostsweep.measure.results import CellResult, MeasureOptions, stability_rule
 from hostsweep.measure.speculative import SpecResult, spec_summary
 from hostsweep.measure.stability import Stability, judge, replicate_disagrees
 from hostsweep.run.contention import ContentionProbe, sweep_root_pid
+from hostsweep.run.rounds import RoundJournal, round_journal
 from hostsweep.run.faults import EngineDied
 from hostsweep.run.hygiene import (
     descendant_pids, new_scratch_folder, release_ray_thread_limits, release_shared_memory, remove_stale_scratch,
@@ -77,6 +78,60 @@ class TimedCell:
     stability: Stability
     earlier: tuple[tuple[RepTiming, ...], ...]  # the pairs of attempts the re-measure replaced
     started_at: float  # epoch seconds: when the group's measurement began
+
+
+class _Group:
+    """A group's timed measurement as it is built: each cell's pairs, summary, verdict and
+    replaced attempts, and which of its speculation counts belong to the reported pairs."""
+
+    def __init__(self, cells: Sequence[Cell], prompts: list[list[list[int]]], options: MeasureOptions) -> None:
+        self.cells, self.prompts, self.options = cells, prompts, options
+        self.started_at = time.time()
+        self.spec_logs: list[list[list[dict]]] = [[] for _ in cells]
+        self.generates: list = []
+        self.final_from = [0] * len(cells)
+        self.timings: list[tuple[RepTiming, ...]] = [()] * len(cells)
+        self.summaries: list[Optional[CellMeasurement]] = [None] * len(cells)
+        self.verdicts: list[Stability] = [Stability()] * len(cells)
+        self.earlier: list[list[tuple[RepTiming, ...]]] = [[] for _ in cells]
+
+    def _summary(self, i: int, pairs: Sequence[RepTiming]) -> CellMeasurement:
+        m = self.options.measure
+        return summarize(pairs, m.bootstrap_resamples, m.ci_level, self.cells[i].seed)
+
+    def take(self, which: Sequence[int], timings: Sequence[Sequence[RepTiming]], attempt: int = 1) -> None:
+        """The pairs of an attempt at these cells: summarized and judged; the ones they
+        replace are kept."""
+        for i, pairs in zip(which, timings):
+            if self.timings[i]:
+                self.earlier[i].append(self.timings[i])
+            self.timings[i], self.summaries[i] = tuple(pairs), self._summary(i, pairs)
+            verdict = judge(pairs, self.summaries[i], stability_rules_of(self.options, self.cells[i].seed), attempt)
+            self.verdicts[i] = dataclasses.replace(verdict, replicate_step_ms=self.verdicts[i].replicate_step_ms)
+
+    def replicate(self, pairs: Sequence[RepTiming]) -> None:
+        """The first cell timed again after the rounds: unstable if it disagrees with itself."""
+        again = self._summary(0, pairs)
+        self.verdicts[0] = dataclasses.replace(self.verdicts[0], replicate_step_ms=again.step_ms)
+        if replicate_disagrees(self.summaries[0], again):  # type: ignore[arg-type]
+            self.verdicts[0] = self.verdicts[0].with_reason("replicate")
+
+    def unstable(self) -> list[int]:
+        return [i for i, v in enumerate(self.verdicts) if not v.stable and "split_impossible" not in v.reasons]
+
+    def mark_attempt(self, which: Sequence[int]) -> None:
+        for i in which:  # the speculation counts of the attempt about to be timed are the ones reported
+            self.final_from[i] = len(self.spec_logs[i])
+
+    def timed_cells(self) -> dict[str, "TimedCell"]:
+        timed_s = time.time() - self.started_at
+        cells = {}
+        for i, cell in enumerate(self.cells):
+            start = self.final_from[i]
+            spec = spec_summary(self.spec_logs[i][start:start + len(self.timings[i])], cell.T)
+            cells[cell.key] = TimedCell(self.prompts[i], dataclasses.replace(self.summaries[i], timed_s=timed_s),
+                                        spec, self.verdicts[i], tuple(self.earlier[i]), self.started_at)
+        return cells
 
 
 def prompt_seed(cell: Cell) -> int:
@@ -256,11 +311,19 @@ class SweepWorker:
         self.engine.generate(seeds, cell.ctx - len(seeds[0]))
         return [seed + text for seed, text in zip(seeds, self.engine.last_tokens())]
 
-    def _rounds(self, cells: Sequence[Cell], generates: list, options: MeasureOptions, what: str) -> Rounds:
-        """Timed pairs of the cells in interleaved rounds, each pair with its contention record."""
+    def _rounds(self, cells: Sequence[Cell], generates: list, options: MeasureOptions, what: str,
+                journal: Optional[RoundJournal] = None) -> Rounds:
+        """Timed pairs of the cells in interleaved rounds, each pair with its contention record;
+        with a journal, continued from the pairs a killed run left and each new pair saved."""
         m = options.measure
         stops = [None if c.target_ci_pct is None else
                  ci_target_rule(c.target_ci_pct, c.min_reps, m.bootstrap_resamples, m.ci_level, c.seed) for c in cells]
+        done = [journal.resume(c.key) if journal else () for c in cells]
+        for cell, pairs in zip(cells, done):
+            if journal:
+                journal.start(cell.key, pairs)
+            if pairs:
+                log.info("%s: continuing from %d timed pair(s) a killed run left", cell.key, len(pairs))
 
         def pair(i: int, k: int, t1_first: bool) -> RepTiming:
             timed, T = generates[i], cells[i].T
@@ -278,7 +341,8 @@ class SweepWorker:
             self._phase = f"{what}: round {r} of {max(c.reps for c in cells)}, {active} cell(s)"
             self.probe.refresh()
 
-        return interleaved_rounds([c.reps for c in cells], pair, cells[0].seed, stops, on_round)
+        save = (lambda i, timing: journal.append(cells[i].key, timing)) if journal else None
+        return interleaved_rounds([c.reps for c in cells], pair, cells[0].seed, stops, on_round, done, save)
 
     def _warm_up(self, cells: Sequence[Cell], generates: list) -> None:
         """Each cell's warm-up pairs, cell by cell and before any timed pair (discarded)."""
@@ -292,41 +356,26 @@ class SweepWorker:
         """Warm-ups, then the group's timed pairs in interleaved rounds; the first cell measured
         again at the end (the replicate); cells judged unstable measured again, up to
         measure.remeasure_unstable times, each attempt kept."""
-        m, started_at = options.measure, time.time()
-        prompts = [self.prompts(cell) for cell in cells]
-        spec_logs: list[list[list[dict]]] = [[] for _ in cells]
-        generates = [self._timed_generate(p, log) for p, log in zip(prompts, spec_logs)]
-        self._warm_up(cells, generates)
-        final_from = [len(log) for log in spec_logs]
-        timings = list(self._rounds(cells, generates, options, "rep").timings)
-        summaries = [summarize(t, m.bootstrap_resamples, m.ci_level, c.seed) for t, c in zip(timings, cells)]
-        verdicts = [judge(t, s, stability_rules_of(options, c.seed)) for t, s, c in zip(timings, summaries, cells)]
-        if len(cells) > 1 and m.replicate_first:
-            again = summarize(self._rounds(cells[:1], generates[:1], options, "replicate").timings[0],
-                              m.bootstrap_resamples, m.ci_level, cells[0].seed)
-            verdicts[0] = dataclasses.replace(verdicts[0], replicate_step_ms=again.step_ms)
-            if replicate_disagrees(summaries[0], again):
-                verdicts[0] = verdicts[0].with_reason("replicate")
-        earlier: list[list[tuple[RepTiming, ...]]] = [[] for _ in cells]
-        for attempt in range(2, 2 + m.remeasure_unstable):
-            redo = [i for i, v in enumerate(verdicts) if not v.stable and "split_impossible" not in v.reasons]
+        group = _Group(cells, [self.prompts(cell) for cell in cells], options)
+        group.generates = [self._timed_generate(p, log) for p, log in zip(group.prompts, group.spec_logs)]
+        self._warm_up(cells, group.generates)
+        group.mark_attempt(range(len(cells)))  # the warm-ups' speculation counts are not reported
+        journal = round_journal(options.rounds_dir, self.host)
+        group.take(range(len(cells)), self._rounds(cells, group.generates, options, "rep", journal).timings)
+        if len(cells) > 1 and options.measure.replicate_first:
+            group.replicate(self._rounds(cells[:1], group.generates[:1], options, "replicate").timings[0])
+        for attempt in range(2, 2 + options.measure.remeasure_unstable):
+            redo = group.unstable()
             if not redo:
                 break
             log.info("re-measuring %d unstable cell(s) (attempt %d)", len(redo), attempt)
-            for i in redo:
-                final_from[i] = len(spec_logs[i])
-            rounds = self._rounds([cells[i] for i in redo], [generates[i] for i in redo], options, "re-measure")
-            for i, again_pairs in zip(redo, rounds.timings):
-                earlier[i].append(timings[i])
-                timings[i] = again_pairs
-                summaries[i] = summarize(again_pairs, m.bootstrap_resamples, m.ci_level, cells[i].seed)
-                verdicts[i] = dataclasses.replace(judge(again_pairs, summaries[i], stability_rules_of(options, cells[i].seed),
-                                                        attempt), replicate_step_ms=verdicts[i].replicate_step_ms)
-        timed_s = time.time() - started_at
-        return {cell.key: TimedCell(prompts[i], dataclasses.replace(summaries[i], timed_s=timed_s),
-                                    spec_summary(spec_logs[i][final_from[i]:final_from[i] + len(timings[i])], cell.T),
-                                    verdicts[i], tuple(earlier[i]), started_at)
-                for i, cell in enumerate(cells)}
+            group.mark_attempt(redo)
+            rounds = self._rounds([cells[i] for i in redo], [group.generates[i] for i in redo], options, "re-measure")
+            group.take(redo, rounds.timings, attempt)
+        if journal:
+            for cell in cells:
+                journal.close(cell.key)
+        return group.timed_cells()
 
     def _timed_cell(self, cell: Cell, options: MeasureOptions, companions: Sequence[Cell]) -> TimedCell:
         """The cell's timed measurement: kept from its group's rounds, or measured now with the
@@ -395,6 +444,9 @@ class SweepWorker:
                               log_tail=log_tail(self.log_path))
         self._phase = "recording"
         host = {**self.host_info(), "prompt_digest": prompt_digest(prompts)}
+        journal = round_journal(options.rounds_dir, self.host)
+        if journal:  # its pairs travel with the result now; the driver journals it at once
+            journal.done(cell.key)
         ended_at = time.time()
         return CellResult(key=cell.key, params=cell.params(), status="FINISHED", measurement=measurement,
                           error=None, host=host, duration_s=ended_at - started_at, split=split, linearity=lin,

@@ -10,6 +10,7 @@ this sweep asks for) and the rest are claimed, so a concurrent sweep skips them.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -41,6 +42,7 @@ from hostsweep.run import cluster
 from hostsweep.run.dispatch import Dispatcher, WorkerBackend
 from hostsweep.run.faults import FaultPolicy
 from hostsweep.run.progress import ProgressReporter
+from hostsweep.run.rounds import ROUNDS_FOLDER
 from hostsweep.run.hygiene import descendant_pids
 from hostsweep.run.winddown import WindDown
 from hostsweep.run.worklog import worker_log_folder
@@ -209,8 +211,9 @@ def _sweep(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, b
     cfg = study.config
     wind_down = wind_down or WindDown(backend.finish_closing)
     started = time.time()
-    options = MeasureOptions.of(cfg)
     pending = pending_folder(Path(cfg.output.pending_dir), cfg.tracking.uri, experiment_name(study))
+    # Workers keep each cell's timed pairs there until it is reported: a rerun continues them.
+    options = dataclasses.replace(MeasureOptions.of(cfg), rounds_dir=str((pending / ROUNDS_FOLDER).resolve()))
     journal = Journal.create(run_dir / JOURNAL_FILE, pending)  # refuses a run dir another sweep uses
     # Engines start (actor, vLLM import, engine init: tens of seconds) while MLflow is opened,
     # earlier cells are looked up and claims are made; those left with nothing to do go back.

@@ -305,3 +305,47 @@ def test_replicates_join_the_cell_key_only_when_above_one():
     assert [c.key for c in one] == [c.key for c in fake_study("measure.replicates=1")[0]]
     assert all(a.key != b.key for a, b in zip(one, three))
     assert three[0].params()["replicates"] == 3 and "replicates" not in one[0].params()
+
+
+def test_a_killed_groups_timed_pairs_are_continued_by_the_next_worker_not_measured_again(tmp_path):
+    import dataclasses
+
+    cells, options = fake_study("split.enabled=false", "measure.replicate_first=false")
+    options = dataclasses.replace(options, rounds_dir=str(tmp_path / "rounds"))
+    doomed, counts = counting_worker(tmp_path, cells[0].engine)
+    timed_pairs, generate = [0], doomed.engine.generate
+
+    def dies_in_round_three(prompts, tokens):  # 3 cells x 2 rounds x 2 generates, then one more
+        timed_pairs[0] += 1
+        if timed_pairs[0] > 3 * 2 + 2 * 3 * 2 + 1:  # warm-ups (1 pair each) + two rounds + half a pair
+            raise RuntimeError("engine killed")
+        return generate(prompts, tokens)
+
+    doomed.engine.generate = dies_in_round_three
+    assert doomed.measure(cells[0], options, tuple(cells[1:])).status == "FAILED"
+    journal_files = sorted((tmp_path / "rounds").glob("*.jsonl"))
+    assert len(journal_files) == 3
+
+    worker, counts = counting_worker(tmp_path, cells[0].engine)
+    results = [worker.measure(cell, options, tuple(cells[i + 1:])) for i, cell in enumerate(cells)]
+    assert counts == {1: 1 + 2, 2: 1 + 2, 4: 1 + 2}  # a warm-up and the two pairs still missing, each
+    for result in results:
+        reps = result.measurement.reps
+        assert result.status == "FINISHED" and len(reps) == 4
+        assert [r.rep for r in reps] == [0, 1, 2, 3] and [r.round for r in reps] == [0, 1, 2, 3]
+    assert not list((tmp_path / "rounds").glob("*.jsonl"))  # handed over: nothing left to continue
+
+
+def test_pairs_measured_by_another_kind_of_engine_are_not_continued(tmp_path):
+    from hostsweep.measure.protocol import RepTiming
+    from hostsweep.run.rounds import RoundJournal
+
+    here = RoundJournal(tmp_path, {"hostname": "a", "vllm_version": "0.32"})
+    here.start("k", [RepTiming(0, True, 0.01, 0.02, 0.001, 0)])
+    here.append("k", RepTiming(1, False, 0.01, 0.02, 0.001, 1))
+    here.close("k")
+    assert len(here.resume("k")) == 2
+    assert RoundJournal(tmp_path, {"hostname": "a", "vllm_version": "0.33"}).resume("k") == ()
+    with here.path("k").open("a") as torn:
+        torn.write('{"rep": 2, "t1_fi')  # killed mid-write
+    assert len(here.resume("k")) == 2
