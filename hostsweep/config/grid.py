@@ -40,6 +40,7 @@ class EngineSpec:
     tp_executor: str  # "mp" or "ray": how TP>1 ranks run on GPUs (placement.py)
     engine_args_json: str  # vllm.LLM(**engine_args) as canonical JSON (config.engine_args)
     random_weights: bool = False  # the worker writes random weights for the shape (engines/weights.py)
+    debug_delay: str = ""  # "<phase>:<ms>": the test-only delay hook (config debug.), "" = none
 
     @property
     def label(self) -> str:
@@ -149,6 +150,7 @@ def engine_spec(study: Study, sku: SkuConfig, tp: int, mode: Optional[ModeConfig
         tp_executor=cfg.engine.tp_executor,
         engine_args_json=canonical_json(args),
         random_weights=model.load_format == "random",
+        debug_delay=f"{cfg.debug.delay_phase}:{cfg.debug.delay_ms:g}" if cfg.debug.delay_ms > 0 else "",
     )
 
 

@@ -139,6 +139,22 @@ class SplitConfig:
 
 
 @dataclass
+class DebugConfig:
+    """Test-only hooks. delay_phase + delay_ms: the engine sleeps delay_ms inside that phase of
+    every step (the vLLM plugin, engines/vllm_plugin.py; the fake engine alike), to show a
+    phase's time is on the step's critical path (benchmarks/phase_delay.py). Not part of a
+    cell's key: measure delayed cells in a study of their own, or with resume=false."""
+
+    delay_phase: str = ""  # a phase (DELAY_PHASES): schedule, preprocess, sample, ...; "" = none
+    delay_ms: float = 0.0
+
+
+# The phases the delay hook can sit in: vLLM's model-runner scopes and hostsweep's EngineCore ones.
+DELAY_PHASES = ("schedule", "update_from_output", "preprocess", "forward", "postprocess", "sample", "bookkeep",
+                "model_runner_output")
+
+
+@dataclass
 class LinearityConfig:
     """Opt-in: wall and kernel time over a decade of T, to check the two-point slope."""
 
@@ -372,6 +388,7 @@ class SweepConfig:
     fit: FitConfig = field(default_factory=FitConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
     diff: DiffConfig = field(default_factory=DiffConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
 
 def register_configs() -> None:

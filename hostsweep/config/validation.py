@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 from hostsweep.config.engine_args import check_engine_args, unsupported_reason, user_engine_args
 from hostsweep.config.redact import redact
 from hostsweep.config.schema import (
+    DELAY_PHASES,
     DTYPES, ENGINES, LOAD_FORMATS, MODEL_SOURCES, STAGES, TP_EXECUTORS, WORKLOADS, ConfigError, ModeConfig,
     ModelConfig, SkuConfig,
     SweepConfig,
@@ -109,6 +110,16 @@ def check_split(cfg: SweepConfig) -> None:
             raise ConfigError(f"linearity.T needs at least 3 distinct values >= 2, got {list(lin.T)}")
         if lin.reps < 1:
             raise ConfigError(f"linearity.reps must be >= 1, got {lin.reps}")
+    check_debug(cfg)
+
+
+def check_debug(cfg: SweepConfig) -> None:
+    """The test-only delay hook: a known phase and a non-negative delay."""
+    debug = cfg.debug
+    if debug.delay_ms < 0:
+        raise ConfigError(f"debug.delay_ms must be >= 0, got {debug.delay_ms}")
+    if debug.delay_ms > 0:
+        _check_choice("debug.delay_phase", debug.delay_phase, DELAY_PHASES)
 
 
 def check_tp(cfg: SweepConfig, sku: SkuConfig, model: ModelConfig) -> None:

@@ -81,6 +81,12 @@ class FakeEngine:
     device_share = 0.4
     prefill_device_us = 300.0
     verify_cost = 0.25  # a cycle verifying k drafts costs (1 + verify_cost * k) steps
+    # The host phases of a cycle, as shares of it (the rest of the worker's time is compute,
+    # device_share): the EngineCore's and the worker's, with the worker's busy span and the
+    # EngineCore's step inside a cycle. Known answers per step: each phase's share x cycle,
+    # other_worker 0.05, engine_worker_ipc 0.05, other_engine_loop 0.1 (all host: 0.6).
+    phase_shares = {"schedule": 0.05, "preprocess": 0.1, "forward_dispatch": 0.05, "sample": 0.1,
+                    "bookkeep": 0.05, "update_from_output": 0.05}
 
     def __init__(self, spec: EngineSpec, workdir: Path) -> None:
         self.spec = spec
@@ -92,13 +98,16 @@ class FakeEngine:
         self._last: list[tuple[list[int], dict[str, int]]] = []
         self.time_scale = float(os.environ.get("HOSTSWEEP_FAKE_TIME_SCALE", "1"))
         self.slowdown = planted_slowdowns(os.environ.get("HOSTSWEEP_FAKE_SLOWDOWN", ""))
+        phase, _, ms = spec.debug_delay.partition(":")
+        self.delay_phase, self.delay_s = (phase, float(ms) / 1e3) if spec.debug_delay else ("", 0.0)
 
     def step_seconds(self, batch: int, ctx: int) -> float:
         planted = self.slowdown.get(f"b{batch}-ctx{ctx}", self.slowdown.get("*", 1.0))
         return self.step_s * (1.0 + 0.1 * (batch - 1)) * (1.0 + ctx / 4096) * planted
 
     def cycle_seconds(self, batch: int, ctx: int) -> float:
-        return self.step_seconds(batch, ctx) * (1.0 + self.verify_cost * self.k)
+        """One engine step, the debug delay (debug.delay_ms) included."""
+        return self.step_seconds(batch, ctx) * (1.0 + self.verify_cost * self.k) + self.delay_s
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
         decoded = [decode(p, max_tokens, self.k) for p in prompts]
@@ -123,33 +132,71 @@ class FakeEngine:
     def stop_profile(self, prefix: str) -> list[Path]:
         self.trace_dir.mkdir(parents=True, exist_ok=True)
         paths = []
+        worker, core = self.synthetic_events()
         for rank in range(self.spec.tp):
             path = self.trace_dir / f"{prefix}_rank{rank}.0.pt.trace.json.gz"
             with gzip.open(path, "wt") as handle:
-                json.dump({"traceEvents": self.synthetic_events()}, handle)
+                json.dump({"traceEvents": worker}, handle)
             paths.append(path)
+        (self.trace_dir / f"{prefix}_enginecore.json").write_text(json.dumps({"traceEvents": core}))
         self._profiling = None
         return paths
 
-    def synthetic_events(self) -> list[dict[str, object]]:
-        """A prefill op, then per step: a compute op enclosing a nested one, and a view."""
-        events: list[dict[str, object]] = []
+    def engine_core_trace(self, prefix: str) -> Optional[Path]:
+        """The EngineCore's step intervals of the last profiled generate (as vllm_plugin writes them)."""
+        path = self.trace_dir / f"{prefix}_enginecore.json"
+        return path if path.exists() else None
+
+    def _shares(self, cycle_s: float) -> dict[str, float]:
+        """Each host phase of a cycle in us; the delayed phase (debug.) holds the delay."""
+        base = cycle_s - self.delay_s  # the delay is not scaled with the shares
+        shares = {name: share * base * 1e6 for name, share in self.phase_shares.items()}
+        target = "forward_dispatch" if self.delay_phase == "forward" else self.delay_phase
+        if target in shares:
+            shares[target] += self.delay_s * 1e6
+        return shares
+
+    def synthetic_events(self) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
+        """The worker's trace and the EngineCore's: a prefill op, then per cycle the phases in
+        the order vLLM runs them, the forward scope enclosing a compute op (with a nested one
+        and a view) of device_share of the cycle."""
+        worker: list[dict[str, object]] = []
+        core: list[dict[str, object]] = []
         clock = 0.0
 
-        def op(name: str, start: float, dur: float) -> None:
-            events.append({"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": 1,
-                           "ts": start, "dur": dur})
+        def op(name: str, start: float, dur: float, cat: str = "cpu_op", into: list = worker,
+               tid: object = 1) -> None:
+            into.append({"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": start, "dur": dur})
+
+        def scope(name: str, start: float, dur: float, into: list = worker, tid: object = 1) -> float:
+            op(name, start, dur, "user_annotation", into, tid)
+            return start + dur
 
         for steps, batch, ctx, cycle_s in self._recorded:
             op("aten::addmm", clock, self.prefill_device_us)
             clock += self.prefill_device_us + 50.0
-            device_us = cycle_s * self.device_share * 1e6
+            device_us = (cycle_s - self.delay_s) * self.device_share * 1e6
+            cycle_us, ph = cycle_s * 1e6, self._shares(cycle_s)
+            # The cycle: [other_engine_loop | schedule | ipc/2 | worker busy | ipc/2 | update]
+            base = cycle_s - self.delay_s
+            gap_us, half_ipc_us, other_worker_us = 0.1 * base * 1e6, 0.025 * base * 1e6, 0.05 * base * 1e6
             for _ in range(steps):
-                op("aten::linear", clock, device_us)
-                op("aten::addmm", clock + 1.0, device_us - 2.0)  # nested: counted once
-                op("aten::view", clock + device_us + 5.0, 3.0)  # metadata: not compute
-                clock += cycle_s * 1e6
-        return events
+                step_start = clock + gap_us
+                t = scope("hostsweep: schedule", step_start, ph["schedule"], core, "phases") + half_ipc_us
+                busy_start = t
+                t = scope("gpu_model_runner: preprocess", t, ph["preprocess"])
+                forward_end = scope("gpu_model_runner: forward", t, ph["forward_dispatch"] + device_us)
+                op("aten::linear", t + 1.0, device_us)
+                op("aten::addmm", t + 2.0, device_us - 2.0)  # nested: counted once
+                op("aten::view", t + device_us + 1.5, 0.4)  # metadata: not compute
+                t = scope("gpu_model_runner: sample", forward_end, ph["sample"])
+                t = scope("gpu_model_runner: bookkeep", t, ph["bookkeep"]) + other_worker_us
+                scope("hostsweep span: worker_busy", busy_start, t - busy_start)
+                t = scope("hostsweep: update_from_output", t + half_ipc_us, ph["update_from_output"], core, "phases")
+                scope("hostsweep span: engine_step", step_start, t - step_start, core, "step")
+                clock += cycle_us
+            scope("hostsweep span: engine_loop", clock - steps * cycle_us, steps * cycle_us, core, "loop")
+        return worker, core
 
     def vocab_size(self) -> int:
         return 64 * RING

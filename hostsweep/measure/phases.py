@@ -34,6 +34,9 @@ from hostsweep.measure.traces import Interval, kernel_source, outermost_compute_
 # Scope-name prefixes that mark a phase; the rest of the name is the phase.
 PHASE_PREFIXES = ("gpu_model_runner: ", "schedule: ", "hostsweep: ")
 PHASE_CATEGORY = "user_annotation"
+# Spans hostsweep's plugin marks around whole units (the worker's execute_model/sample_tokens,
+# the EngineCore's step and loop): they enclose phases, so they are summed apart.
+SPAN_PREFIX = "hostsweep span: "
 # The phases in the order a step runs them (what figures stack); unknown phases follow.
 PHASE_ORDER = ("schedule", "engine_worker_ipc", "preprocess", "forward_dispatch", "postprocess", "sample",
                "draft", "bookkeep", "eplb", "model_runner_output", "update_from_output", "other_engine_loop")
@@ -60,6 +63,8 @@ class PhaseTotals:
     scope_us: Counter = field(default_factory=Counter)
     compute_us: Counter = field(default_factory=Counter)
     count: Counter = field(default_factory=Counter)
+    span_us: Counter = field(default_factory=Counter)  # `hostsweep span: …` markers, not phases
+    compute_total_us: float = 0.0  # every counted compute op of the trace, in a phase or not
 
 
 def outermost_phase_scopes(events: Iterable[dict[str, Any]]) -> list[tuple[Any, Interval]]:
@@ -96,6 +101,10 @@ def phase_totals(trace: Mapping[str, Any]) -> PhaseTotals:
     events = trace.get("traceEvents", [])
     scopes = outermost_phase_scopes(events)
     out = PhaseTotals()
+    for e in events:
+        name = str(e.get("name", ""))
+        if e.get("cat") == PHASE_CATEGORY and e.get("ph") == "X" and name.startswith(SPAN_PREFIX):
+            out.span_us[name[len(SPAN_PREFIX):]] += float(e.get("dur", 0.0))
     if not scopes:
         return out
     # On a GPU the host scopes hold no device time (kernels run on the stream, apart).
@@ -106,6 +115,7 @@ def phase_totals(trace: Mapping[str, Any]) -> PhaseTotals:
             if e.get("cat") == "cpu_op":
                 cpu_by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
         ops_by_thread = {thread: outermost_compute_ops(ops) for thread, ops in cpu_by_thread.items()}
+        out.compute_total_us = sum(op.end_us - op.start_us for ops in ops_by_thread.values() for op in ops)
     for thread, iv in scopes:
         out.scope_us[iv.name] += iv.end_us - iv.start_us
         out.compute_us[iv.name] += _overlap_us(iv, ops_by_thread.get(thread, []))
@@ -155,6 +165,45 @@ def phase_split(short: PhaseTotals, long: PhaseTotals, T: int, host_ms: float,
     host.update(extra_ms or {})
     attributed = sum(host.values()) / host_ms if host_ms > 0 else float("nan")
     return PhaseSplit(host, forward_compute, attributed)
+
+
+def engine_phases(worker_1: PhaseTotals, worker_T: PhaseTotals, core_1: Optional[PhaseTotals],
+                  core_T: Optional[PhaseTotals], T: int) -> dict[str, float]:
+    """Per step, what the spans apportion (ms): the EngineCore's own phases, its wait for the
+    worker beyond the worker's busy time (engine_worker_ipc: the two RPC round trips of a
+    step), the loop outside its steps (other_engine_loop), and the worker's busy time outside
+    every phase scope and compute op (other_worker). A part whose spans are missing is left out."""
+    out: dict[str, float] = {}
+    d = per_step_ms
+    if worker_1.span_us.get("worker_busy") and worker_T.span_us.get("worker_busy"):
+        busy = d(worker_1.span_us["worker_busy"], worker_T.span_us["worker_busy"], T)
+        scoped = d(sum(worker_1.scope_us.values()), sum(worker_T.scope_us.values()), T)
+        compute_in = d(sum(worker_1.compute_us.values()), sum(worker_T.compute_us.values()), T)
+        compute_all = d(worker_1.compute_total_us, worker_T.compute_total_us, T)
+        out["other_worker"] = busy - scoped - (compute_all - compute_in)
+    else:
+        busy = None
+    if core_1 is None or core_T is None or not core_T.span_us.get("engine_step"):
+        return out
+    engine = {name: d(core_1.scope_us[name], core_T.scope_us[name], T) for name in set(core_T.scope_us)}
+    out.update(engine)
+    step = d(core_1.span_us["engine_step"], core_T.span_us["engine_step"], T)
+    out["other_engine_loop"] = d(core_1.span_us["engine_loop"], core_T.span_us["engine_loop"], T) - step
+    if busy is not None:
+        out["engine_worker_ipc"] = step - sum(engine.values()) - busy
+    return out
+
+
+def cell_phases(phases_1: list[PhaseTotals], phases_T: list[PhaseTotals], ranks: int, rank: int, T: int,
+                host_ms: float) -> Optional[PhaseSplit]:
+    """A cell's phases from a profiled pair: the given rank's trace (the split's slowest), and
+    the EngineCore's intervals when the engine recorded them (entry `ranks` of each list)."""
+    if len(phases_1) < ranks or len(phases_T) < ranks:
+        return None
+    core_1 = phases_1[ranks] if len(phases_1) > ranks else None
+    core_T = phases_T[ranks] if len(phases_T) > ranks else None
+    extra = engine_phases(phases_1[rank], phases_T[rank], core_1, core_T, T)
+    return phase_split(phases_1[rank], phases_T[rank], T, host_ms, extra)
 
 
 def phase_metrics(split: PhaseSplit) -> dict[str, float]:

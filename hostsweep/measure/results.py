@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from hostsweep.config.schema import LinearityConfig, MeasureConfig, SplitConfig, SweepConfig
+from hostsweep.measure.phases import phase_metrics
 from hostsweep.measure.protocol import CellMeasurement
 from hostsweep.measure.speculative import SpecResult, spec_metrics
 from hostsweep.measure.split import LinearityResult, SplitResult
@@ -146,8 +147,11 @@ def _raw_metrics(result: CellResult) -> dict[str, float]:
         if sp.kernel_source == "cuda":
             metrics.update(copy_ms=sp.copy_ms, copy_bytes_per_step=sp.copy_bytes,
                            launches_per_step=sp.launches_per_step)
+        if sp.phases is not None:
+            metrics.update(phase_metrics(sp.phases))
         if not split_is_possible(result):  # device time above the step: no fraction to plot
             del metrics["host_frac"]
+            metrics.pop("attributed_frac", None)
     if result.thread_states is not None and not result.thread_states.empty:
         metrics["pyspy_idle_frac"] = idle_fraction(result.thread_states)
     if result.spec is not None:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
+from hostsweep.measure.phases import PhaseSplit
 from hostsweep.measure.traces import TraceTotals
 
 
@@ -33,6 +34,12 @@ class SplitResult:
     launches_per_step: float = 0.0  # host launch calls per step (cuda traces only)
     split_s: float = 0.0  # wall time of the whole split phase (the worker sets it)
     split_overhead_s: float = 0.0  # split_s minus as many unprofiled pairs (see SweepWorker._split)
+    phases: Optional[PhaseSplit] = None  # host ms per named phase (measure/phases.py), when scoped
+
+    @property
+    def slowest_rank(self) -> int:
+        """The rank whose device time the split reports (and whose phases it reads)."""
+        return int(np.argmax(self.per_rank_device_ms))
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from hostsweep.run.placement import hand_gpus_to_ranks
 from hostsweep.run.pyspy import record_thread_states
 from hostsweep.run.worklog import log_tail, redirect_output
 from hostsweep.measure.split import LinearityResult, SplitResult, device_split, linearity
+from hostsweep.measure.phases import PhaseTotals, cell_phases, phase_totals
 from hostsweep.measure.traces import TraceTotals, load_trace, totals
 
 log = logging.getLogger(__name__)
@@ -243,14 +244,25 @@ class SweepWorker:
         return timed
 
     def _profiled(self, prompts: list[list[int]], tokens: int, prefix: str,
-                  keep: Optional[dict[str, bytes]]) -> tuple[list[TraceTotals], float]:
-        """One profiled generate: per-rank kernel totals and its (inflated) wall time.
-        Trace files go into `keep` when given, and are deleted either way."""
+                  keep: Optional[dict[str, bytes]],
+                  phases: Optional[list[PhaseTotals]] = None) -> tuple[list[TraceTotals], float]:
+        """One profiled generate: per-rank kernel totals and its (inflated) wall time; per-rank
+        phase totals appended to `phases` when given (the EngineCore's, when the engine
+        recorded them, as one more entry). Trace files go into `keep` when given, and are
+        deleted either way."""
         self.engine.start_profile(prefix)
         wall = self._timed_generate(prompts)(tokens)
         files = self.engine.stop_profile(prefix)
-        rank_totals = [totals(load_trace(path)) for path in files]
-        for path in files:  # traces are large: keep only when asked, never accumulate
+        core = getattr(self.engine, "engine_core_trace", lambda _: None)(prefix) if phases is not None else None
+        rank_totals = []
+        for path in files:
+            trace = load_trace(path)
+            rank_totals.append(totals(trace))
+            if phases is not None:
+                phases.append(phase_totals(trace))
+        if core is not None:
+            phases.append(phase_totals(load_trace(core)))
+        for path in files + ([core] if core is not None else []):  # traces are large: keep only when asked
             if keep is not None:
                 data = path.read_bytes()
                 gz = path.name.endswith(".gz")
@@ -279,11 +291,15 @@ class SweepWorker:
             self._tell("profiling", rep + 1, opts.split.reps)
             self._profile_count += 1
             prefix = f"p{self._profile_count}_b{cell.batch}_ctx{cell.ctx}_r{rep}"
-            short, wall_1 = self._profiled(prompts, 1, f"{prefix}_T1", keep)
-            long, wall_T = self._profiled(prompts, cell.T, f"{prefix}_T{cell.T}", keep)
+            phases_1: list[PhaseTotals] = []
+            phases_T: list[PhaseTotals] = []
+            short, wall_1 = self._profiled(prompts, 1, f"{prefix}_T1", keep, phases_1)
+            long, wall_T = self._profiled(prompts, cell.T, f"{prefix}_T{cell.T}", keep, phases_T)
             profiled_step_ms = (wall_T - wall_1) / (cell.T - 1) * 1e3
-            splits.append(device_split(short, long, cell.T, step_ms, profiled_step_ms,
-                                       opts.split.host_bound_threshold, opts.split.top_ops))
+            split = device_split(short, long, cell.T, step_ms, profiled_step_ms,
+                                 opts.split.host_bound_threshold, opts.split.top_ops)
+            phases = cell_phases(phases_1, phases_T, len(short), split.slowest_rank, cell.T, split.host_ms)
+            splits.append(dataclasses.replace(split, phases=phases))
         return sorted(splits, key=lambda s: s.device_ms)[(len(splits) - 1) // 2]
 
     def _linearity(self, prompts: list[list[int]], opts: MeasureOptions,

@@ -68,11 +68,51 @@ def test_split_through_the_fake_profiler_recovers_the_known_device_share(tmp_pat
     assert not list((tmp_path / "traces").glob("*.json.gz"))  # parsed traces are not left behind
 
 
+def test_host_phases_through_the_fake_profiler_have_the_known_shares(tmp_path):
+    from hostsweep.engines.fake import FakeEngine
+
+    cell = fake_cells("batch=[2]", "ctx=[64]", "tp=2")[0]
+    worker = SweepWorker(cell.engine, str(tmp_path))
+    result = worker.measure(cell, options())
+    cycle_ms = FakeEngine.cycle_seconds(worker.engine, 2, 64) * 1e3
+    expected = {name: share * cycle_ms for name, share in FakeEngine.phase_shares.items()}
+    expected.update(other_worker=0.05 * cycle_ms, engine_worker_ipc=0.05 * cycle_ms, other_engine_loop=0.1 * cycle_ms)
+    phases = result.split.phases
+    assert phases.host_ms == pytest.approx(expected, rel=1e-6)
+    assert phases.forward_compute_ms == pytest.approx(FakeEngine.device_share * cycle_ms, rel=1e-6)
+    # All of the fake's host time is named: attributed_frac is the traces' host over the timed one.
+    assert phases.attributed_frac == pytest.approx(0.6 * cycle_ms / result.split.host_ms, rel=1e-6)
+    metrics = cell_metrics(result)
+    assert metrics["phase_sample_ms"] == pytest.approx(0.1 * cycle_ms, abs=1e-3) and "attributed_frac" in metrics
+
+
+@pytest.mark.parametrize("phase", ["sample", "schedule", "forward"])
+def test_a_debug_delay_in_a_phase_moves_that_phase_and_the_step_by_it(tmp_path, phase):
+    from hostsweep.engines.fake import FakeEngine
+
+    delay_ms = 2.0
+    plain_cell = fake_cells("batch=[1]", "ctx=[16]")[0]
+    cell = fake_cells("batch=[1]", "ctx=[16]", f"debug.delay_phase={phase}", f"debug.delay_ms={delay_ms}")[0]
+    assert cell.engine.debug_delay == f"{phase}:2" and plain_cell.engine.debug_delay == ""
+    plain = SweepWorker(plain_cell.engine, str(tmp_path / "plain")).measure(plain_cell, options())
+    delayed = SweepWorker(cell.engine, str(tmp_path / "delayed")).measure(cell, options())
+    name = "forward_dispatch" if phase == "forward" else phase
+    before, after = plain.split.phases.host_ms, delayed.split.phases.host_ms
+    assert after[name] - before[name] == pytest.approx(delay_ms, rel=1e-6)
+    assert all(after[p] == pytest.approx(before[p], rel=1e-6) for p in before if p != name)
+    # The step (slept, so as noisy as the machine): d lies within the CIs' difference, give or
+    # take 0.5 ms of scheduling noise.
+    p, d = plain.measurement, delayed.measurement
+    assert d.step_ci_low_ms - p.step_ci_high_ms - 0.5 <= delay_ms <= d.step_ci_high_ms - p.step_ci_low_ms + 0.5
+
+
 def test_kept_traces_come_back_with_the_result(tmp_path):
     cell = fake_cells("batch=[1]", "ctx=[16]")[0]
     worker = SweepWorker(cell.engine, str(tmp_path))
     result = worker.measure(cell, options("split.keep_traces=true"))
-    assert len(result.traces) == 2 and all(name.endswith(".json.gz") for name in result.traces)
+    # Per generate: the rank's trace and the EngineCore's step intervals (host phases).
+    assert len(result.traces) == 4 and all(name.endswith(".json.gz") for name in result.traces)
+    assert sum("_enginecore" in name for name in result.traces) == 2
 
 
 def test_plain_json_traces_are_parsed_and_kept_ones_come_back_gzipped(tmp_path):
@@ -98,7 +138,8 @@ def test_plain_json_traces_are_parsed_and_kept_ones_come_back_gzipped(tmp_path):
     result = worker.measure(cell, options("split.keep_traces=true"))
     assert result.status == "FINISHED", result.error
     assert result.split.device_ms > 0
-    assert len(result.traces) == 2 and all(name.endswith(".pt.trace.json.gz") for name in result.traces)
+    ranks = [name for name in result.traces if "_enginecore" not in name]
+    assert len(ranks) == 2 and all(name.endswith(".pt.trace.json.gz") for name in ranks)
     for blob in result.traces.values():
         assert "traceEvents" in json.loads(gzip.decompress(blob))
 
