@@ -140,6 +140,31 @@ def compiled_path(vllm_config: Any) -> dict[str, str]:
 ENGINE_CLOSE_GRACE_S = 0.0
 
 
+PLUGIN_GROUP, PLUGIN_NAME = "vllm.general_plugins", "hostsweep_phases"
+
+
+def phases_plugin_installed() -> bool:
+    """Whether vLLM will find hostsweep's plugin (pyproject.toml's entry point: present once
+    hostsweep is installed, `pip install -e .` included)."""
+    from importlib.metadata import entry_points
+
+    return any(ep.name == PLUGIN_NAME for ep in entry_points(group=PLUGIN_GROUP))
+
+
+def phase_environment(spec: EngineSpec, trace_dir: Path, installed: bool) -> dict[str, Optional[str]]:
+    """What vLLM's processes need in their environment, before they start, for the host
+    phases and the debug delay (engines/vllm_plugin.py); None: unset it. The scopes stay off
+    without the plugin: ungated, every scope would cost the timed pairs ~12 us."""
+    wanted = (spec.profile or bool(spec.debug_delay)) and installed
+    phase, _, ms = spec.debug_delay.partition(":")
+    return {
+        "HOSTSWEEP_PHASES_DIR": str(trace_dir) if wanted else None,
+        "VLLM_CUSTOM_SCOPES_FOR_PROFILING": "1" if wanted else None,
+        "HOSTSWEEP_DELAY_PHASE": phase if wanted and spec.debug_delay else None,
+        "HOSTSWEEP_DELAY_MS": ms if wanted and spec.debug_delay else None,
+    }
+
+
 class VllmEngine:
     """One vllm.LLM, started once and reused for every cell of its spec."""
 
@@ -153,6 +178,15 @@ class VllmEngine:
 
         self.spec = spec
         self.trace_dir = workdir / "traces"
+        installed = phases_plugin_installed()
+        if (spec.profile or spec.debug_delay) and not installed:
+            log.warning("hostsweep's vLLM plugin is not installed (reinstall hostsweep: pip install -e .): "
+                        "no host phases%s", ", and no debug delay" if spec.debug_delay else "")
+        for name, value in phase_environment(spec, self.trace_dir, installed).items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         kwargs = engine_kwargs(spec, materialize_model(spec, workdir))
         if spec.profile:
             kwargs["profiler_config"] = profiler_config(self.trace_dir)
@@ -191,6 +225,12 @@ class VllmEngine:
         """Stop profiling; return the trace of every rank for this prefix."""
         self.llm.stop_profile()
         return find_traces(self.trace_dir, prefix, self.spec.tp)
+
+    def engine_core_trace(self, prefix: str) -> Optional[Path]:
+        """The EngineCore's step intervals of the last profiled generate, which the plugin
+        writes during stop_profile; None without the plugin."""
+        path = self.trace_dir / f"{prefix}_enginecore.json"
+        return path if path.exists() else None
 
     def vocab_size(self) -> int:
         return int(self.llm.llm_engine.model_config.get_vocab_size())
