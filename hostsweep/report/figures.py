@@ -13,6 +13,7 @@ The comparison report's:
 The sweep's own (logged on its parent run, written to the run directory's figures/):
     split_composition      device and host ms per decode step of every cell, stacked, CI on top
     host_fraction_by_batch host fraction against batch, a line per ctx, the regime threshold drawn
+    host_phases            each cell's step as device + each named host phase + the unnamed rest
 Both:
     step_times             per-cell step time with CI bars across batch and ctx, one panel per SKU
 """
@@ -303,3 +304,49 @@ def host_fraction_by_batch(cells: pd.DataFrame, threshold: float = 0.5) -> Figur
         ax.legend(fontsize=7)
     fig.suptitle("Host fraction against batch, per context length", fontsize=11)
     return fig
+
+
+def phase_columns(cells: pd.DataFrame) -> list[str]:
+    """The cells' phase_<name>_ms columns, in the order a step runs the phases."""
+    from hostsweep.measure.phases import PHASE_ORDER
+
+    found = [c for c in cells.columns if c.startswith("phase_") and c.endswith("_ms") and cells[c].notna().any()]
+    rank = {f"phase_{name}_ms": i for i, name in enumerate(PHASE_ORDER)}
+    return sorted(found, key=lambda c: (rank.get(c, len(rank)), c))
+
+
+def host_phases(cells: pd.DataFrame) -> Figure:
+    """Each cell's decode step stacked: device ms, then each named host phase (measure/phases.py),
+    then what the phases leave of host_ms ("other"); one panel per engine, so modes sit side
+    by side (which phase CUDA graphs remove, which speculation amortizes)."""
+    columns = phase_columns(cells) if "device_ms" in cells else []
+    split = cells.dropna(subset=["device_ms", "host_ms"]) if columns else cells.iloc[0:0]
+    if split.empty:
+        return empty("no host phases (split off, or hostsweep's vLLM plugin not installed)")
+    groups = _engines(split)
+    fig, axes = panels(len(groups), max(6.0, 0.6 * split.groupby(ENGINE_KEYS).size().max() + 2.5), 4.2, columns=2)
+    palette = colors(columns)
+    for ax, (key, rows) in zip(axes, groups):
+        rows = rows.sort_values(["ctx", "batch"])
+        x = np.arange(len(rows))
+        bottom = rows["device_ms"].to_numpy(float)
+        ax.bar(x, bottom, 0.7, color=SPLIT_COLORS["device"], label="device")
+        named = np.zeros(len(rows))
+        for column in columns:
+            ms = rows[column].to_numpy(float)
+            ms = np.where(np.isfinite(ms), ms, 0.0).clip(min=0)
+            ax.bar(x, ms, 0.7, bottom=bottom, color=palette[column], label=column[len("phase_"):-len("_ms")])
+            bottom, named = bottom + ms, named + ms
+        other = (rows["host_ms"].to_numpy(float) - named).clip(min=0)
+        ax.bar(x, other, 0.7, bottom=bottom, color="#dddddd", hatch="..", edgecolor="white", label="other (unnamed)")
+        if "step_ms" in rows:
+            ax.errorbar(x, rows["step_ms"], yerr=_ci_yerr(rows), fmt="none", ecolor="k", capsize=3, label="step, 95% CI")
+        ax.set_xticks(x, [f"b{b}\nctx{c}" for b, c in zip(rows["batch"], rows["ctx"])], fontsize=8)
+        ax.set_ylabel("ms per decode step")
+        ax.set_title(_engine_title(key), fontsize=10)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right center", fontsize=7)
+    fig.suptitle("Decode step = device + host phases (profiled pairs; other: host_ms the phases do not name)",
+                 fontsize=10)
+    return fig
+

@@ -74,6 +74,15 @@ def _plain(value: Any) -> Any:
     return None if value == "" else value
 
 
+def phase_entry(row: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """A cell's host phases (ms per step, measure/phases.py) and the share of host_ms they
+    name; None for a cell without them."""
+    phases = {k: _plain(row[k]) for k in row if k.startswith("phase_") and _plain(row[k]) is not None}
+    if not phases:
+        return None
+    return {**phases, **{k: _plain(row.get(k)) for k in ("forward_compute_ms", "attributed_frac")}}
+
+
 def cell_entry(row: dict[str, Any], run_url: Optional[Callable[[str], str]] = None) -> dict[str, Any]:
     """One cell of summary.json from its cells.csv row."""
     params = {k: _plain(row.get(k)) for k in PARAMS if k in row}
@@ -87,6 +96,7 @@ def cell_entry(row: dict[str, Any], run_url: Optional[Callable[[str], str]] = No
         "params": params,
         "step_ms": {name: _plain(row.get(column)) for name, column in STEP.items()},
         "split": {k: _plain(row.get(k)) for k in SPLIT},
+        "phases": phase_entry(row),
         "where": {k: _plain(row.get(k)) for k in WHERE},
         "stability": None if _plain(row.get("stable")) is None else {
             "stable": not _is_unstable(row), "reasons": _reasons(row),

@@ -76,9 +76,12 @@ def sweep_figures(study: Study, rows: pd.DataFrame) -> dict[str, Any]:
         return {}
     for column in ("step_ms", "step_ci_low_ms", "step_ci_high_ms"):
         cells[column] = pd.to_numeric(cells[column], errors="coerce")
-    return {"split_composition": figures.split_composition(cells),
+    figs = {"split_composition": figures.split_composition(cells),
             "host_fraction_by_batch": figures.host_fraction_by_batch(cells, study.config.split.host_bound_threshold),
             "step_times": figures.step_times(cells)}
+    if figures.phase_columns(cells):  # cells with host phases (measure/phases.py)
+        figs["host_phases"] = figures.host_phases(cells)
+    return figs
 
 
 def write_results(study: Study, tracker: SweepTracker, table: CellTable, run_dir: Path, status: str,

@@ -85,6 +85,8 @@ def test_summary_json_round_trips_to_the_printed_table(swept):
     assert cell["mlflow_url"].endswith(f"/runs/{cell['mlflow_run_id']}?workflowType=machine_learning")
     assert summary["git_sha"] and summary["versions"]["hostsweep"] and summary["versions"]["vllm"] == "fake"
     assert summary["status"] == "FINISHED" and len(summary["cells"]) == 4
+    # the fake engine's host phases (engines/fake.py): every share named, the sample phase 0.1 cycle
+    assert cell["phases"]["phase_sample_ms"] > 0 and 0 < cell["phases"]["attributed_frac"]
 
 
 def test_the_run_directory_and_mlflow_agree_cell_for_cell(swept):
@@ -95,7 +97,8 @@ def test_the_run_directory_and_mlflow_agree_cell_for_cell(swept):
     for row in table.to_dict("records"):
         run = cells.loc[row["mlflow_run_id"]]
         assert run["tags.cell_key"] == row["cell_key"] and run["status"] == row["status"]
-        for metric in ("step_ms", "step_ci_low_ms", "step_ci_high_ms", "step_p90_ms", "device_ms", "host_frac"):
+        for metric in ("step_ms", "step_ci_low_ms", "step_ci_high_ms", "step_p90_ms", "device_ms", "host_frac",
+                       "phase_sample_ms", "attributed_frac"):
             assert run[f"metrics.{metric}"] == row[metric], metric
         assert run["tags.mlflow.runName"] == f"b{row['batch']}-ctx{row['ctx']}"  # the parent names the rest
         duration = (run["end_time"] - run["start_time"]).total_seconds()
@@ -116,7 +119,8 @@ def test_the_parent_run_describes_the_sweep_and_carries_its_figures(swept):
         assert f"| {row['step_ms']:.3f} |" in note
     client = MlflowClient(swept["store"])
     figures = {a.path for a in client.list_artifacts(parent["run_id"], "figures")}
-    assert figures == {"figures/split_composition.png", "figures/host_fraction_by_batch.png", "figures/step_times.png"}
+    assert figures == {"figures/split_composition.png", "figures/host_fraction_by_batch.png", "figures/step_times.png",
+                       "figures/host_phases.png"}  # the fake engine writes phase scopes
     assert {"cells.csv", "summary.json"} <= {a.path for a in client.list_artifacts(parent["run_id"])}
     assert sorted(p.name for p in (swept["run_dir"] / "figures").iterdir()) == sorted(f.split("/")[1] for f in figures)
     experiment = client.get_experiment(parent["experiment_id"])

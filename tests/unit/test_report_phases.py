@@ -1,0 +1,48 @@
+"""Host phases where people see them: the console's cell line and the stacked figure."""
+from __future__ import annotations
+
+import pandas as pd
+
+from hostsweep.measure.phases import PhaseSplit
+from hostsweep.report import figures
+
+
+def cells() -> pd.DataFrame:
+    base = {"sku": "cpu", "model": "tiny", "mode": "eager", "tp": 1, "ctx": 128, "step_ms": 6.0,
+            "step_ci_low_ms": 5.8, "step_ci_high_ms": 6.3, "device_ms": 2.0, "host_ms": 4.0}
+    return pd.DataFrame([
+        {**base, "batch": 1, "phase_sample_ms": 0.5, "phase_preprocess_ms": 1.0, "phase_forward_dispatch_ms": 2.0},
+        {**base, "batch": 4, "phase_sample_ms": 0.7, "phase_preprocess_ms": 1.1, "phase_forward_dispatch_ms": None},
+        {**base, "mode": "graph", "batch": 1, "phase_sample_ms": 0.4},
+    ])
+
+
+def test_phase_columns_come_in_the_order_a_step_runs_them():
+    assert figures.phase_columns(cells()) == ["phase_preprocess_ms", "phase_forward_dispatch_ms", "phase_sample_ms"]
+
+
+def test_the_stacked_figure_has_a_panel_per_engine_and_a_bar_per_cell_and_part():
+    fig = figures.host_phases(cells())
+    visible = [ax for ax in fig.axes if ax.get_visible() and ax.patches]
+    assert len(visible) == 2  # eager and graph side by side
+    eager = next(ax for ax in visible if "eager" in ax.get_title())
+    assert len(eager.patches) == 2 * (1 + 3 + 1)  # two cells x (device, three phases, other)
+    heights = sorted(p.get_height() for p in eager.patches if p.get_x() < 0.5)  # the b1 cell
+    assert heights == sorted([2.0, 1.0, 2.0, 0.5, 0.5])  # other = 4.0 - 3.5
+
+
+def test_no_phases_no_stack():
+    frame = cells().drop(columns=["phase_sample_ms", "phase_preprocess_ms", "phase_forward_dispatch_ms"])
+    assert figures.phase_columns(frame) == []
+    assert not [ax for ax in figures.host_phases(frame).axes if ax.patches]
+
+
+def test_the_console_line_names_the_largest_host_phase():
+    from types import SimpleNamespace
+
+    from hostsweep.stages.recording import largest_phase_note
+
+    split = SimpleNamespace(phases=PhaseSplit({"sample": 0.4, "forward_dispatch": 1.8}, 2.0, 0.93))
+    assert largest_phase_note(SimpleNamespace(split=split)) == \
+        ", largest host phase forward_dispatch 1.80 ms (attributed 0.93)"
+    assert largest_phase_note(SimpleNamespace(split=None)) == ""
