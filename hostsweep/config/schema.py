@@ -116,6 +116,8 @@ class MeasureConfig:
     # drifted, or (the group's first cell) its replicate at the group's end disagrees.
     max_foreign_cpu_frac: float = 0.10
     max_ci_pct: float = 10.0
+    # drift and replicate also need the two medians this many % apart, not only disjoint CIs
+    min_shift_pct: float = 3.0
     replicate_first: bool = True
     # Unstable cells are timed again at the end of their group, at most this many times;
     # every attempt is kept, the last one reported.

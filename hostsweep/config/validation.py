@@ -80,6 +80,8 @@ def check_stability(m: Any) -> None:
         raise ConfigError(f"measure.max_foreign_cpu_frac must be a fraction in (0, 1], got {m.max_foreign_cpu_frac:g}")
     if not m.max_ci_pct > 0.0:
         raise ConfigError(f"measure.max_ci_pct must be a percentage > 0, got {m.max_ci_pct:g}")
+    if m.min_shift_pct < 0:
+        raise ConfigError(f"measure.min_shift_pct must be >= 0, got {m.min_shift_pct:g}")
     if m.remeasure_unstable < 0:
         raise ConfigError(f"measure.remeasure_unstable must be >= 0, got {m.remeasure_unstable}")
     if m.replicates < 1:

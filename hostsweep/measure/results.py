@@ -55,7 +55,7 @@ class MeasureOptions:
 def stability_rules_of(options: MeasureOptions, seed: Optional[int] = None) -> StabilityRules:
     """The stability thresholds and bootstrap settings of these options (measure.*)."""
     m = options.measure
-    return StabilityRules(m.max_foreign_cpu_frac, m.max_ci_pct, m.bootstrap_resamples, m.ci_level,
+    return StabilityRules(m.max_foreign_cpu_frac, m.max_ci_pct, m.min_shift_pct, m.bootstrap_resamples, m.ci_level,
                           m.seed if seed is None else seed)
 
 

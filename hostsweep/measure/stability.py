@@ -8,9 +8,9 @@ These rules look for exactly that, each with a reason a user can act on:
                   measure.max_foreign_cpu_frac of the machine's CPU during the cell's pairs
     ci_width      the CI's half-width is above measure.max_ci_pct % of the median
     drift         the medians of the first and second half of the cell's pairs (in the
-                  order they ran) have disjoint CIs
+                  order they ran) have disjoint CIs and differ by measure.min_shift_pct %
     replicate     the group's first cell, measured again once the group's rounds ended,
-                  disagrees with itself (disjoint CIs): the host changed during the group
+                  disagrees with itself (the same test): the host changed during the group
     split_impossible  the profiled pair's device time exceeds the timed step (host_frac < 0),
                   also after its re-measure: the two ran under different conditions
 
@@ -37,6 +37,9 @@ class StabilityRules:
 
     max_foreign_cpu_frac: float = 0.10
     max_ci_pct: float = 10.0
+    # drift and replicate need disjoint CIs and medians this many % apart: a shift too small
+    # to move a comparison is not a reason to distrust the cell
+    min_shift_pct: float = 3.0
     resamples: int = 2000
     level: float = 0.95
     seed: int = 0
@@ -90,6 +93,11 @@ def cis_disjoint(a: tuple[float, float], b: tuple[float, float]) -> bool:
     return a[1] < b[0] or b[1] < a[0]
 
 
+def shifted(a: float, b: float, a_ci: tuple[float, float], b_ci: tuple[float, float], min_shift_pct: float) -> bool:
+    """Two medians of one cell at two moments: apart beyond both CIs and by min_shift_pct %."""
+    return cis_disjoint(a_ci, b_ci) and abs(b - a) / abs(a) * 100.0 > min_shift_pct if a else False
+
+
 def drifted(timings: Sequence[RepTiming], rules: StabilityRules) -> bool:
     """Whether the first and second half of the pairs, in the order they ran, disagree."""
     ordered = sorted(timings, key=lambda t: (t.round, t.rep))
@@ -99,7 +107,7 @@ def drifted(timings: Sequence[RepTiming], rules: StabilityRules) -> bool:
     rng = np.random.default_rng(rules.seed)
     steps = [[t.step_s * 1e3 for t in part] for part in (ordered[:half], ordered[half:])]
     first, second = (bootstrap_median_ci(s, rules.resamples, rules.level, rng) for s in steps)
-    return cis_disjoint(first, second)
+    return shifted(float(np.median(steps[0])), float(np.median(steps[1])), first, second, rules.min_shift_pct)
 
 
 def timing_reasons(timings: Sequence[RepTiming], measurement: CellMeasurement,
@@ -121,10 +129,11 @@ def judge(timings: Sequence[RepTiming], measurement: CellMeasurement, rules: Sta
     return Stability(timing_reasons(timings, measurement, rules), attempts, contention_summary(timings))
 
 
-def replicate_disagrees(first: CellMeasurement, again: CellMeasurement) -> bool:
-    """The same cell measured twice in one engine, apart in time: CIs that do not overlap
-    mean the host, not the cell, changed."""
-    return cis_disjoint((first.step_ci_low_ms, first.step_ci_high_ms), (again.step_ci_low_ms, again.step_ci_high_ms))
+def replicate_disagrees(first: CellMeasurement, again: CellMeasurement, min_shift_pct: float = 3.0) -> bool:
+    """The same cell measured twice in one engine, apart in time: medians apart beyond both
+    CIs (and by min_shift_pct %) mean the host, not the cell, changed."""
+    return shifted(first.step_ms, again.step_ms, (first.step_ci_low_ms, first.step_ci_high_ms),
+                   (again.step_ci_low_ms, again.step_ci_high_ms), min_shift_pct)
 
 
 def two_level_bootstrap_ci(replicates: Sequence[Sequence[float]], resamples: int = 2000, level: float = 0.95,

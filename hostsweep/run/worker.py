@@ -114,7 +114,7 @@ class _Group:
         """The first cell timed again after the rounds: unstable if it disagrees with itself."""
         again = self._summary(0, pairs)
         self.verdicts[0] = dataclasses.replace(self.verdicts[0], replicate_step_ms=again.step_ms)
-        if replicate_disagrees(self.summaries[0], again):  # type: ignore[arg-type]
+        if replicate_disagrees(self.summaries[0], again, self.options.measure.min_shift_pct):  # type: ignore[arg-type]
             self.verdicts[0] = self.verdicts[0].with_reason("replicate")
 
     def unstable(self) -> list[int]:

@@ -349,3 +349,10 @@ def test_pairs_measured_by_another_kind_of_engine_are_not_continued(tmp_path):
     with here.path("k").open("a") as torn:
         torn.write('{"rep": 2, "t1_fi')  # killed mid-write
     assert len(here.resume("k")) == 2
+
+
+def test_a_shift_too_small_to_move_a_comparison_is_not_drift_even_beyond_the_cis():
+    steps = np.r_[np.full(6, 3.0), np.full(6, 3.03)] + np.tile([0.0, 0.001], 6)  # +1 %, CIs far apart
+    timings = pairs(steps, QUIET)
+    assert not drifted(timings, RULES)
+    assert drifted(timings, StabilityRules(resamples=500, min_shift_pct=0.5))
