@@ -11,6 +11,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from hostsweep.config.redact import error_line
 from hostsweep.config.schema import CONFIG_GROUPS, CalibrationConfig, ConfigError, ModeConfig, ModelConfig, SkuConfig
 
 
@@ -86,4 +87,4 @@ def load_calibration(name_or_path: str) -> CalibrationConfig:
         merged = OmegaConf.merge(OmegaConf.structured(CalibrationConfig), OmegaConf.create(text))
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except OmegaConfBaseException as exc:
-        raise ConfigError(f"calibration {name_or_path}: {str(exc).splitlines()[0]}") from None
+        raise ConfigError(f"calibration {name_or_path}: {error_line(exc)}") from None

@@ -28,6 +28,13 @@ def redact(text: str) -> str:
     return _USERINFO.sub(lambda m: f"{m['scheme']}{_hide(m['userinfo'])}@", text)
 
 
+def error_line(exc: BaseException) -> str:
+    """An exception as one line a person reads: its message's first line, credentials
+    hidden; its type's name when it has no message."""
+    lines = str(exc).strip().splitlines()
+    return redact(lines[0]) if lines else type(exc).__name__
+
+
 def redact_log_records() -> None:
     """Every log record's message passes through redact: credentials in a tracking URI
     never reach the console or a log file, whoever logs them (MLflow and urllib3 included).

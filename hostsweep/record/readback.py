@@ -9,6 +9,8 @@ import pandas as pd
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from hostsweep.config.redact import error_line
+
 
 class FilterRefused(ValueError):
     """MLflow refused a search filter (the first line of its message)."""
@@ -31,7 +33,7 @@ def read_cells(tracking_uri: str, experiments: list[str], parent_run_id: Optiona
     try:
         runs = mlflow.search_runs(experiment_names=experiments, filter_string=" and ".join(clauses))
     except MlflowException as exc:  # a malformed filter
-        raise FilterRefused(str(exc).splitlines()[0]) from None
+        raise FilterRefused(error_line(exc)) from None
     if runs.empty or "tags.cell_key" not in runs:
         return pd.DataFrame()
     # cell runs carry a cell_key; a sweep's parent run has list-valued params (batch "[1, 4]")

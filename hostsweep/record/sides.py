@@ -22,7 +22,7 @@ import pandas as pd
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from hostsweep.config.redact import redact
+from hostsweep.config.redact import error_line, redact
 from hostsweep.config.schema import ConfigError
 from hostsweep.record.readback import FilterRefused, experiment_ids
 from hostsweep.record.store import local_artifact_root
@@ -117,7 +117,7 @@ def read_cells(tracking_uri: str, where: Located, filter_string: Optional[str], 
     try:
         runs = mlflow.search_runs(experiment_ids=[where.experiment_id], filter_string=" and ".join(clauses))
     except MlflowException as exc:
-        raise FilterRefused(str(exc).splitlines()[0]) from None
+        raise FilterRefused(error_line(exc)) from None
     if not runs.empty and "tags.cell_key" in runs:
         runs = runs[runs["tags.cell_key"].notna() & (runs["status"] == "FINISHED")]
     if runs.empty or "tags.cell_key" not in runs:

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Callable, Generic, Optional, TypeVar
 
-from hostsweep.config.redact import redact
+from hostsweep.config.redact import error_line, redact
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def short_reason(exc: BaseException) -> str:
     """Why a call failed, in a few words: the OS error an HTTP client wraps three times
     ("[Errno 111] Connection refused"), else the message's start (the full text is in the
     HTTP library's lines in hostsweep.log)."""
-    text = redact(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+    text = error_line(exc)
     errno = _ERRNO.search(text)
     return errno.group(0) if errno else (text if len(text) <= 160 else text[:157] + "...")
 

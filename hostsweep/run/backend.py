@@ -8,16 +8,13 @@ from pathlib import Path
 from typing import Optional
 
 from hostsweep.config.grid import Cell, EngineSpec
+from hostsweep.config.redact import error_line
 from hostsweep.measure.results import MeasureOptions
 from hostsweep.run.actors import (
     WATCH_GROUP, WorkerHandle, ask_engines_to_close, end_workers_once_closed, new_worker, release_worker,
 )
 from hostsweep.run.faults import CallFailed, EngineDied, Outcome, WorkerLost, root_cause
 from hostsweep.run.worklog import worker_log_path
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
 
 
 def _engine_died(exc: BaseException) -> Optional[EngineDied]:
@@ -68,7 +65,7 @@ class RayBackend:
         except ray.exceptions.RayActorError as exc:
             at_start = bool(getattr(exc, "actor_init_failed", False))
             # An engine that did not start: the error vLLM raised, not Ray's wrapper line.
-            reason = root_cause(str(exc)) if at_start else _first_line(exc)
+            reason = root_cause(str(exc)) if at_start else error_line(exc)
             return WorkerLost(reason or type(exc).__name__, at_start=at_start)
         except ray.exceptions.RayError as exc:
             died = _engine_died(exc)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import pandas as pd
 
-from hostsweep.config.redact import redact
+from hostsweep.config.redact import error_line, redact
 from hostsweep.config.resolve import Study
 from hostsweep.record.celltable import CellTable
 from hostsweep.record.provenance import package_version
@@ -116,7 +116,7 @@ def write_results(study: Study, tracker: SweepTracker, table: CellTable, run_dir
             tracker.log_sweep_files([p for p in (table.path, path) if p.is_file()], pngs)
         return path
     except Exception as exc:  # noqa: BLE001 - the measurements are in cells.csv and MLflow already
-        log.warning("sweep summary not written: %s", redact(str(exc).splitlines()[0] if str(exc) else repr(exc)))
+        log.warning("sweep summary not written: %s", error_line(exc))
         return None
 
 

@@ -26,7 +26,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from hostsweep.config.grid import Cell, build_cells, group_by_engine, runnable
-from hostsweep.config.redact import redact
+from hostsweep.config.redact import error_line, redact
 from hostsweep.config.resolve import Study, resolve
 from hostsweep.config.schema import ConfigError
 from hostsweep.config.vllm_fields import ENGINE_ARG_FIELDS
@@ -90,7 +90,7 @@ def record_study_summary(study: Study, rows: pd.DataFrame, tracker: SweepTracker
             tracker.log_study_summary(tables, metrics)
             log.info("study summary: %s", ", ".join(f"{k}={v:.3g}" for k, v in sorted(metrics.items())))
     except Exception as exc:  # noqa: BLE001 - a summary must never cost the measurements
-        log.warning("study summary skipped: %s", redact(str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
+        log.warning("study summary skipped: %s", error_line(exc))
 
 
 def skip_finished(cells: list[Cell], tracker: SweepTracker,
@@ -144,8 +144,7 @@ def tracking_answers(uri: str) -> Iterator[None]:
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - MlflowException, requests, sqlalchemy...
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"tracking.uri={redact(uri)} failed before anything was measured: {redact(first)}") from None
+        raise ConfigError(f"tracking.uri={redact(uri)} failed before anything was measured: {error_line(exc)}") from None
 
 
 def resolve_sweep(raw_cfg: DictConfig) -> Study:
@@ -307,6 +306,6 @@ def close_records(tracker: SweepTracker, recorder: SweepRecorder, journal: Journ
                             f"not measured: {stop or 'sweep interrupted'}")
             tracker.finish_sweep(status, {"cells_done": float(recorder.table.count)})
         except Exception as exc:  # noqa: BLE001 - the journal and cells.csv have every measured cell
-            log.error("could not close the sweep's MLflow runs: %s", redact(str(exc).splitlines()[0]))
+            log.error("could not close the sweep's MLflow runs: %s", error_line(exc))
     left = journal.close()
     return left
