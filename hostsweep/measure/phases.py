@@ -24,6 +24,7 @@ Per step, each total is differenced exactly like the kernel totals:
 """
 from __future__ import annotations
 
+import bisect
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -92,8 +93,16 @@ def outermost_phase_scopes(events: Iterable[dict[str, Any]]) -> list[tuple[Any, 
     return kept
 
 
-def _overlap_us(scope: Interval, ops: list[Interval]) -> float:
-    return sum(max(0.0, min(scope.end_us, op.end_us) - max(scope.start_us, op.start_us)) for op in ops)
+def _overlap_us(scope: Interval, ops: list[Interval], ends: list[float]) -> float:
+    """Compute time of `ops` inside `scope`: the outermost ops of one thread do not overlap, so
+    sorted by start they are sorted by end too, and only those from the first ending after
+    the scope's start are looked at."""
+    total = 0.0
+    for op in ops[bisect.bisect_right(ends, scope.start_us):]:
+        if op.start_us >= scope.end_us:
+            break
+        total += min(scope.end_us, op.end_us) - max(scope.start_us, op.start_us)
+    return total
 
 
 def phase_totals(trace: Mapping[str, Any]) -> PhaseTotals:
@@ -114,11 +123,13 @@ def phase_totals(trace: Mapping[str, Any]) -> PhaseTotals:
         for e in events:
             if e.get("cat") == "cpu_op":
                 cpu_by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
-        ops_by_thread = {thread: outermost_compute_ops(ops) for thread, ops in cpu_by_thread.items()}
+        ops_by_thread = {thread: sorted(outermost_compute_ops(ops), key=lambda i: i.start_us)
+                         for thread, ops in cpu_by_thread.items()}
         out.compute_total_us = sum(op.end_us - op.start_us for ops in ops_by_thread.values() for op in ops)
+    ends = {thread: [op.end_us for op in ops] for thread, ops in ops_by_thread.items()}
     for thread, iv in scopes:
         out.scope_us[iv.name] += iv.end_us - iv.start_us
-        out.compute_us[iv.name] += _overlap_us(iv, ops_by_thread.get(thread, []))
+        out.compute_us[iv.name] += _overlap_us(iv, ops_by_thread.get(thread, []), ends.get(thread, []))
         out.count[iv.name] += 1
     return out
 
@@ -206,8 +217,13 @@ def cell_phases(phases_1: list[PhaseTotals], phases_T: list[PhaseTotals], ranks:
     return phase_split(phases_1[rank], phases_T[rank], T, host_ms, extra)
 
 
-def phase_metrics(split: PhaseSplit) -> dict[str, float]:
-    """phase_<name>_ms per phase, forward_compute_ms and attributed_frac."""
+def phase_metrics(split: PhaseSplit, profiled_host_ms: Optional[float] = None) -> dict[str, float]:
+    """phase_<name>_ms per phase, forward_compute_ms and attributed_frac; with the profiled
+    pair's own host time (its step minus device_ms), attributed_frac_profiled: the phases come
+    from profiled generates, which the profiler slows, so they may name more than the timed
+    host_ms (attributed_frac > 1) while closing on the profiled step (attributed_frac_profiled ~ 1)."""
     metrics = {f"phase_{name}_ms": ms for name, ms in split.ordered()}
     metrics.update(forward_compute_ms=split.forward_compute_ms, attributed_frac=split.attributed_frac)
+    if profiled_host_ms is not None and profiled_host_ms > 0:
+        metrics["attributed_frac_profiled"] = sum(split.host_ms.values()) / profiled_host_ms
     return metrics

@@ -148,7 +148,7 @@ def _raw_metrics(result: CellResult) -> dict[str, float]:
             metrics.update(copy_ms=sp.copy_ms, copy_bytes_per_step=sp.copy_bytes,
                            launches_per_step=sp.launches_per_step)
         if sp.phases is not None:
-            metrics.update(phase_metrics(sp.phases))
+            metrics.update(phase_metrics(sp.phases, sp.profiled_step_ms - sp.device_ms))
         if not split_is_possible(result):  # device time above the step: no fraction to plot
             del metrics["host_frac"]
             metrics.pop("attributed_frac", None)

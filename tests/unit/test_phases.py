@@ -72,6 +72,8 @@ def test_differenced_per_step_phases_known_answers():
     assert list(metrics)[:4] == ["phase_preprocess_ms", "phase_forward_dispatch_ms", "phase_sample_ms",
                                  "phase_bookkeep_ms"]
     assert metrics["attributed_frac"] == pytest.approx(0.37 / 0.69)
+    assert "attributed_frac_profiled" not in metrics
+    assert phase_metrics(split, profiled_host_ms=0.74)["attributed_frac_profiled"] == pytest.approx(0.5)
 
 
 def test_phases_on_separate_threads_each_count():
