@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from hostsweep.measure.protocol import CellMeasurement, RepTiming
+from hostsweep.measure.protocol import CellMeasurement
 from hostsweep.measure.results import CellResult
 from hostsweep.measure.split import SplitResult
 from hostsweep.measure.stability import (

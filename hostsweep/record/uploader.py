@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Callable, Generic, Optional, TypeVar
 
-from hostsweep.config.redact import error_line, redact
+from hostsweep.config.redact import error_line
 
 log = logging.getLogger(__name__)
 
