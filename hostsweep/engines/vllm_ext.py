@@ -40,7 +40,7 @@ def _quiet_profiler_tables() -> bool:
     return True
 
 
-QUIET_PROFILER = _quiet_profiler_tables()
+_quiet_profiler_tables()  # on import: in each process vLLM loads this extension into
 
 # CUDA all-reduce paths a CudaCommunicator may hold; the first enabled one serves small
 # tensors, pynccl the rest.
@@ -48,10 +48,6 @@ _CUDA_PATHS = ("qr_comm", "ca_comm", "symm_mem_comm", "pynccl_comm")
 
 
 class HostsweepWorkerExtension:
-    def hostsweep_quiet_profiler(self) -> bool:
-        """Whether this rank's profiler prints no summary tables (see the module docstring)."""
-        return QUIET_PROFILER
-
     def hostsweep_allreduce(self) -> str:
         """e.g. 'CpuCommunicator/_CPUSHMDistributed (gloo)' or
         'CudaCommunicator/ca_comm+pynccl_comm (nccl)'."""

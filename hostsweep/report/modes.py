@@ -22,7 +22,6 @@ import pandas as pd
 
 AXES = ("sku", "model", "tp", "batch", "ctx", "workload")
 INT_COLUMNS = ("tp", "batch", "ctx")
-KINDS = ("graph", "fp8", "spec", "ratio")
 
 
 def cell_frame(rows: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
