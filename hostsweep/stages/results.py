@@ -84,18 +84,12 @@ def sweep_figures(study: Study, rows: pd.DataFrame) -> dict[str, Any]:
     return figs
 
 
-def write_results(study: Study, tracker: SweepTracker, table: CellTable, run_dir: Path, status: str,
-                  tags: dict[str, str], started: float, mlflow_up: bool, order: list[str]) -> Optional[Path]:
+def write_results(study: Study, tracker: SweepTracker, table: CellTable, cells: pd.DataFrame, run_dir: Path,
+                  status: str, tags: dict[str, str], started: float, mlflow_up: bool) -> Optional[Path]:
     """summary.json and figures/*.png in the run directory and, when MLflow answers, on the
-    parent run with its description; cells in `order` (cell keys: the grid's, as printed).
-    Returns summary.json's path (None if it failed)."""
+    parent run with its description, from `cells` (the cell table in the grid's order, as
+    printed). Returns summary.json's path (None if it failed)."""
     try:
-        table.flush()
-        cells = pd.read_csv(table.path) if table.path.is_file() else pd.DataFrame()
-        if len(cells):
-            rank = {key: i for i, key in enumerate(order)}
-            cells = cells.sort_values("cell_key", key=lambda keys: keys.map(lambda k: rank.get(k, len(rank))),
-                                      kind="stable").reset_index(drop=True)
         meta = sweep_meta(study, tracker, cells, run_dir, status, tags, started)
         summary = build_summary(cells, meta, tracker.run_url)
         path = run_dir / SUMMARY_FILE

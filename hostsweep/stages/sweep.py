@@ -271,15 +271,15 @@ def _measure_and_record(study: Study, grid: list[Cell], run_dir: Path, dispatche
         unlogged = close_records(tracker, recorder, journal, claims, status, stop, cfg.tracking.outage_s,
                                  cfg.tracking.exit_wait_s)
     mlflow_up = not (recorder.uploader.failure() or unlogged)
-    summary = write_results(study, tracker, table, run_dir, status, tags, started, mlflow_up,
-                            [c.key for c in grid])
+    rows = table.study_frame(grid)  # read once: the summary, the figures and the console show the same rows
+    summary = write_results(study, tracker, table, rows, run_dir, status, tags, started, mlflow_up)
     # with MLflow down, the summary names where the cells are, not a parent run that lacks them
     store = redact(tracker.tracking_uri)
     unrecorded = None if mlflow_up else (
         f"MLflow: not recorded to MLflow ({store} did not answer): {unlogged} measured cell(s) kept in the journal "
         f"{journal.path}" if unlogged else f"MLflow: {store} stopped answering; every measured cell is in MLflow, "
         "but the sweep's runs may be left RUNNING (the next sweep of the study marks them)")
-    print_results(table.study_frame(grid), table.resumed_count, tracker, table, summary, unrecorded)
+    print_results(rows, table.resumed_count, tracker, table, summary, unrecorded)
     if stop:
         print(f"hostsweep: stopped early: {stop}; {unlogged} measured cell(s) are kept in {journal.path} for MLflow: "
               "rerun the same command to upload them and measure the rest", file=sys.stderr)
