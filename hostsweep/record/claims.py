@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Iterable, Iterator, Mapping, Optional
 
 import psutil
 
@@ -22,6 +22,9 @@ HEARTBEAT_TAG = "heartbeat"
 OWNER_TAG = "owner"
 PARENT_TAG = "mlflow.parentRunId"
 KILLED_REASON_TAG = "killed_reason"
+# A sweep's batched claims: tags claims.00000, claims.00001, ... on its parent run, each
+# "<epoch ms when written>\n<cell key>\n<cell key>...".
+CLAIMS_TAG = "claims."
 # Parent runs of the sweeps running in this process (a multirun runs several in turn): a
 # sweep of this process that is not in here has ended, whatever its heartbeat says.
 LIVE_HERE: set[str] = set()
@@ -85,3 +88,38 @@ def claim_winner(claims: list[RunView]) -> RunView:
     """Of several live claims on one cell, the earliest (ties by run id): every sweep that
     sees the same claims picks the same one."""
     return min(claims, key=lambda r: (r.start_time, r.run_id))
+
+
+def claim_batches(keys: Iterable[str], first: int, tags_per_batch: int,
+                  value_limit: int) -> Iterator[list[tuple[str, list[str]]]]:
+    """The claims.<n> tags (name, keys) for `keys`, numbered from `first`, each value (the
+    time stamp line and the keys, newline separated) within value_limit characters, in
+    batches of at most tags_per_batch tags. Holds one batch of keys at a time."""
+    batch: list[tuple[str, list[str]]] = []
+    chunk: list[str] = []
+    size = 14  # "<13-digit epoch ms>\n"
+    number = first
+    for key in keys:
+        if chunk and size + len(key) + 1 > value_limit:
+            batch.append((f"{CLAIMS_TAG}{number:05d}", chunk))
+            number, chunk, size = number + 1, [], 14
+            if len(batch) == tags_per_batch:
+                yield batch
+                batch = []
+        chunk.append(key)
+        size += len(key) + 1
+    if chunk:
+        batch.append((f"{CLAIMS_TAG}{number:05d}", chunk))
+    if batch:
+        yield batch
+
+
+def parse_claims(tags: Mapping[str, str]) -> Iterator[tuple[int, str]]:
+    """(claim time in epoch ms, cell key) for every key in a sweep's claims.<n> tags."""
+    for name, value in tags.items():
+        if name.startswith(CLAIMS_TAG):
+            stamp, _, keys = value.partition("\n")
+            claimed_at = int(stamp) if stamp.isdigit() else 0
+            for key in keys.split("\n"):
+                if key:
+                    yield claimed_at, key

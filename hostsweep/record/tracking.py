@@ -33,8 +33,8 @@ from hostsweep.record.artifacts import earlier_timings_table, linearity_table, t
 from hostsweep.record.store import local_artifact_root, quiet_mlflow
 from hostsweep.record.views import JOURNAL_TAG, KIND, KIND_TAG, NOTE_TAG, cell_note, cell_run_name, runs_table_url, ui_base
 from hostsweep.record.claims import (
-    HEARTBEAT_TAG, KILLED_REASON_TAG, LIVE_HERE, OWNER_TAG, PARENT_TAG, RunView, claim_winner, stale_reason,
-    this_owner,
+    CLAIMS_TAG, HEARTBEAT_TAG, KILLED_REASON_TAG, LIVE_HERE, OWNER_TAG, PARENT_TAG, RunView, claim_batches,
+    claim_winner, parse_claims, stale_reason, this_owner,
 )
 
 log = logging.getLogger(__name__)
@@ -54,8 +54,14 @@ RUNNING = "attributes.status = 'RUNNING'"
 # 10,000-run experiment never holds more than one page of MLflow's run objects (with
 # their tags, params and metrics) at once.
 SEARCH_PAGE = 1000
-# The tags whether a RUNNING run is live depends on (claims.py); a RunView keeps only these.
+# The tags whether a RUNNING run is live depends on (claims.py); a RunView keeps only these
+# (and a sweep's batched claims, tags named claims.<n>).
 LIVENESS_TAGS = (PARENT_TAG, "cell_key", HEARTBEAT_TAG, OWNER_TAG)
+# Tags one log_batch may carry (MLflow's limit), and a tag value's length.
+BATCH_TAGS = 100
+TAG_VALUE_LIMIT = 8000
+# On a sweep's parent run: how many claimed cells it did not measure, and which.
+NOT_MEASURED_TAG, NOT_MEASURED_FILE = "not_measured", "not_measured.txt"
 
 
 def bounded_requests() -> None:
@@ -77,8 +83,8 @@ def prepare_store(tracking_uri: str) -> None:
 def run_view(run: Any) -> RunView:
     """What liveness needs of an MLflow run, with only the tags it reads (LIVENESS_TAGS)."""
     tags = run.data.tags
-    return RunView(run.info.run_id, run.info.status, {k: tags[k] for k in LIVENESS_TAGS if k in tags},
-                   run.info.start_time)
+    kept = {k: v for k, v in tags.items() if k in LIVENESS_TAGS or k.startswith(CLAIMS_TAG)}
+    return RunView(run.info.run_id, run.info.status, kept, run.info.start_time)
 
 
 class SweepTracker:
@@ -97,6 +103,7 @@ class SweepTracker:
         # journal entry -> the run a cell's measurement is being logged into (a retried
         # delivery reuses it instead of creating another), until `delivered`
         self.logged_into: dict[str, str] = {}
+        self.claim_tags = 0  # claims.<n> tags this sweep has written on its parent run
 
     def _experiment_id(self, name: str, description: Optional[str]) -> str:
         found = self.client.get_experiment_by_name(name)
@@ -180,42 +187,68 @@ class SweepTracker:
         return reaped
 
     def live_claims(self, stale_after_s: float) -> dict[str, list[RunView]]:
-        """RUNNING cell runs of live sweeps (claims), by cell key."""
+        """Claims of live sweeps, by cell key: the cells listed in a live sweep's claims.<n>
+        tags (one view per cell, its time the claim's), and RUNNING cell runs of live
+        sweeps (a cell being logged, or the claim run of a hostsweep before batched claims)."""
         views, known = self.running_runs()
         now, claims = time.time(), {}
         for view in views:
-            if "cell_key" in view.tags and not stale_reason(view, known, now, stale_after_s):
+            if stale_reason(view, known, now, stale_after_s):
+                continue
+            if "cell_key" in view.tags:
                 claims.setdefault(view.tags["cell_key"], []).append(view)
+            elif PARENT_TAG not in view.tags:  # a live sweep: its batched claims
+                for claimed_at, key in parse_claims(view.tags):
+                    claims.setdefault(key, []).append(
+                        RunView(view.run_id, "RUNNING", {PARENT_TAG: view.run_id, "cell_key": key}, claimed_at))
         return claims
 
     def claim(self, cells: Mapping[str, dict[str, object]] | Iterable[tuple[str, dict[str, object]]],
-              stale_after_s: float) -> tuple[dict[str, str], dict[str, str]]:
-        """Claim each cell (key -> params, or (key, params) pairs made as they are claimed)
-        not claimed by another live sweep with a RUNNING child run. Returns (key -> my run
-        id, key -> the other sweep's parent run id)."""
+              stale_after_s: float) -> tuple[dict[str, None], dict[str, str]]:
+        """Claim each cell (key -> params, or (key, params) pairs) not claimed by another
+        live sweep: the keys go on this sweep's parent run as claims.<n> tags, about 150 to
+        a tag and 100 tags to a log_batch (10,000 cells: one call), so claiming costs no
+        run per cell. Returns (the keys claimed (-> None: no run yet; a cell's run is
+        created when it is logged), key -> the other sweep's parent run id)."""
+        if self.parent_run_id is None:
+            raise RuntimeError("claim() needs the sweep's parent run (start_sweep)")
         taken = self.live_claims(stale_after_s)
-        mine: dict[str, str] = {}
-        for key, params in cells.items() if isinstance(cells, Mapping) else cells:
-            if key in taken:
-                continue
-            tags = {PARENT_TAG: self.parent_run_id or "", "cell_key": key}
-            name = cell_run_name(params, self.varying)
-            mine[key] = self.client.create_run(self.experiment_id, run_name=name, tags=tags).info.run_id
+        mine: dict[str, None] = {}
+        asked = [key for key, _ in (cells.items() if isinstance(cells, Mapping) else cells)]
+        for batch in claim_batches((k for k in asked if k not in taken), self.claim_tags, BATCH_TAGS,
+                                   TAG_VALUE_LIMIT):
+            stamp = int(time.time() * 1000)  # a claim's time is when it is written (claim_winner)
+            tags = [RunTag(name, f"{stamp}\n" + "\n".join(batch_keys)) for name, batch_keys in batch]
+            self.client.log_batch(self.parent_run_id, tags=tags)
+            self.claim_tags += len(tags)
+            for _, batch_keys in batch:
+                mine.update(dict.fromkeys(batch_keys))
         # Two sweeps may claim one cell at once: every sweep keeps the earliest claim only.
         others: dict[str, str] = {}
-        for key, claims in self.live_claims(stale_after_s).items():
+        live = self.live_claims(stale_after_s)
+        for key in asked:
+            claims = live.get(key)
+            if not claims:
+                continue
             winner = claim_winner(claims)
             if winner.tags.get(PARENT_TAG) != self.parent_run_id:
                 others[key] = winner.tags.get(PARENT_TAG, "?")
-                if key in mine:
-                    self.client.delete_run(mine.pop(key))
+                mine.pop(key, "")
         return mine, others
 
-    def release(self, run_ids: Iterable[str], reason: str) -> None:
-        """End claims this sweep will not measure: KILLED, with why."""
-        for run_id in run_ids:
-            self.client.set_tag(run_id, KILLED_REASON_TAG, reason)
-            self.client.set_terminated(run_id, status="KILLED")
+    def release(self, keys: Iterable[str], reason: str) -> int:
+        """Cells this sweep claimed and will not measure: their count (0 too) and reason on
+        the parent run (not_measured, not_measured_reason) and their keys in not_measured.txt;
+        its claims end with the parent run."""
+        left = list(keys)
+        if self.parent_run_id is None:
+            return len(left)
+        tags = [RunTag(NOT_MEASURED_TAG, str(len(left)))] + ([RunTag(f"{NOT_MEASURED_TAG}_reason", reason[:5000])]
+                                                              if left else [])
+        self.client.log_batch(self.parent_run_id, tags=tags)
+        if left:
+            self.client.log_text(self.parent_run_id, "\n".join(left) + "\n", NOT_MEASURED_FILE)
+        return len(left)
 
     def heartbeat(self) -> None:
         if self.parent_run_id is not None:
@@ -235,8 +268,10 @@ class SweepTracker:
 
     def log_cell(self, result: CellResult, tags: dict[str, str], run_id: Optional[str] = None) -> str:
         """A cell's child run, terminated with the cell's status; returns its id. A measured
-        cell gets a run that starts and ends when its measurement did (the claim run
-        `run_id` is then deleted); others are logged into the claim, else a new run.
+        cell gets a run that starts and ends when its measurement did; others are logged into
+        `run_id` (a claim run from a journal written before batched claims; it is deleted
+        when a new run replaces it), else a new run. The calls: create_run with every tag,
+        one log_batch (metrics and params), the artifacts, set_terminated.
         Logging again is harmless: a retried delivery reuses the run it created, until
         `delivered` says the delivery is complete."""
         all_tags = {
@@ -253,10 +288,18 @@ class SweepTracker:
         values = cell_metrics(result)
         if result.measurement is not None:
             all_tags[NOTE_TAG] = cell_note(result.params, values, all_tags.get("regime"))
-        claim, run_id = run_id, self._cell_run(result, all_tags, run_id)
+        if result.status == "SKIPPED":
+            # MLflow has no SKIPPED status: KILLED (never measured, never resumed as done)
+            # with the reason as tags.
+            all_tags.update(skipped="true", skip_reason=(result.error or "")[:5000])
+        elif result.error:
+            all_tags["failure_reason"] = result.error[:5000]
+        run_tags = [RunTag(k, str(v)) for k, v in all_tags.items()]
+        claim, (run_id, created) = run_id, self._cell_run(result, run_tags, run_id)
         metrics = [Metric(k, v, _ms(result.ended_at) or 0, 0) for k, v in values.items() if math.isfinite(v)]
+        # a new run has its tags already (create_run); a reused one gets them here
         self.client.log_batch(run_id, metrics=metrics, params=[Param(k, str(v)) for k, v in result.params.items()],
-                              tags=[RunTag(k, str(v)) for k, v in all_tags.items()])
+                              tags=[] if created else run_tags)
         crashpoints.reached("uploading")
         if result.measurement is not None:
             self.client.log_text(run_id, timings_table(result), "raw_timings.csv")
@@ -264,14 +307,9 @@ class SweepTracker:
                 self.client.log_text(run_id, earlier_timings_table(result), "raw_timings_earlier_attempts.csv")
         self._log_analysis(run_id, result)
         if result.status == "SKIPPED":
-            # MLflow has no SKIPPED status: KILLED (never measured, never resumed as done)
-            # with the reason as tags.
-            self.client.set_tag(run_id, "skipped", "true")
-            self.client.set_tag(run_id, "skip_reason", (result.error or "")[:5000])
             self.client.set_terminated(run_id, status="KILLED")
             return run_id
         if result.error:
-            self.client.set_tag(run_id, "failure_reason", result.error[:5000])
             self.client.log_text(run_id, result.error, "failure.txt")
         if result.log_tail:
             self.client.log_text(run_id, result.log_tail, "worker_log_tail.txt")
@@ -285,21 +323,21 @@ class SweepTracker:
         retry any more (a sweep keeps nothing per logged cell)."""
         self.logged_into.pop(entry, None)
 
-    def _cell_run(self, result: CellResult, tags: dict[str, str], claim: Optional[str]) -> str:
-        """The run to log a cell into: the one created for it by an earlier try of this
-        delivery, a new one starting at the measurement's start, the claim, or a new one."""
-        entry = tags.get(JOURNAL_TAG)
+    def _cell_run(self, result: CellResult, tags: list[RunTag], claim: Optional[str]) -> tuple[str, bool]:
+        """The run to log a cell into, and whether it was created just now with `tags`: the
+        one created for it by an earlier try of this delivery, the claim run of an
+        unmeasured cell, else a new one (starting at the measurement's start)."""
+        entry = next((t.value for t in tags if t.key == JOURNAL_TAG), None)
         if entry in self.logged_into:
-            return self.logged_into[entry]
+            return self.logged_into[entry], False
         if claim is not None and not result.started_at:
-            return claim
+            return claim, False
         name = cell_run_name(result.params, self.varying)
-        identity = {PARENT_TAG: tags[PARENT_TAG], "cell_key": result.key, **({JOURNAL_TAG: entry} if entry else {})}
         run_id = self.client.create_run(self.experiment_id, start_time=_ms(result.started_at), run_name=name,
-                                        tags=identity).info.run_id
+                                        tags={t.key: t.value for t in tags}).info.run_id
         if entry:
             self.logged_into[entry] = run_id
-        return run_id
+        return run_id, True
 
     def describe_sweep(self, markdown: str) -> None:
         """The parent run's description (Markdown, shown on its page in the UI)."""

@@ -78,7 +78,7 @@ def unstable_note(stability: Stability) -> str:
 class SweepRecorder:
     """Receives each cell's final result from the dispatcher and records it."""
 
-    def __init__(self, tracker: SweepTracker, journal: Journal, table: CellTable, claims: dict[str, str],
+    def __init__(self, tracker: SweepTracker, journal: Journal, table: CellTable, claims: dict[str, Optional[str]],
                  tags: dict[str, str], total: int, outage_s: float, heartbeat_s: float) -> None:
         self.tracker, self.journal, self.table, self.claims = tracker, journal, table, claims
         self.tags, self.total = tags, total

@@ -127,10 +127,11 @@ def tidy_experiment(tracker: SweepTracker, study: Study, journal: Journal) -> No
         log.warning("run %s was left RUNNING and is marked KILLED: %s", run_id, reason)
 
 
-def claim_cells(tracker: SweepTracker, cells: list[Cell], stale_after_s: float) -> tuple[list[Cell], dict[str, str]]:
-    """Claim the cells to measure; those another live sweep holds are left to it."""
-    # params made as each cell is claimed: 10,000 cells' dicts are never held at once
-    mine, others = tracker.claim(((c.key, c.params()) for c in cells), stale_after_s)
+def claim_cells(tracker: SweepTracker, cells: list[Cell],
+                stale_after_s: float) -> tuple[list[Cell], dict[str, Optional[str]]]:
+    """Claim the cells to measure (in batches, on the parent run); those another live sweep
+    holds are left to it."""
+    mine, others = tracker.claim(((c.key, {}) for c in cells), stale_after_s)
     for key, parent in others.items():
         log.warning("%s is being measured by another sweep (run %s): skipped", key, parent)
     return [c for c in cells if c.key in mine], mine
@@ -186,7 +187,7 @@ def run(raw_cfg: DictConfig, run_dir: Path, backend: Optional[WorkerBackend] = N
 
 
 def open_study(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, options: MeasureOptions,
-               journal: Journal) -> tuple[SweepTracker, list[Cell], list[dict[str, object]], dict[str, str]]:
+               journal: Journal) -> tuple[SweepTracker, list[Cell], list[dict[str, object]], dict[str, Optional[str]]]:
     """The study's MLflow side before measuring: the tracker, the cells still to measure,
     the resumed cells' rows, and this sweep's claims."""
     cfg = study.config
@@ -255,7 +256,7 @@ def _sweep(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, b
 
 
 def _measure_and_record(study: Study, grid: list[Cell], run_dir: Path, dispatcher: Dispatcher,
-                        recorder: SweepRecorder, tracker: SweepTracker, claims: dict[str, str],
+                        recorder: SweepRecorder, tracker: SweepTracker, claims: dict[str, Optional[str]],
                         tags: dict[str, str], started: float, measured: Callable[[], None]) -> int:
     cfg, table, journal = study.config, recorder.table, recorder.journal
     status, stop = "KILLED", "sweep interrupted"
@@ -289,7 +290,7 @@ def _measure_and_record(study: Study, grid: list[Cell], run_dir: Path, dispatche
     return 0 if status == "FINISHED" and not unlogged else 1
 
 
-def close_records(tracker: SweepTracker, recorder: SweepRecorder, journal: Journal, claims: dict[str, str],
+def close_records(tracker: SweepTracker, recorder: SweepRecorder, journal: Journal, claims: dict[str, Optional[str]],
                   status: str, stop: Optional[str], outage_s: float, exit_wait_s: Optional[float] = None) -> int:
     """Drain the MLflow queue, end the claims of unmeasured cells and the parent run; the
     count of measured cells MLflow did not take (they stay in the journal). An unreachable
@@ -302,7 +303,7 @@ def close_records(tracker: SweepTracker, recorder: SweepRecorder, journal: Journ
     if not down:
         try:
             measured = recorder.table.measured_keys()
-            tracker.release([run_id for key, run_id in claims.items() if key not in measured],
+            tracker.release([key for key in claims if key not in measured],
                             f"not measured: {stop or 'sweep interrupted'}")
             tracker.finish_sweep(status, {"cells_done": float(recorder.table.count)})
         except Exception as exc:  # noqa: BLE001 - the journal and cells.csv have every measured cell

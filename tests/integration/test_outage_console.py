@@ -37,8 +37,8 @@ def server(tmp_path, new_store):
 
 
 def kill_once_every_cell_is_claimed(server: Server, killed: list[float]) -> None:
-    """Measuring starts once the sweep has claimed its cells (a RUNNING run each): the
-    outage then falls while the cells are measured."""
+    """Measuring starts once the sweep has claimed its cells (claims.<n> tags on its parent
+    run): the outage then falls while the cells are measured."""
     client = MlflowClient(server.uri)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -46,7 +46,9 @@ def kill_once_every_cell_is_claimed(server: Server, killed: list[float]) -> None
             experiment = client.get_experiment_by_name("hostsweep-outage-cli")
             if experiment is not None:
                 runs = client.search_runs([experiment.experiment_id], max_results=100)
-                if sum("cell_key" in r.data.tags for r in runs) >= CELLS:
+                claimed = sum(len(v.split("\n")) - 1 for r in runs for k, v in r.data.tags.items()
+                              if k.startswith("claims."))
+                if claimed >= CELLS:
                     server.kill()
                     killed.append(time.monotonic())
                     return

@@ -8,6 +8,7 @@ import pytest
 from hostsweep.measure.protocol import CellMeasurement, RepTiming
 from hostsweep.measure.results import CellResult, cell_row
 from hostsweep.measure.split import SplitResult
+from hostsweep.record.claims import PARENT_TAG
 from hostsweep.record.readback import read_cells
 from hostsweep.record.tracking import SweepTracker
 from hostsweep.record.views import experiment_description
@@ -102,19 +103,76 @@ def test_the_experiment_says_what_it_holds_and_how_to_open_its_runs_table(tracke
     assert "hostsweep study `unit`" in experiment.tags["mlflow.note.content"]
 
 
-def test_a_measured_cell_run_starts_and_ends_with_its_measurement_and_replaces_its_claim(tracker):
+def test_a_measured_cell_run_starts_and_ends_with_its_measurement_and_replaces_an_old_claim_run(tracker):
     claims, _ = tracker.claim({"key-ok": PARAMS}, 300)
+    assert claims == {"key-ok": None}  # batched claims: no run until the cell is logged
+    # a journal written before batched claims names a claim run: the measured cell's run replaces it
+    old_claim = tracker.client.create_run(tracker.experiment_id, tags={PARENT_TAG: tracker.parent_run_id,
+                                                                       "cell_key": "key-ok"}).info.run_id
     measured = CellResult("key-ok", PARAMS, "FINISHED", CellMeasurement(3.0, 2.9, 3.1, 10.5, 106.5, REPS), None,
                           {}, 8.25, SPLIT, started_at=1_700_000_000.0, ended_at=1_700_000_008.25)
-    run_id = tracker.log_cell(measured, {"journal_entry": "e1"}, claims["key-ok"])
-    again = tracker.log_cell(measured, {"journal_entry": "e1"}, claims["key-ok"])  # a retried delivery
+    run_id = tracker.log_cell(measured, {"journal_entry": "e1"}, old_claim)
+    again = tracker.log_cell(measured, {"journal_entry": "e1"}, old_claim)  # a retried delivery
     run = tracker.client.get_run(run_id)
-    assert again == run_id and run_id != claims["key-ok"]
+    assert again == run_id and run_id != old_claim
     assert (run.info.start_time, run.info.end_time) == (1_700_000_000_000, 1_700_000_008_250)
-    assert tracker.client.get_run(claims["key-ok"]).info.lifecycle_stage == "deleted"
+    assert tracker.client.get_run(old_claim).info.lifecycle_stage == "deleted"
     assert run.info.run_name == "b2-ctx128-eager-tp1-cpu-tiny-llama"  # no sweep context: every axis
     assert run.data.tags["mlflow.note.content"].startswith("**b2 ctx128 on cpu/tiny-llama/eager/tp1**: 3.000 ms")
     assert list(tracker.finished_cells()) == ["key-ok"]
+
+
+def test_a_cell_is_recorded_in_one_create_run_one_log_batch_and_its_end(tracker, monkeypatch):
+    calls = []
+    for name in ("create_run", "log_batch", "set_tag", "set_terminated", "delete_run", "log_param", "log_metric"):
+        real = getattr(tracker.client, name)
+        monkeypatch.setattr(tracker.client, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name),
+                                                                                           _real(*a, **k))[1])
+    measured = CellResult("key-ok", PARAMS, "FINISHED", CellMeasurement(3.0, 2.9, 3.1, 10.5, 106.5, REPS), None,
+                          {}, 8.25, SPLIT, started_at=1_700_000_000.0, ended_at=1_700_000_008.25)
+    run = tracker.client.get_run(tracker.log_cell(measured, {"journal_entry": "e1", "git_sha": "abc"}))
+    assert calls == ["create_run", "log_batch", "set_terminated"]
+    assert run.data.tags["cell_key"] == "key-ok" and run.data.tags["git_sha"] == "abc"
+    assert run.data.params["batch"] == "2" and run.data.metrics["step_ms"] == 3.0
+
+
+def test_claims_are_batched_on_the_parent_run_and_a_second_sweep_skips_them(tmp_path, new_store):
+    from hostsweep.record import tracking
+
+    uri = new_store(tmp_path / "store" / "mlflow.db")
+    first, second = (SweepTracker(uri, "hostsweep-claims") for _ in range(2))
+    first.start_sweep("first", "", {}, {})
+    calls = []
+    log_batch = first.client.log_batch
+    first.client.log_batch = lambda *a, **k: (calls.append(len(k.get("tags", []))), log_batch(*a, **k))[1]
+    keys = [f"cpu/tiny-llama/eager/tp1/b{i}/ctx{i}/T33/0123456789" for i in range(3000)]
+    mine, others = first.claim(((key, {}) for key in keys), 300)
+    assert list(mine) == keys and others == {}
+    assert len(calls) == 1 and calls[0] <= tracking.BATCH_TAGS  # 3,000 cells claimed in one call
+    tags = first.client.get_run(first.parent_run_id).data.tags
+    assert all(len(v) <= tracking.TAG_VALUE_LIMIT for k, v in tags.items() if k.startswith("claims."))
+    assert not first.client.search_runs([first.experiment_id], "tags.cell_key != ''")  # no run per cell
+    second.start_sweep("second", "", {}, {})
+    mine2, others2 = second.claim(((key, {}) for key in [*keys[:5], "new-cell"]), 300)
+    assert list(mine2) == ["new-cell"] and others2 == dict.fromkeys(keys[:5], first.parent_run_id)
+    assert set(second.live_claims(300)) == {*keys, "new-cell"}
+
+
+def test_of_two_sweeps_claiming_at_once_the_earlier_claim_wins_on_both_sides(tmp_path, new_store, monkeypatch):
+    uri = new_store(tmp_path / "store" / "mlflow.db")
+    first, second = (SweepTracker(uri, "hostsweep-race") for _ in range(2))
+    first.start_sweep("first", "", {}, {})
+    second.start_sweep("second", "", {}, {})
+    # both read the claims before either writes: both claim "k"
+    live = first.live_claims
+    monkeypatch.setattr(first, "live_claims", lambda s, calls=[]: (calls.append(1), {} if len(calls) == 1
+                                                                     else live(s))[1])
+    mine1, _ = first.claim([("k", {}), ("a", {})], 300)   # written first: the earlier claim
+    mine2, others2 = second.claim([("k", {}), ("b", {})], 300)
+    assert "k" not in mine2 and others2 == {"k": first.parent_run_id} and "b" in mine2
+    assert set(mine1) == {"k", "a"}
+    again, others1 = first.claim([], 300)
+    assert others1 == {}  # the first sweep still holds "k"
 
 
 def test_cell_run_names_lead_with_what_varies_in_the_sweep():
@@ -214,7 +272,10 @@ def test_claims_read_across_pages_keep_only_the_tags_liveness_reads(tracker, mon
     pages = _paged(tracker, monkeypatch, 2)
     mine, others = tracker.claim(((f"k{i}", {**PARAMS, "batch": i}) for i in range(5)), 300)
     assert set(mine) == {f"k{i}" for i in range(5)} and others == {}
-    assert [len(page) for page in pages] == [1, 2, 2, 2]  # before claiming: the parent; after: 5 claims too
+    assert [len(page) for page in pages] == [1, 1]  # before and after claiming: the parent (claims are its tags)
+    for i in range(3):  # cells being logged: RUNNING cell runs, read across pages
+        tracker.client.create_run(tracker.experiment_id, tags={PARENT_TAG: tracker.parent_run_id,
+                                                               "cell_key": f"k{i}", "other": "x"})
     views, known = tracker.running_runs()
-    assert len(views) == 6 and all(set(v.tags) <= set(LIVENESS_TAGS) for v in views)
+    assert len(views) == 4 and all(set(v.tags) <= set(LIVENESS_TAGS) for v in views if v.run_id != tracker.parent_run_id)
     assert set(tracker.live_claims(300)) == set(mine)
