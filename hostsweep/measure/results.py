@@ -86,7 +86,7 @@ class CellResult:
 
 def skipped_result(key: str, params: dict[str, object], reason: str) -> CellResult:
     """The record of a cell whose SKU cannot run its mode: no measurement, the reason."""
-    return CellResult(key, params, "SKIPPED", None, reason)
+    return CellResult(key=key, params=params, status="SKIPPED", measurement=None, error=reason)
 
 
 # Percentiles of the per-rep step times a cell reports beside its median (vLLM's latency

@@ -57,9 +57,10 @@ def decode_result(data: dict) -> CellResult:
     states = data["thread_states"]
     spec = data.get("spec")
     return CellResult(
-        data["key"], data["params"], data["status"], measurement, data["error"], data["host"], data["duration_s"],
-        split, linearity, {name: base64.b64decode(blob) for name, blob in data["traces"].items()},
-        None if states is None else pd.read_json(StringIO(states), orient="split"),
+        key=data["key"], params=data["params"], status=data["status"], measurement=measurement, error=data["error"],
+        host=data["host"], duration_s=data["duration_s"], split=split, linearity=linearity,
+        traces={name: base64.b64decode(blob) for name, blob in data["traces"].items()},
+        thread_states=None if states is None else pd.read_json(StringIO(states), orient="split"),
         spec=None if spec is None else SpecResult(**spec),
         attempt=data.get("attempt", 1), retry_reasons=tuple(data.get("retry_reasons", ())),
         stability=decode_stability(data.get("stability")),

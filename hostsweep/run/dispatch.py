@@ -77,9 +77,9 @@ def failed_result(cell: Cell, reason: str, log_file: Optional[Path] = None) -> C
     """A cell that failed outside its worker's measure (lost worker, engine start, Ray):
     with the worker's log and its end when the log is on this machine."""
     if log_file is None or not log_file.is_file():
-        return CellResult(cell.key, cell.params(), "FAILED", None, reason)
-    return CellResult(cell.key, cell.params(), "FAILED", None, reason, {"worker_log": str(log_file)},
-                      log_tail=log_tail(log_file))
+        return CellResult(key=cell.key, params=cell.params(), status="FAILED", measurement=None, error=reason)
+    return CellResult(key=cell.key, params=cell.params(), status="FAILED", measurement=None, error=reason,
+                      host={"worker_log": str(log_file)}, log_tail=log_tail(log_file))
 
 
 class Dispatcher:

@@ -455,9 +455,9 @@ class SweepWorker:
             reason = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"
             sys.stdout.flush()
             sys.stderr.flush()
-            return CellResult(cell.key, cell.params(), "FAILED", None, reason, self.host_info(),
-                              time.perf_counter() - start, started_at=started_at, ended_at=time.time(),
-                              log_tail=log_tail(self.log_path))
+            return CellResult(key=cell.key, params=cell.params(), status="FAILED", measurement=None, error=reason,
+                              host=self.host_info(), duration_s=time.perf_counter() - start, started_at=started_at,
+                              ended_at=time.time(), log_tail=log_tail(self.log_path))
         self._phase = "recording"
         host = {**self.host_info(), "prompt_digest": prompt_digest(prompts)}
         journal = round_journal(options.rounds_dir, self.host)
