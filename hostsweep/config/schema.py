@@ -142,7 +142,7 @@ class SplitConfig:
 
 @dataclass
 class DebugConfig:
-    """Test-only hooks. delay_phase + delay_ms: the engine sleeps delay_ms inside that phase of
+    """Test-only hooks. delay_phase + delay_ms: the engine spins (busy-waits) delay_ms inside that phase of
     every step (the vLLM plugin, engines/vllm_plugin.py; the fake engine alike), to show a
     phase's time is on the step's critical path (benchmarks/phase_delay.py). Not part of a
     cell's key: measure delayed cells in a study of their own, or with resume=false."""

@@ -18,9 +18,9 @@ HOSTSWEEP_PHASES_DIR (engines/vllm_engine.py); then it
   microseconds): `hostsweep: schedule` and `hostsweep: update_from_output` (phases, on one
   thread row), and the spans `engine_step` (schedule → wait for the worker → update) and
   `engine_loop` (first step's start to last step's end) on rows of their own;
-- with HOSTSWEEP_DELAY_PHASE=<phase> and HOSTSWEEP_DELAY_MS=<d> (config `debug.`), sleeps d
-  ms inside that phase's scope on every step, profiled or not: the test-only hook that shows
-  a phase's time is on the step's critical path (benchmarks/phase_delay.py).
+- with HOSTSWEEP_DELAY_PHASE=<phase> and HOSTSWEEP_DELAY_MS=<d> (config `debug.`), spins d ms
+  (a busy wait) inside that phase's scope on every step, profiled or not: the test-only hook
+  that shows a phase's time is on the step's critical path (benchmarks/phase_delay.py).
 
 Keep it free of everything but the standard library, torch and vLLM, imported lazily.
 """
@@ -45,8 +45,17 @@ def _phase_of(scope: str) -> str:
     return "".join("_" + c.lower() if c.isupper() and i else c.lower() for i, c in enumerate(rest))
 
 
+def spin(seconds: float) -> None:
+    """Hold the CPU for `seconds`, as a phase whose code got slower would. A sleep would give
+    the core away: measured here, a 2-ms sleep in `sample` raised the step by 2.9-4.2 ms, the
+    rest as colder forward, preprocess and IPC after the wake-up (benchmarks/phase_delay.py)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 class _Delayed:
-    """A scope that sleeps `delay_s` before it closes: the phase grows by exactly that."""
+    """A scope that spins `delay_s` before it closes: the phase grows by exactly that."""
 
     def __init__(self, inner: Any, delay_s: float) -> None:
         self.inner, self.delay_s = inner, delay_s
@@ -55,13 +64,13 @@ class _Delayed:
         return self.inner.__enter__()
 
     def __exit__(self, *exc: Any) -> Any:
-        time.sleep(self.delay_s)
+        spin(self.delay_s)
         return self.inner.__exit__(*exc)
 
 
 def scope_factory(delay_phase: str = "", delay_s: float = 0.0) -> Callable[[str], Any]:
     """record_function while a torch profiler records, else a null context; the delayed
-    phase sleeps inside its scope either way."""
+    phase spins inside its scope either way."""
     from torch.autograd import profiler as autograd_profiler
 
     record_function = autograd_profiler.record_function
@@ -122,7 +131,7 @@ def _timed(recorder: EngineRecorder, name: str, method: Callable, delay_s: float
             return method(*args, **kwargs)
         finally:
             if delay_s > 0:
-                time.sleep(delay_s)
+                spin(delay_s)
             recorder.add("hostsweep: " + name, "phases", start, time.time())
     return wrapper
 
