@@ -6,7 +6,11 @@
      real torch-profiler traces of a small decode loop (batch 1, a few layers), eager and
      replayed as one CUDA graph per step: kernel time per step against CUDA-event time per
      step, and kernels and host launches per step, differenced exactly like a cell's split
-     ((T-step trace - 1-step trace) / (T - 1)).
+     ((T-step trace - 1-step trace) / (T - 1));
+  4. the CUDA path of the host phases (hostsweep/measure/phases.py) on the same loops with
+     vLLM's scope names around each step's forward and its wait for the output (`sample`):
+     phases found, nothing subtracted from a host scope on a GPU, and the CUDA graph's
+     forward dispatch below eager's.
 
     python benchmarks/gpu_check.py [--steps 64] [--out gpu_check.json]
 
@@ -27,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hostsweep.measure.phases import PhaseSplit, phase_split, phase_totals  # noqa: E402  (stdlib only)
 from hostsweep.measure.traces import TraceTotals, load_trace, totals  # noqa: E402  (stdlib only)
 
 # Datasheet roofs, the values of conf/sku/<name>.yaml (a unit test keeps them equal):
@@ -90,6 +95,20 @@ def trace_checks(eager: LoopSplit, graph: LoopSplit) -> list[tuple[str, bool, st
          f"{graph.kernel_ms:.4f} ms kernels vs {graph.event_ms:.4f} ms event"),
         ("graph step is shorter than eager", graph.event_ms < eager.event_ms,
          f"{graph.event_ms:.4f} vs {eager.event_ms:.4f} ms per step"),
+    ]
+
+
+def phase_checks(eager: PhaseSplit, graph: PhaseSplit) -> list[tuple[str, bool, str]]:
+    """What the host phases must show on the two scoped loops (ms per step)."""
+    found = {"forward_dispatch", "sample"}
+    return [
+        ("phases read from the cuda traces", found <= set(eager.host_ms) and found <= set(graph.host_ms),
+         f"eager {sorted(eager.host_ms)}, graph {sorted(graph.host_ms)}"),
+        ("no device time inside host scopes", eager.forward_compute_ms == graph.forward_compute_ms == 0,
+         f"{eager.forward_compute_ms}, {graph.forward_compute_ms}"),
+        ("graph removes forward dispatch", graph.host_ms.get("forward_dispatch", 1e9) < eager.host_ms.get("forward_dispatch", 0),
+         f"{graph.host_ms.get('forward_dispatch', float('nan')):.4f} vs "
+         f"{eager.host_ms.get('forward_dispatch', float('nan')):.4f} ms per step"),
     ]
 
 
@@ -190,6 +209,31 @@ def run_loop(torch: Any, step: Callable[[], Any], T: int, folder: Path, name: st
                       T, event_ms)
 
 
+def scoped(torch: Any, step: Callable[[], Any]) -> Callable[[], Any]:
+    """The step inside vLLM's scope names: its forward, then the wait for its output."""
+    from torch.profiler import record_function
+
+    def run() -> None:
+        with record_function("gpu_model_runner: forward"):
+            step()
+        with record_function("gpu_model_runner: sample"):
+            torch.cuda.current_stream().synchronize()
+
+    return run
+
+
+def phase_loop(torch: Any, step: Callable[[], Any], T: int, folder: Path, name: str) -> PhaseSplit:
+    """Host phases per step of the scoped loop, differenced like a cell's."""
+    run = scoped(torch, step)
+    for _ in range(3):
+        run()
+    traces = []
+    for steps in (1, T):
+        profile_loop(torch, run, steps, folder, f"phases_{name}")
+        traces.append(phase_totals(load_trace(folder / f"phases_{name}_{steps}.json")))
+    return phase_split(traces[0], traces[1], T, host_ms=0.0)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=64, help="T: decode steps in the long profiled loop")
@@ -213,9 +257,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as folder:
         step = decode_step(torch)
         eager = run_loop(torch, step, args.steps, Path(folder), "eager")
-        graph = run_loop(torch, graphed(torch, step), args.steps, Path(folder), "graph")
-    report.update(eager=asdict(eager), graph=asdict(graph))
+        replay = graphed(torch, step)
+        graph = run_loop(torch, replay, args.steps, Path(folder), "graph")
+        phases = (phase_loop(torch, step, args.steps, Path(folder), "eager"),
+                  phase_loop(torch, replay, args.steps, Path(folder), "graph"))
+    report.update(eager=asdict(eager), graph=asdict(graph),
+                  phases={"eager": phases[0].host_ms, "graph": phases[1].host_ms})
     checks += trace_checks(eager, graph)
+    checks += phase_checks(*phases)
     report["checks"] = [{"check": c, "ok": ok, "detail": d} for c, ok, d in checks]
     for check, ok, detail in checks:
         print(f"{'PASS' if ok else 'FAIL'}  {check}: {detail}")

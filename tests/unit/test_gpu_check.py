@@ -105,3 +105,28 @@ def test_the_script_needs_only_torch_and_the_stdlib_trace_parser(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0 and proc.stdout.strip() == "h200", proc.stderr[-2000:]
+
+
+def test_host_phases_of_synthesized_cuda_loops_pass_and_a_graph_that_dispatches_fails():
+    from hostsweep.measure.phases import phase_split, phase_totals
+
+    def trace(steps: int, dispatch_us: float) -> dict:
+        events, clock = [], 0.0
+        for _ in range(steps):
+            events += [
+                {"ph": "X", "cat": "user_annotation", "name": "gpu_model_runner: forward", "pid": 1, "tid": 1,
+                 "ts": clock, "dur": dispatch_us},
+                {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7, "ts": clock + 5, "dur": 300},
+                {"ph": "X", "cat": "user_annotation", "name": "gpu_model_runner: sample", "pid": 1, "tid": 1,
+                 "ts": clock + dispatch_us, "dur": 310 - dispatch_us},
+            ]
+            clock += 400
+        return {"traceEvents": events}
+
+    def split(dispatch_us: float):
+        return phase_split(phase_totals(trace(1, dispatch_us)), phase_totals(trace(9, dispatch_us)), 9, 0.0)
+
+    eager, graph = split(200.0), split(10.0)
+    assert eager.host_ms["forward_dispatch"] == pytest.approx(0.2)
+    assert all(ok for _, ok, _ in gpu_check.phase_checks(eager, graph))
+    assert [ok for _, ok, _ in gpu_check.phase_checks(eager, eager)] == [True, True, False]
