@@ -41,6 +41,7 @@ class EngineSpec:
     engine_args_json: str  # vllm.LLM(**engine_args) as canonical JSON (config.engine_args)
     random_weights: bool = False  # the worker writes random weights for the shape (engines/weights.py)
     debug_delay: str = ""  # "<phase>:<ms>": the test-only delay hook (config debug.), "" = none
+    phases: bool = True  # phase scopes in the profiled pairs (split.phases; engines/vllm_plugin.py)
 
     @property
     def label(self) -> str:
@@ -151,6 +152,7 @@ def engine_spec(study: Study, sku: SkuConfig, tp: int, mode: Optional[ModeConfig
         engine_args_json=canonical_json(args),
         random_weights=model.load_format == "random",
         debug_delay=f"{cfg.debug.delay_phase}:{cfg.debug.delay_ms:g}" if cfg.debug.delay_ms > 0 else "",
+        phases=cfg.split.enabled and cfg.split.phases,
     )
 
 

@@ -136,6 +136,7 @@ class SplitConfig:
     host_bound_threshold: float = 0.5  # host_frac at or above this is "host-bound"
     top_ops: int = 15
     keep_traces: bool = False  # traces are large; off unless asked for
+    phases: bool = True  # host time per named phase from the profiled pairs (needs hostsweep's vLLM plugin)
     pyspy: bool = False  # py-spy thread states of the engine tree (skipped if py-spy is absent)
     pyspy_seconds: float = 3.0
 

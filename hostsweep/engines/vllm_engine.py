@@ -155,7 +155,7 @@ def phase_environment(spec: EngineSpec, trace_dir: Path, installed: bool) -> dic
     """What vLLM's processes need in their environment, before they start, for the host
     phases and the debug delay (engines/vllm_plugin.py); None: unset it. The scopes stay off
     without the plugin: ungated, every scope would cost the timed pairs ~12 us."""
-    wanted = (spec.profile or bool(spec.debug_delay)) and installed
+    wanted = ((spec.profile and spec.phases) or bool(spec.debug_delay)) and installed
     phase, _, ms = spec.debug_delay.partition(":")
     return {
         "HOSTSWEEP_PHASES_DIR": str(trace_dir) if wanted else None,
@@ -179,7 +179,7 @@ class VllmEngine:
         self.spec = spec
         self.trace_dir = workdir / "traces"
         installed = phases_plugin_installed()
-        if (spec.profile or spec.debug_delay) and not installed:
+        if ((spec.profile and spec.phases) or spec.debug_delay) and not installed:
             log.warning("hostsweep's vLLM plugin is not installed (reinstall hostsweep: pip install -e .): "
                         "no host phases%s", ", and no debug delay" if spec.debug_delay else "")
         for name, value in phase_environment(spec, self.trace_dir, installed).items():

@@ -291,14 +291,15 @@ class SweepWorker:
             self._tell("profiling", rep + 1, opts.split.reps)
             self._profile_count += 1
             prefix = f"p{self._profile_count}_b{cell.batch}_ctx{cell.ctx}_r{rep}"
-            phases_1: list[PhaseTotals] = []
-            phases_T: list[PhaseTotals] = []
+            phases_1: Optional[list[PhaseTotals]] = [] if opts.split.phases else None
+            phases_T: Optional[list[PhaseTotals]] = [] if opts.split.phases else None
             short, wall_1 = self._profiled(prompts, 1, f"{prefix}_T1", keep, phases_1)
             long, wall_T = self._profiled(prompts, cell.T, f"{prefix}_T{cell.T}", keep, phases_T)
             profiled_step_ms = (wall_T - wall_1) / (cell.T - 1) * 1e3
             split = device_split(short, long, cell.T, step_ms, profiled_step_ms,
                                  opts.split.host_bound_threshold, opts.split.top_ops)
-            phases = cell_phases(phases_1, phases_T, len(short), split.slowest_rank, cell.T, split.host_ms)
+            phases = None if phases_1 is None or phases_T is None else \
+                cell_phases(phases_1, phases_T, len(short), split.slowest_rank, cell.T, split.host_ms)
             splits.append(dataclasses.replace(split, phases=phases))
         return sorted(splits, key=lambda s: s.device_ms)[(len(splits) - 1) // 2]
 

@@ -71,8 +71,9 @@ def test_the_engine_hands_its_processes_the_phase_environment():
     assert env == {"HOSTSWEEP_PHASES_DIR": "/t", "VLLM_CUSTOM_SCOPES_FOR_PROFILING": "1",
                    "HOSTSWEEP_DELAY_PHASE": "sample", "HOSTSWEEP_DELAY_MS": "2"}
     assert set(phase_environment(spec, Path("/t"), installed=False).values()) == {None}
-    plain = fake_cells("batch=[1]", "ctx=[16]", "split.enabled=false")[0].engine
-    assert set(phase_environment(plain, Path("/t"), installed=True).values()) == {None}
+    for off in ("split.enabled=false", "split.phases=false"):
+        plain = fake_cells("batch=[1]", "ctx=[16]", off)[0].engine
+        assert set(phase_environment(plain, Path("/t"), installed=True).values()) == {None}
 
 
 def test_span_prefix_agrees_with_the_reader():

@@ -86,6 +86,14 @@ def test_host_phases_through_the_fake_profiler_have_the_known_shares(tmp_path):
     assert metrics["phase_sample_ms"] == pytest.approx(0.1 * cycle_ms, abs=1e-3) and "attributed_frac" in metrics
 
 
+def test_split_phases_false_leaves_the_phases_out(tmp_path):
+    cell = fake_cells("batch=[1]", "ctx=[16]", "split.phases=false")[0]
+    assert not cell.engine.phases
+    result = SweepWorker(cell.engine, str(tmp_path)).measure(cell, options("split.phases=false"))
+    assert result.split.device_ms > 0 and result.split.phases is None
+    assert not [name for name in cell_metrics(result) if name.startswith("phase_") or name == "attributed_frac"]
+
+
 @pytest.mark.parametrize("phase", ["sample", "schedule", "forward"])
 def test_a_debug_delay_in_a_phase_moves_that_phase_and_the_step_by_it(tmp_path, phase):
     from hostsweep.engines.fake import FakeEngine
