@@ -325,7 +325,9 @@ def host_phases(cells: pd.DataFrame) -> Figure:
         return empty("no host phases (split off, or hostsweep's vLLM plugin not installed)")
     groups = _engines(split)
     fig, axes = panels(len(groups), max(6.0, 0.6 * split.groupby(ENGINE_KEYS).size().max() + 2.5), 4.2, columns=2)
-    palette = colors(columns)
+    # A dozen phases need more distinct colors than PALETTE has; tab20 past its first (device-like) blues.
+    tab20 = plt.get_cmap("tab20").colors
+    palette = {column: tab20[(i + 2) % len(tab20)] for i, column in enumerate(columns)}
     for ax, (key, rows) in zip(axes, groups):
         rows = rows.sort_values(["ctx", "batch"])
         x = np.arange(len(rows))
