@@ -213,8 +213,21 @@ def cell_phases(phases_1: list[PhaseTotals], phases_T: list[PhaseTotals], ranks:
         return None
     core_1 = phases_1[ranks] if len(phases_1) > ranks else None
     core_T = phases_T[ranks] if len(phases_T) > ranks else None
-    extra = engine_phases(phases_1[rank], phases_T[rank], core_1, core_T, T)
-    return phase_split(phases_1[rank], phases_T[rank], T, host_ms, extra)
+    worker_1, worker_T = phases_1[rank], phases_T[rank]
+    if core_1 is not None and core_T is not None:
+        # Where the model runs inside the EngineCore (a GPU's single-process executor) the
+        # rank's trace also holds vLLM's `schedule: …` scopes: the EngineCore's `schedule`
+        # interval already encloses them.
+        worker_1, worker_T = without_scheduler(worker_1), without_scheduler(worker_T)
+    extra = engine_phases(worker_1, worker_T, core_1, core_T, T)
+    return phase_split(worker_1, worker_T, T, host_ms, extra)
+
+
+def without_scheduler(totals: PhaseTotals) -> PhaseTotals:
+    """The totals less vLLM's own scheduler phases (schedule_*)."""
+    keep = [name for name in totals.scope_us if not name.startswith("schedule_")]
+    return PhaseTotals(Counter({n: totals.scope_us[n] for n in keep}), Counter({n: totals.compute_us[n] for n in keep}),
+                       Counter({n: totals.count[n] for n in keep}), totals.span_us, totals.compute_total_us)
 
 
 def phase_metrics(split: PhaseSplit, profiled_host_ms: Optional[float] = None) -> dict[str, float]:

@@ -114,3 +114,25 @@ def test_no_scopes_no_phases_and_extra_phases_join():
     assert split.ordered() == [("schedule", 0.5), ("engine_worker_ipc", 0.3)]
     assert split.attributed_frac == pytest.approx(0.4)
     assert math.isnan(phase_split(PhaseTotals(), PhaseTotals(), 33, 0.0, extra_ms={"x": 1.0}).attributed_frac)
+
+
+def test_scheduler_scopes_in_a_rank_trace_are_left_to_the_engine_cores_schedule():
+    """A GPU's single-process executor runs the scheduler in the profiled process: its
+    `schedule: …` scopes sit inside the EngineCore's schedule interval, counted once."""
+    from hostsweep.measure.phases import cell_phases
+
+    def worker(steps):
+        return phase_totals({"traceEvents": [e for k in range(steps) for e in (
+            scope("schedule: allocate_slots", k * 1000, 30), scope("gpu_model_runner: sample", k * 1000 + 100, 50))]})
+
+    def core(steps):
+        return phase_totals({"traceEvents": [e for k in range(steps) for e in (
+            scope("hostsweep: schedule", k * 1000, 80, tid="phases"),
+            scope("hostsweep span: engine_step", k * 1000, 900, tid="step"))] +
+            [scope("hostsweep span: engine_loop", 0, steps * 1000, tid="loop")]})
+
+    T = 5
+    with_core = cell_phases([worker(1), core(1)], [worker(T), core(T)], 1, 0, T, 1.0)
+    assert with_core.host_ms == pytest.approx({"sample": 0.05, "schedule": 0.08, "other_engine_loop": 0.1})
+    alone = cell_phases([worker(1)], [worker(T)], 1, 0, T, 1.0)
+    assert alone.host_ms == pytest.approx({"sample": 0.05, "schedule_allocate_slots": 0.03})
