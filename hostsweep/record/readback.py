@@ -2,6 +2,7 @@
 stages (and `hostsweep-model fit --experiment`) work from, never a sweep's private files."""
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import mlflow
@@ -10,6 +11,9 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from hostsweep.config.redact import error_line
+from hostsweep.record.dbread import is_database, stored_runs
+
+log = logging.getLogger(__name__)
 
 
 class FilterRefused(ValueError):
@@ -27,13 +31,15 @@ def read_cells(tracking_uri: str, experiments: list[str], parent_run_id: Optiona
     children of `parent_run_id` when given; `filter_string` is an MLflow search filter.
     A cell measured again by a later sweep (same cell_key) counts once, its newest run:
     a fit must not weigh a re-measured cell twice."""
-    mlflow.set_tracking_uri(tracking_uri)
-    clauses = [f"tags.mlflow.parentRunId = '{parent_run_id}'"] if parent_run_id else []
-    clauses += [filter_string] if filter_string else []
-    try:
-        runs = mlflow.search_runs(experiment_names=experiments, filter_string=" and ".join(clauses))
-    except MlflowException as exc:  # a malformed filter
-        raise FilterRefused(error_line(exc)) from None
+    runs = direct_runs(tracking_uri, experiments, parent_run_id) if not filter_string else None
+    if runs is None:
+        mlflow.set_tracking_uri(tracking_uri)
+        clauses = [f"tags.mlflow.parentRunId = '{parent_run_id}'"] if parent_run_id else []
+        clauses += [filter_string] if filter_string else []
+        try:
+            runs = mlflow.search_runs(experiment_names=experiments, filter_string=" and ".join(clauses))
+        except MlflowException as exc:  # a malformed filter
+            raise FilterRefused(error_line(exc)) from None
     if runs.empty or "tags.cell_key" not in runs:
         return pd.DataFrame()
     # cell runs carry a cell_key; a sweep's parent run has list-valued params (batch "[1, 4]")
@@ -59,6 +65,40 @@ def read_cells(tracking_uri: str, experiments: list[str], parent_run_id: Optiona
     others = {c[len("metrics."):]: cells[c].astype(float) for c in cells if c.startswith("metrics.")
               and c[len("metrics."):] not in frame}
     return frame.assign(**others).reset_index(drop=True)
+
+
+def direct_runs(tracking_uri: str, experiments: list[str], parent_run_id: Optional[str]) -> Optional[pd.DataFrame]:
+    """The FINISHED runs of these experiments as mlflow.search_runs's frame (the columns
+    read_cells reads), read from a database store with plain SELECTs a page at a time
+    (dbread.py: ten times faster than search_runs for thousands of runs); None for a
+    server, an unknown experiment or any database error (read_cells then asks MLflow)."""
+    if not is_database(tracking_uri):
+        return None
+    try:
+        client = MlflowClient(tracking_uri)
+        found = [client.get_experiment_by_name(name) for name in experiments]
+        if any(e is None for e in found):
+            return None
+        rows = []
+        for page in stored_runs(tracking_uri, [e.experiment_id for e in found]):
+            for run in page:
+                if parent_run_id and run.tags.get("mlflow.parentRunId") != parent_run_id:
+                    continue
+                rows.append({"run_id": run.run_id, "status": run.status, "start_time": run.start_time,
+                             **{f"params.{k}": v for k, v in run.params.items()},
+                             **{f"metrics.{k}": v for k, v in run.metrics.items()},
+                             **{f"tags.{k}": v for k, v in run.tags.items()}})
+    except Exception as exc:  # noqa: BLE001 - another schema, a driver missing: MLflow's search
+        log.debug("reading runs from the database failed (%s); using MLflow's search", exc)
+        return None
+    frame = pd.DataFrame(rows)
+    if len(frame):
+        frame["start_time"] = pd.to_datetime(frame["start_time"], unit="ms", utc=True)
+        # search_runs's column order: metrics, params, tags, each by name
+        named = sorted(c for c in frame if "." in c and c.split(".")[0] in ("metrics", "params", "tags"))
+        frame = frame[["run_id", "status", "start_time",
+                       *sorted(named, key=lambda c: (("metrics", "params", "tags").index(c.split(".")[0]), c))]]
+    return frame
 
 
 def experiment_ids(tracking_uri: str) -> dict[str, str]:

@@ -30,6 +30,7 @@ from mlflow.tracking import MlflowClient
 from hostsweep.measure.results import CellResult, cell_metrics, logged_row, split_tags, stability_tags
 from hostsweep.record import crashpoints
 from hostsweep.record.artifacts import earlier_timings_table, linearity_table, timings_table, top_ops_table
+from hostsweep.record.dbread import is_database, stored_runs
 from hostsweep.record.store import local_artifact_root, quiet_mlflow
 from hostsweep.record.views import JOURNAL_TAG, KIND, KIND_TAG, NOTE_TAG, cell_note, cell_run_name, runs_table_url, ui_base
 from hostsweep.record.claims import (
@@ -90,6 +91,9 @@ def run_view(run: Any) -> RunView:
 class SweepTracker:
     """Records one sweep: the parent run, then a child run per cell as it arrives."""
 
+    # Read finished runs of a database store with plain SELECTs (dbread.py), not search_runs.
+    direct_reads = True
+
     def __init__(self, tracking_uri: str, experiment: str, description: Optional[str] = None) -> None:
         bounded_requests()
         quiet_mlflow()
@@ -121,12 +125,27 @@ class SweepTracker:
         cell-table row it had when measured (report.cell_row's columns). Read a page at a
         time: only the rows are kept, never every run MLflow returns."""
         found: dict[str, list[tuple[int, dict[str, object]]]] = {}
+        if self.direct_reads and is_database(self.tracking_uri):
+            try:  # a database store: plain SELECTs, a page at a time (dbread.py), ten times faster
+                for stored in stored_runs(self.tracking_uri, [self.experiment_id]):
+                    for run in stored:
+                        if "cell_key" in run.tags:
+                            found.setdefault(run.tags["cell_key"], []).append(
+                                (run.start_time, logged_row(run.params, run.metrics, run.tags, run.run_id)))
+                return self._newest_first(found)
+            except Exception as exc:  # noqa: BLE001 - another schema, a driver missing: MLflow's API
+                log.debug("reading runs from the database failed (%s); using MLflow's search", exc)
+                found = {}
         for page in self._pages("attributes.status = 'FINISHED'"):
             for run in page:
                 tags = run.data.tags
                 if "cell_key" in tags:
                     found.setdefault(tags["cell_key"], []).append(
                         (run.info.start_time, logged_row(run.data.params, run.data.metrics, tags, run.info.run_id)))
+        return self._newest_first(found)
+
+    @staticmethod
+    def _newest_first(found: dict[str, list[tuple[int, dict[str, object]]]]) -> dict[str, list[dict[str, object]]]:
         # newest first; runs that started together keep MLflow's order (a stable sort)
         return {key: [row for _, row in sorted(runs, key=lambda r: -r[0])] for key, runs in found.items()}
 

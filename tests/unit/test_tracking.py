@@ -3,6 +3,7 @@ resumed sweep reads back, and the measured-cell frame the model stage reads."""
 from __future__ import annotations
 
 import mlflow
+import pandas as pd
 import pytest
 
 from hostsweep.measure.protocol import CellMeasurement, RepTiming
@@ -254,16 +255,54 @@ def _paged(tracker, monkeypatch, page: int) -> list[list]:
     return pages
 
 
-def test_reading_back_finished_cells_holds_one_page_of_runs_at_a_time_newest_first(tracker, monkeypatch):
+def _measured_twice(tracker) -> None:
     for i, key in enumerate(["a", "b", "a", "c", "b"]):  # a and b measured twice, later runs newer
         tracker.log_cell(CellResult(key, {**PARAMS, "batch": i}, "FINISHED",
                                     CellMeasurement(3.0, 2.9, 3.1, 10.5, 106.5, REPS), None, {}, 1.0,
                                     started_at=1_700_000_000.0 + i, ended_at=1_700_000_000.5 + i), {})
+
+
+def test_reading_back_finished_cells_holds_one_page_of_runs_at_a_time_newest_first(tracker, monkeypatch):
+    _measured_twice(tracker)
+    monkeypatch.setattr(tracker, "direct_reads", False)  # MLflow's search (a server's path)
     pages = _paged(tracker, monkeypatch, 2)
     finished = tracker.finished_runs()
     assert len(pages) == 3 and sum(len(p) for p in pages) == 5
     newest_first = {key: [int(row["batch"]) for row in rows] for key, rows in finished.items()}
     assert newest_first == {"a": [2, 0], "b": [4, 1], "c": [3]}
+
+
+def test_a_database_store_is_read_back_a_page_at_a_time_with_plain_selects_as_search_runs_would(
+        tracker, monkeypatch):
+    from hostsweep.record import dbread, readback
+
+    _measured_twice(tracker)
+    tracker.log_cell(CellResult("d", PARAMS, "FAILED", None, "boom", {}, 1.0), {})  # not FINISHED: not read
+    pages = []
+    stored_runs = dbread.stored_runs
+    monkeypatch.setattr("hostsweep.record.tracking.stored_runs",
+                        lambda *a, **k: (pages.append(1), stored_runs(*a, **{**k, "page": 2}))[1])
+    monkeypatch.setattr(tracker.client, "search_runs", None)  # never asked
+    direct = tracker.finished_runs()
+    assert len(pages) == 1 and {key: [int(r["batch"]) for r in rows] for key, rows in direct.items()} == {
+        "a": [2, 0], "b": [4, 1], "c": [3]}
+    monkeypatch.undo()
+    monkeypatch.setattr(tracker, "direct_reads", False)
+    assert tracker.finished_runs() == direct  # the same rows as MLflow's search gives
+
+    frame = readback.read_cells(tracker.tracking_uri, ["hostsweep-unit"])
+    monkeypatch.setattr(readback, "direct_runs", lambda *a: None)
+    searched = readback.read_cells(tracker.tracking_uri, ["hostsweep-unit"])
+    key = ["cell_key"]
+    pd.testing.assert_frame_equal(frame.sort_values(key).reset_index(drop=True)[sorted(frame)],
+                                  searched.sort_values(key).reset_index(drop=True)[sorted(searched)])
+    assert sorted(frame["cell_key"]) == ["a", "b", "c"]
+
+
+def test_read_back_falls_back_to_mlflows_search_when_the_database_read_fails(tracker, monkeypatch):
+    _measured_twice(tracker)
+    monkeypatch.setattr("hostsweep.record.tracking.stored_runs", lambda *a, **k: 1 / 0)
+    assert sorted(tracker.finished_runs()) == ["a", "b", "c"]
 
 
 def test_claims_read_across_pages_keep_only_the_tags_liveness_reads(tracker, monkeypatch):
