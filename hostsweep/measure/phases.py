@@ -194,10 +194,12 @@ def engine_phases(worker_1: PhaseTotals, worker_T: PhaseTotals, core_1: Optional
         out["other_worker"] = busy - scoped - (compute_all - compute_in)
     else:
         busy = None
-    if core_1 is None or core_T is None or not core_T.span_us.get("engine_step"):
+    if core_1 is None or core_T is None:
         return out
     engine = {name: d(core_1.scope_us[name], core_T.scope_us[name], T) for name in set(core_T.scope_us)}
     out.update(engine)
+    if not core_T.span_us.get("engine_step"):  # no synchronous steps (async scheduling): no IPC or loop
+        return out
     step = d(core_1.span_us["engine_step"], core_T.span_us["engine_step"], T)
     out["other_engine_loop"] = d(core_1.span_us["engine_loop"], core_T.span_us["engine_loop"], T) - step
     if busy is not None:

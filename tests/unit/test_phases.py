@@ -136,3 +136,14 @@ def test_scheduler_scopes_in_a_rank_trace_are_left_to_the_engine_cores_schedule(
     assert with_core.host_ms == pytest.approx({"sample": 0.05, "schedule": 0.08, "other_engine_loop": 0.1})
     alone = cell_phases([worker(1)], [worker(T)], 1, 0, T, 1.0)
     assert alone.host_ms == pytest.approx({"sample": 0.05, "schedule_allocate_slots": 0.03})
+
+
+def test_without_engine_steps_the_engine_cores_own_phases_still_count():
+    from hostsweep.measure.phases import engine_phases
+
+    def core(steps):
+        return phase_totals({"traceEvents": [scope("hostsweep: schedule", k * 1000, 80, tid="phases")
+                                             for k in range(steps)]})
+
+    empty = phase_totals({"traceEvents": []})
+    assert engine_phases(empty, empty, core(1), core(5), 5) == pytest.approx({"schedule": 0.08})
