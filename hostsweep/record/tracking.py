@@ -108,6 +108,7 @@ class SweepTracker:
         # delivery reuses it instead of creating another), until `delivered`
         self.logged_into: dict[str, str] = {}
         self.claim_tags = 0  # claims.<n> tags this sweep has written on its parent run
+        self._repos: dict[str, str] = {}  # run id -> its artifact URI, while its cell is logged
 
     def _experiment_id(self, name: str, description: Optional[str]) -> str:
         found = self.client.get_experiment_by_name(name)
@@ -315,23 +316,30 @@ class SweepTracker:
             all_tags["failure_reason"] = result.error[:5000]
         run_tags = [RunTag(k, str(v)) for k, v in all_tags.items()]
         claim, (run_id, created) = run_id, self._cell_run(result, run_tags, run_id)
+        try:
+            return self._log_into(run_id, created, claim, result, values, run_tags)
+        finally:
+            self._repos.pop(run_id, None)
+
+    def _log_into(self, run_id: str, created: bool, claim: Optional[str], result: CellResult,
+                  values: dict[str, float], run_tags: list[RunTag]) -> str:
         metrics = [Metric(k, v, _ms(result.ended_at) or 0, 0) for k, v in values.items() if math.isfinite(v)]
         # a new run has its tags already (create_run); a reused one gets them here
         self.client.log_batch(run_id, metrics=metrics, params=[Param(k, str(v)) for k, v in result.params.items()],
                               tags=[] if created else run_tags)
         crashpoints.reached("uploading")
         if result.measurement is not None:
-            self.client.log_text(run_id, timings_table(result), "raw_timings.csv")
+            self._text(run_id, timings_table(result), "raw_timings.csv")
             if result.earlier_timings:
-                self.client.log_text(run_id, earlier_timings_table(result), "raw_timings_earlier_attempts.csv")
+                self._text(run_id, earlier_timings_table(result), "raw_timings_earlier_attempts.csv")
         self._log_analysis(run_id, result)
         if result.status == "SKIPPED":
             self.client.set_terminated(run_id, status="KILLED")
             return run_id
         if result.error:
-            self.client.log_text(run_id, result.error, "failure.txt")
+            self._text(run_id, result.error, "failure.txt")
         if result.log_tail:
-            self.client.log_text(run_id, result.log_tail, "worker_log_tail.txt")
+            self._text(run_id, result.log_tail, "worker_log_tail.txt")
         self.client.set_terminated(run_id, status=result.status, end_time=_ms(result.ended_at))
         if claim is not None and claim != run_id:
             self.client.delete_run(claim)  # the placeholder; the cell's run is the one just logged
@@ -352,11 +360,27 @@ class SweepTracker:
         if claim is not None and not result.started_at:
             return claim, False
         name = cell_run_name(result.params, self.varying)
-        run_id = self.client.create_run(self.experiment_id, start_time=_ms(result.started_at), run_name=name,
-                                        tags={t.key: t.value for t in tags}).info.run_id
+        info = self.client.create_run(self.experiment_id, start_time=_ms(result.started_at), run_name=name,
+                                      tags={t.key: t.value for t in tags}).info
         if entry:
-            self.logged_into[entry] = run_id
-        return run_id, True
+            self.logged_into[entry] = info.run_id
+        self._repos[info.run_id] = info.artifact_uri
+        return info.run_id, True
+
+    def _text(self, run_id: str, text: str, artifact_file: str) -> None:
+        """client.log_text without its get_run per file (MLflow looks the run up to find
+        where its artifacts go): a run created by this tracker names that place already."""
+        where = self._repos.get(run_id)
+        if where is None:
+            self.client.log_text(run_id, text, artifact_file)
+            return
+        from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+        folder, _, name = artifact_file.rpartition("/")
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / name
+            path.write_text(text, encoding="utf-8")
+            get_artifact_repository(where, tracking_uri=self.tracking_uri).log_artifact(str(path), folder or None)
 
     def describe_sweep(self, markdown: str) -> None:
         """The parent run's description (Markdown, shown on its page in the UI)."""
@@ -389,11 +413,11 @@ class SweepTracker:
 
     def _log_analysis(self, run_id: str, result: CellResult) -> None:
         if result.split is not None:
-            self.client.log_text(run_id, top_ops_table(result), "top_ops.csv")
+            self._text(run_id, top_ops_table(result), "top_ops.csv")
         if result.linearity is not None:
-            self.client.log_text(run_id, linearity_table(result), "linearity.csv")
+            self._text(run_id, linearity_table(result), "linearity.csv")
         if result.thread_states is not None:
-            self.client.log_text(run_id, result.thread_states.to_csv(index=False), "thread_states.csv")
+            self._text(run_id, result.thread_states.to_csv(index=False), "thread_states.csv")
         if result.traces:
             with tempfile.TemporaryDirectory() as folder:
                 for name, data in result.traces.items():
