@@ -307,7 +307,8 @@ class SweepTracker:
             all_tags["retry_reasons"] = " | ".join(result.retry_reasons)[:5000]
         values = cell_metrics(result)
         if result.measurement is not None:
-            all_tags[NOTE_TAG] = cell_note(result.params, values, all_tags.get("regime"))
+            all_tags[NOTE_TAG] = cell_note(result.params, values, all_tags.get("regime"),
+                                           all_tags.get("unstable_reasons", ""))
         if result.status == "SKIPPED":
             # MLflow has no SKIPPED status: KILLED (never measured, never resumed as done)
             # with the reason as tags.

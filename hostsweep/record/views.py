@@ -97,8 +97,10 @@ CALIBRATION_DESCRIPTION = (
     "its raw table; the fit and compare stages cite the run they used.")
 
 
-def cell_note(params: dict[str, object], metrics: dict[str, float], regime: Optional[str]) -> str:
-    """A measured cell's run description: the cell and its numbers in one line."""
+def cell_note(params: dict[str, object], metrics: dict[str, float], regime: Optional[str],
+              unstable_reasons: str = "") -> str:
+    """A measured cell's run description: the cell and its numbers in one line, and first,
+    when it was judged unstable, why (measure/stability.py)."""
     what = (f"b{params['batch']} ctx{params['ctx']} on {params['sku']}/{params['model']}/{params['mode']}/"
             f"tp{params['tp']}")
     line = (f"**{what}**: {metrics['step_ms']:.3f} ms per decode step, 95% CI "
@@ -106,4 +108,6 @@ def cell_note(params: dict[str, object], metrics: dict[str, float], regime: Opti
     if "device_ms" in metrics and "host_frac" in metrics:
         line += (f"; device {metrics['device_ms']:.3f} ms, host {metrics.get('host_ms', float('nan')):.3f} ms, "
                  f"host_frac {metrics['host_frac']:.3f} ({regime or '?'})")
+    if unstable_reasons:
+        line = f"**UNSTABLE** ({unstable_reasons}; docs/measurement.md, Stability). " + line
     return line + ". Raw per-rep timings: `raw_timings.csv`; ops by time per step: `top_ops.csv`."

@@ -356,3 +356,12 @@ def test_a_shift_too_small_to_move_a_comparison_is_not_drift_even_beyond_the_cis
     timings = pairs(steps, QUIET)
     assert not drifted(timings, RULES)
     assert drifted(timings, StabilityRules(resamples=500, min_shift_pct=0.5))
+
+
+def test_an_unstable_cells_run_description_says_so_first_and_why():
+    from hostsweep.record.views import cell_note
+
+    params = {"batch": 2, "ctx": 128, "sku": "cpu", "model": "m", "mode": "eager", "tp": 1}
+    metrics = {"step_ms": 3.0, "step_ci_low_ms": 2.9, "step_ci_high_ms": 3.1}
+    assert cell_note(params, metrics, None, "foreign_cpu,drift").startswith("**UNSTABLE** (foreign_cpu,drift;")
+    assert "UNSTABLE" not in cell_note(params, metrics, None)
