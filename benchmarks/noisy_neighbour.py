@@ -8,6 +8,8 @@ study and run folder:
     noisy              beside a duty-cycled hog: one process spinning on one core, 2 s on /
                        2 s off, from the engine's "engine ready" line to the sweep's end
     seq-1, seq-2       quiet, measure.interleave=false (cell after cell, as before rounds)
+    rep-1, rep-2       quiet, measure.replicates=2 (two engine starts per run), asked for by
+                       --runs: do two runs' CIs overlap once they cover engine starts?
 
 Per cell and run it prints the step and its CI, the ratio to the grid's first cell, how far
 that ratio moved from quiet-1 (%), and the stability flags; then the targets: the quiet runs
@@ -56,7 +58,7 @@ def run_sweep(root: Path, name: str, overrides: list[str]) -> Path:
     if (run_dir / "cells.csv").is_file():
         return run_dir  # --keep: measured before
     folder.mkdir(parents=True, exist_ok=True)
-    extra = ["measure.interleave=false"] if name.startswith("seq") else []
+    extra = {"seq": ["measure.interleave=false"], "rep": ["measure.replicates=2"]}.get(name.split("-")[0], [])
     cmd = [sys.executable, "-m", "hostsweep", *BASE, *extra, f"study=noisy-{name}",
            f"tracking.uri=sqlite:///{folder / 'mlflow.db'}", f"output.pending_dir={folder / 'pending'}",
            f"hydra.run.dir={run_dir}", *overrides]
@@ -132,6 +134,12 @@ def targets(frames: dict[str, pd.DataFrame]) -> None:
               f"unflagged among them: {unflagged or 'none'} ({'met' if not unflagged else 'NOT met'})")
         print(f"  the noisy study is flagged: {int(noisy['unstable'].sum())} of {len(noisy)} cells "
               f"({'met' if noisy['unstable'].any() else 'NOT met'})")
+    reps = [frames[n].set_index("cell") for n in frames if n.startswith("rep")]
+    if len(reps) >= 2:
+        a, b = reps[0], reps[1]
+        overlapping = [c for c in a.index if overlap(a.loc[c], b.loc[c])]
+        print(f"  with replicates=2, the two runs' CIs overlap in {len(overlapping)} of {len(a)} cells "
+              f"({'met' if len(overlapping) == len(a) else 'NOT met'})")
     spreads = {}
     for prefix, label in (("quiet", "interleaved"), ("seq", "cell after cell")):
         runs = [frames[n].set_index("cell") for n in frames if n.startswith(prefix)]
