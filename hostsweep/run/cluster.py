@@ -23,6 +23,8 @@ from hostsweep.run.hygiene import (
     WORKER_AFFINITY_ENV, daemons_to_idle, descendant_pids, idle_process,
 )
 from hostsweep.run.placement import ACCELERATOR_PREFIX
+from hostsweep.run import reaper
+from hostsweep.run.leftovers import mark_session
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +146,17 @@ def _init(ray, address: str | None, confine_daemons: bool, idle_daemons: bool,  
     if confine_daemons and len(cores) > 1:
         os.environ[WORKER_AFFINITY_ENV] = ",".join(map(str, cores))
         os.sched_setaffinity(0, cores[-1:])  # the daemons ray.init starts inherit this
-    before = set(descendant_pids(os.getpid()))  # not Ray's: e.g. an engine started here
     _loopback_only()
+    _reclaim_leftovers()
+    global _watchdog
+    marker = reaper.marker_of(os.getpid())
+    # Every process of the cluster inherits the marker from ray.init's daemons; the driver
+    # itself and what it starts later (not the cluster's) do not.
+    os.environ[reaper.MARKER_ENV] = marker
+    _watchdog = reaper.start_watchdog(marker)
+    # Not Ray's: e.g. an engine started here, and the watchdog (never idled: it must run
+    # when the engines take every core).
+    before = set(descendant_pids(os.getpid()))
     try:
         # "local": always a new cluster. Without an address ray.init joins the cluster named
         # by RAY_ADDRESS or /tmp/ray/ray_current_cluster (hanging if that one is dead).
@@ -157,12 +168,36 @@ def _init(ray, address: str | None, confine_daemons: bool, idle_daemons: bool,  
                      log_to_driver=log_to_driver)
         finally:
             notice.setLevel(level)
+    except BaseException:
+        _stop_watchdog()
+        raise
     finally:
+        os.environ.pop(reaper.MARKER_ENV, None)
         os.sched_setaffinity(0, cores)
+    mark_session(ray._private.worker._global_node.get_session_dir_path(), marker)
     if idle_daemons:
         for pid in daemons_to_idle(set(descendant_pids(os.getpid())) - before):
             idle_process(pid)
     return True
+
+
+# The watchdog of the local cluster this driver started (run/reaper.py): it kills what is
+# left of the cluster when the driver dies, or once disconnect has shut it down.
+_watchdog = None
+
+
+def _stop_watchdog() -> None:
+    global _watchdog
+    reaper.stop_watchdog(_watchdog)
+    _watchdog = None
+
+
+def _reclaim_leftovers() -> None:
+    """What killed sweeps left on this machine (their watchdog killed too), before ours starts."""
+    reclaimed = reaper.reclaim_leftovers()
+    if any(reclaimed.values()):
+        log.info("reclaimed what killed sweeps left: %s",
+                 ", ".join(f"{n} {what}" for what, n in reclaimed.items() if n))
 
 
 def live_nodes() -> list[NodeInventory]:
@@ -217,6 +252,8 @@ def disconnect(started_here: bool) -> None:
     if started_here and ray.is_initialized():
         stop_autoscaler_monitor()
         ray.shutdown()
+    if started_here:
+        _stop_watchdog()
 
 
 # The script of the autoscaler monitor a local cluster runs (a child of the driver).

@@ -119,13 +119,21 @@ def new_scratch_folder() -> Path:
     return Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
 
 
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a killed worker whose parent died too may stay one a while)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def remove_stale_scratch(root: Path | None = None) -> list[Path]:
     """Remove scratch folders of workers that are gone (killed before they could clean up)."""
     root = root or Path(tempfile.gettempdir())
     removed = []
     for folder in root.glob(f"{SCRATCH_PREFIX}*"):
         match = re.match(rf"{SCRATCH_PREFIX}(\d+)-", folder.name)
-        if folder.is_dir() and match and not psutil.pid_exists(int(match.group(1))):
+        if folder.is_dir() and match and not _running(int(match.group(1))):
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
     return removed

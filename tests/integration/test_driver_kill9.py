@@ -1,0 +1,201 @@
+"""kill -9 of the driver mid-sweep, through the real CLI and a real local Ray cluster:
+nothing of the sweep outlives it (Ray's daemons and agents, the worker, vLLM's EngineCore
+and VLLM::Worker), its scratch folders and vLLM's /dev/shm segments go within seconds
+(the watchdog, run/reaper.py); and when the watchdog is killed with it, the next sweep
+reclaims the processes, scratch folders and Ray session folder left behind.
+ray.exclusive=false: the tests run beside other sweeps on a shared machine, whose
+processes and files they must not touch (nor does the reaper)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from hostsweep.record.journal import JOURNAL_FILE, read_entries
+from hostsweep.run.leftovers import RAY_TEMP, SESSION_MARK, mapped_segments
+from hostsweep.run.reaper import environ_marker, read_ledgers
+from tests.conftest import run_hostsweep
+
+pytestmark = pytest.mark.integration
+
+GONE_WITHIN_S = 15.0
+FAKE = ["+sku=cpu", "engine.name=fake", "measure.T=400", "measure.reps=3", "measure.warmups=1", "ctx=[16]",
+        "batch=[1,2,3,4,5,6]", "split.enabled=false", "ray.exclusive=false"]
+
+
+def alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def names(procs) -> list[str]:
+    found = []
+    for proc in procs:
+        try:
+            found.append(f"{proc.name()} ({proc.pid})")
+        except psutil.Error:
+            pass
+    return found
+
+
+def marked(marker: str) -> list[psutil.Process]:
+    return [psutil.Process(pid) for pid in psutil.pids() if environ_marker(pid) == marker and alive(psutil.Process(pid))]
+
+
+def start_driver(args: list[str], tmp_path: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "hostsweep", *args], cwd=tmp_path,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(predicate, driver: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and driver.poll() is None:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"not reached in {timeout_s} s (driver exit {driver.poll()}): "
+                         f"{(driver.stderr.read() if driver.poll() is not None else '')[-2000:]}")
+
+
+def measured_one(run_dir: Path) -> bool:
+    journal = run_dir / JOURNAL_FILE
+    return journal.is_file() and any(e["event"] == "measured" for e in read_entries(journal))
+
+
+def scratch_of(procs) -> list[Path]:
+    pids = {p.pid for p in procs}
+    return [f for f in Path(tempfile.gettempdir()).glob("hostsweep-*-*")
+            if f.name.split("-")[1].isdigit() and int(f.name.split("-")[1]) in pids]
+
+
+def the_sweep(driver: subprocess.Popen) -> tuple[str, list[psutil.Process]]:
+    """The driver's marker and every process below it (Ray's, the worker, the engine, the watchdog)."""
+    marker = f"{driver.pid}:{psutil.Process(driver.pid).create_time():.2f}"
+    return marker, psutil.Process(driver.pid).children(recursive=True)
+
+
+def gone_within(procs, marker: str, timeout_s: float) -> float:
+    """Seconds until none of procs nor any process with the marker is alive; fails after timeout_s."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if not any(alive(p) for p in procs) and not marked(marker):
+            return time.monotonic() - start
+        time.sleep(0.1)
+    raise AssertionError(f"alive {timeout_s} s after kill -9 of the driver: "
+                         f"{names([p for p in procs if alive(p)] + marked(marker))}")
+
+
+def kill_all(procs) -> None:
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+
+
+def test_kill_9_of_the_driver_leaves_no_process_and_no_scratch_folder(tmp_path):
+    run_dir = tmp_path / "run"
+    driver = start_driver([*FAKE, f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "study=kill9",
+                           f"hydra.run.dir={run_dir}"], tmp_path)
+    tree: list[psutil.Process] = []
+    try:
+        wait_for(lambda: measured_one(run_dir), driver, 300)
+        marker, tree = the_sweep(driver)
+        scratch = scratch_of(tree)
+        assert {"raylet", "ray::SweepWorker", "ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= \
+            {n.split(" (")[0] for n in names(tree)}, names(tree)
+        time.sleep(1.5)  # the watchdog notes the cluster's processes every second
+        unnoted = [p for p in tree if alive(p) and p.pid not in read_ledgers().get(marker, {})
+                   and "hostsweep.run.reaper" not in " ".join(p.cmdline())]
+        assert not unnoted, names(unnoted)
+        assert scratch, ("the worker has no scratch folder", names(tree),
+                         list(Path(tempfile.gettempdir()).glob("hostsweep-*-*")))
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(30)
+        took = gone_within(tree, marker, GONE_WITHIN_S)
+        print(f"every process of the sweep gone {took:.1f} s after kill -9 of the driver")
+        assert not [f for f in scratch if f.exists()]
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        kill_all(tree)
+
+
+def test_with_its_watchdog_killed_too_the_next_sweep_reclaims_processes_scratch_and_ray_session(tmp_path):
+    run_dir = tmp_path / "run"
+    driver = start_driver([*FAKE, f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "study=kill9b",
+                           f"hydra.run.dir={run_dir}"], tmp_path)
+    tree: list[psutil.Process] = []
+    try:
+        wait_for(lambda: measured_one(run_dir), driver, 300)
+        marker, tree = the_sweep(driver)
+        scratch = scratch_of(tree)
+        sessions = [m.parent for m in RAY_TEMP.glob(f"session_*/{SESSION_MARK}")
+                    if m.read_text() == marker and not m.parent.is_symlink()]
+        assert len(sessions) == 1
+        watchdog = [p for p in tree if "hostsweep.run.reaper" in " ".join(p.cmdline())]
+        assert len(watchdog) == 1
+        kill_all([psutil.Process(driver.pid), *watchdog])  # as the OOM killer or a node agent might
+        driver.wait(30)
+        time.sleep(3)
+        left = [p for p in tree if alive(p)]
+        assert left, "nothing was left to reclaim"  # Ray's agents wait for the dead GCS
+        rerun = run_hostsweep(["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=3", "measure.warmups=1",
+                               "ctx=[16]", "batch=[1]", "split.enabled=false", "ray.exclusive=false",
+                               f"tracking.uri=sqlite:///{tmp_path}/mlflow2.db", "study=kill9b-rerun",
+                               f"hydra.run.dir={tmp_path / 'rerun'}"], tmp_path, timeout=300,
+                              env={"HOSTSWEEP_FAKE_TIME_SCALE": "0.01"})
+        assert rerun.returncode == 0, rerun.stderr[-3000:]
+        assert not names([p for p in tree if alive(p)] + marked(marker))
+        assert not [f for f in scratch if f.exists()]
+        assert not sessions[0].exists()
+        log = (tmp_path / "rerun" / "hostsweep.log").read_text()
+        assert "reclaimed what killed sweeps left" in log
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        kill_all(tree)
+
+
+def test_kill_9_of_the_driver_stops_vllm_and_frees_its_shared_memory(tmp_path):
+    """The real vLLM CPU engine: its EngineCore and VLLM::Worker and the /dev/shm segments
+    of its message queues go with the driver."""
+    pytest.importorskip("vllm")
+    run_dir = tmp_path / "run"
+    driver = start_driver(["+sku=cpu", "batch=[1,2,3]", "ctx=[32]", "measure.T=49", "measure.reps=12",
+                           "measure.warmups=1", "split.enabled=false", "ray.exclusive=false",
+                           f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "study=kill9vllm",
+                           f"hydra.run.dir={run_dir}"], tmp_path)
+    tree: list[psutil.Process] = []
+    try:
+        def engine_up() -> bool:
+            procs = psutil.Process(driver.pid).children(recursive=True)
+            return any(n.startswith("VLLM::Worker") for n in names(procs)) and \
+                any(str(s).startswith("/dev/shm/psm_") for s in mapped_segments(p.pid for p in procs))
+
+        wait_for(engine_up, driver, 240)
+        time.sleep(2)
+        marker, tree = the_sweep(driver)
+        segments = {s for s in mapped_segments(p.pid for p in tree) if s.name.startswith("psm_")}
+        scratch = scratch_of(tree)
+        assert segments and scratch
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(30)
+        took = gone_within(tree, marker, GONE_WITHIN_S)
+        print(f"vLLM and Ray gone {took:.1f} s after kill -9 of the driver; segments {sorted(map(str, segments))}")
+        assert not [s for s in segments if s.exists()]
+        assert not [f for f in scratch if f.exists()]
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        kill_all(tree)
