@@ -2,7 +2,7 @@
 nothing of the sweep outlives it (Ray's daemons and agents, the worker, vLLM's EngineCore
 and VLLM::Worker), its scratch folders and vLLM's /dev/shm segments go within seconds
 (the watchdog, run/reaper.py); and when the watchdog is killed with it, the next sweep
-reclaims the processes, scratch folders and Ray session folder left behind.
+reclaims the processes, scratch folders, Ray session folder and /dev/shm segments left behind.
 ray.exclusive=false: the tests run beside other sweeps on a shared machine, whose
 processes and files they must not touch (nor does the reaper)."""
 from __future__ import annotations
@@ -13,13 +13,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 
 import psutil
 import pytest
 
 from hostsweep.record.journal import JOURNAL_FILE, read_entries
-from hostsweep.run.leftovers import RAY_TEMP, SESSION_MARK, mapped_segments
+from hostsweep.run.leftovers import RAY_TEMP, SEGMENT_MIN_AGE_S, SESSION_MARK, mapped_segments
 from hostsweep.run.reaper import environ_marker, read_ledgers
 from tests.conftest import run_hostsweep
 
@@ -133,6 +134,12 @@ def test_kill_9_of_the_driver_leaves_no_process_and_no_scratch_folder(tmp_path):
 
 def test_with_its_watchdog_killed_too_the_next_sweep_reclaims_processes_scratch_and_ray_session(tmp_path):
     run_dir = tmp_path / "run"
+    # What a SIGKILLed engine and its SIGKILLed resource tracker leave (the fake engine has none).
+    segment = shared_memory.SharedMemory(create=True, size=1 << 20)
+    resource_tracker.unregister(segment._name, "shared_memory")
+    segment.close()
+    segment = Path("/dev/shm") / segment.name
+    planted = segment.stat().st_ctime
     driver = start_driver([*FAKE, f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "study=kill9b",
                            f"hydra.run.dir={run_dir}"], tmp_path)
     tree: list[psutil.Process] = []
@@ -150,6 +157,8 @@ def test_with_its_watchdog_killed_too_the_next_sweep_reclaims_processes_scratch_
         time.sleep(3)
         left = [p for p in tree if alive(p)]
         assert left, "nothing was left to reclaim"  # Ray's agents wait for the dead GCS
+        # Old enough to be reclaimed (any other local sweep starting here meanwhile may take it first).
+        time.sleep(max(0.0, SEGMENT_MIN_AGE_S + 1 - (time.time() - planted)))
         rerun = run_hostsweep(["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=3", "measure.warmups=1",
                                "ctx=[16]", "batch=[1]", "split.enabled=false", "ray.exclusive=false",
                                f"tracking.uri=sqlite:///{tmp_path}/mlflow2.db", "study=kill9b-rerun",
@@ -159,12 +168,14 @@ def test_with_its_watchdog_killed_too_the_next_sweep_reclaims_processes_scratch_
         assert not names([p for p in tree if alive(p)] + marked(marker))
         assert not [f for f in scratch if f.exists()]
         assert not sessions[0].exists()
+        assert not segment.exists()
         log = (tmp_path / "rerun" / "hostsweep.log").read_text()
         assert "reclaimed what killed sweeps left" in log
     finally:
         if driver.poll() is None:
             driver.kill()
         kill_all(tree)
+        segment.unlink(missing_ok=True)
 
 
 def test_kill_9_of_the_driver_stops_vllm_and_frees_its_shared_memory(tmp_path):
