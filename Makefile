@@ -6,12 +6,12 @@ STAMP := $(VENV)/.hostsweep-installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test setup test-browser clean-venv
+.PHONY: run test setup test-browser test-postgres clean-venv
 
 run: $(STAMP)
 	$(PY) -m hostsweep $(ARGS)
 
-test: $(STAMP) test-browser
+test: $(STAMP) test-browser test-postgres
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The end-to-end UI test opens the stock MLflow UI in headless Chromium through Selenium:
@@ -25,6 +25,20 @@ test-browser:
 	  exit 2; fi; \
 	echo "installing $(BROWSER_PACKAGES) for the UI test (apt-get)"; \
 	$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(BROWSER_PACKAGES) >/dev/null
+
+# The tracking-server test runs `mlflow server` on a throwaway PostgreSQL cluster:
+# Debian's postgresql (initdb, pg_ctl under /usr/lib/postgresql/*/bin), installed here
+# when missing and this user may install packages, as for the browser; and psycopg2 in
+# the venv (the driver MLflow's store uses: postgresql+psycopg2://).
+POSTGRES_PACKAGES := postgresql
+test-postgres: $(STAMP)
+	@$(PY) -c "import psycopg2" 2>/dev/null || $(PY) -m pip install --quiet --disable-pip-version-check psycopg2-binary
+	@if ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO=sudo; else \
+	  echo "make test: the tracking-server test needs Debian's postgresql; install it with: sudo apt-get install -y $(POSTGRES_PACKAGES)" >&2; \
+	  exit 2; fi; \
+	echo "installing $(POSTGRES_PACKAGES) for the tracking-server test (apt-get)"; \
+	$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(POSTGRES_PACKAGES) >/dev/null
 
 setup: $(STAMP)
 

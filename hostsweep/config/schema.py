@@ -313,11 +313,14 @@ class DiffConfig:
 # The one default store: a sqlite file beside the run directories (MLflow >= 3.13 refuses
 # the plain file store).
 DEFAULT_TRACKING_URI = "sqlite:///outputs/mlflow.db"
+TRACKING_URI_ENV = "HOSTSWEEP_TRACKING_URI"
 
 
 @dataclass
 class TrackingConfig:
-    uri: str = DEFAULT_TRACKING_URI
+    # HOSTSWEEP_TRACKING_URI, when set, replaces the local store as the default: a cluster's
+    # head exports it for the drivers it runs (ray_cluster.yaml, docs/cluster.md).
+    uri: str = f"${{oc.env:{TRACKING_URI_ENV},{DEFAULT_TRACKING_URI}}}"
     experiment: Optional[str] = None
     # Measuring goes on while MLflow is down for up to outage_s; then the sweep stops and
     # the run directory's journal keeps what was measured for the next run to upload.

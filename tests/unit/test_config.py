@@ -120,3 +120,13 @@ def test_checkpoint_directory_supplies_the_shape(tmp_path):
     assert study.config.model.shape.num_attention_heads == 6 and study.config.model.shape.head_dim == 64 // 6
     with pytest.raises(ConfigError, match="allowed tp: 1, 2, 3, 6"):
         compose_typed(["+sku=cpu", "model=checkpoint", f"model.path={tmp_path}", "tp=4", "ctx=[64]"])
+
+
+def test_a_clusters_tracking_server_is_the_default_when_its_head_exports_it(monkeypatch):
+    """ray_cluster.yaml's head exports HOSTSWEEP_TRACKING_URI for the drivers it runs; a
+    given tracking.uri still wins, and without it the local sqlite store is the default."""
+    monkeypatch.delenv("HOSTSWEEP_TRACKING_URI", raising=False)
+    assert compose_typed(["+sku=cpu"]).config.tracking.uri == "sqlite:///outputs/mlflow.db"
+    monkeypatch.setenv("HOSTSWEEP_TRACKING_URI", "http://10.0.0.5:5000")
+    assert compose_typed(["+sku=cpu"]).config.tracking.uri == "http://10.0.0.5:5000"
+    assert compose_typed(["+sku=cpu", "tracking.uri=sqlite:///x.db"]).config.tracking.uri == "sqlite:///x.db"
