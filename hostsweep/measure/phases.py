@@ -141,6 +141,8 @@ class PhaseSplit:
     host_ms: dict[str, float]  # phase -> host ms per step (forward as forward_dispatch)
     forward_compute_ms: float  # compute ops inside the forward scope, per step (device)
     attributed_frac: float  # sum of host_ms over the cell's host_ms (nan without host time)
+    ci_ms: dict[str, tuple[float, float]] = field(default_factory=dict)  # over profiled pairs (2 or more)
+    pairs: int = 1
 
     @property
     def largest(self) -> Optional[tuple[str, float]]:
@@ -232,12 +234,36 @@ def without_scheduler(totals: PhaseTotals) -> PhaseTotals:
                        Counter({n: totals.count[n] for n in keep}), totals.span_us, totals.compute_total_us)
 
 
+def over_pairs(pairs: list[PhaseSplit], host_ms: float, resamples: int, level: float, seed: int) -> PhaseSplit:
+    """Several profiled pairs' phases as one: per phase the median over the pairs with a
+    percentile-bootstrap CI of it (measure.protocol's), a phase missing from a pair counting
+    as 0 there; attributed_frac from the medians. One pair is returned as it is."""
+    if len(pairs) == 1:
+        return pairs[0]
+    import numpy as np  # lazily: this module stays stdlib-only for benchmarks/gpu_check.py
+
+    from hostsweep.measure.protocol import bootstrap_median_ci
+
+    names = sorted(set().union(*(p.host_ms for p in pairs)))
+    rng = np.random.default_rng(seed)
+    medians, cis = {}, {}
+    for name in names:
+        values = [p.host_ms.get(name, 0.0) for p in pairs]
+        medians[name] = float(np.median(values))
+        cis[name] = bootstrap_median_ci(values, resamples, level, rng)
+    forward = float(np.median([p.forward_compute_ms for p in pairs]))
+    attributed = sum(medians.values()) / host_ms if host_ms > 0 else float("nan")
+    return PhaseSplit(medians, forward, attributed, cis, len(pairs))
+
+
 def phase_metrics(split: PhaseSplit, profiled_host_ms: Optional[float] = None) -> dict[str, float]:
     """phase_<name>_ms per phase, forward_compute_ms and attributed_frac; with the profiled
     pair's own host time (its step minus device_ms), attributed_frac_profiled: the phases come
     from profiled generates, which the profiler slows, so they may name more than the timed
     host_ms (attributed_frac > 1) while closing on the profiled step (attributed_frac_profiled ~ 1)."""
     metrics = {f"phase_{name}_ms": ms for name, ms in split.ordered()}
+    for name, (low, high) in split.ci_ms.items():
+        metrics[f"phase_{name}_ci_low_ms"], metrics[f"phase_{name}_ci_high_ms"] = low, high
     metrics.update(forward_compute_ms=split.forward_compute_ms, attributed_frac=split.attributed_frac)
     if profiled_host_ms is not None and profiled_host_ms > 0:
         metrics["attributed_frac_profiled"] = sum(split.host_ms.values()) / profiled_host_ms

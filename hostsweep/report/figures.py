@@ -310,7 +310,8 @@ def phase_columns(cells: pd.DataFrame) -> list[str]:
     """The cells' phase_<name>_ms columns, in the order a step runs the phases."""
     from hostsweep.measure.phases import PHASE_ORDER
 
-    found = [c for c in cells.columns if c.startswith("phase_") and c.endswith("_ms") and cells[c].notna().any()]
+    found = [c for c in cells.columns if c.startswith("phase_") and c.endswith("_ms")
+             and not c.endswith(("_ci_low_ms", "_ci_high_ms")) and cells[c].notna().any()]
     rank = {f"phase_{name}_ms": i for i, name in enumerate(PHASE_ORDER)}
     return sorted(found, key=lambda c: (rank.get(c, len(rank)), c))
 

@@ -42,7 +42,7 @@ from hostsweep.run.placement import hand_gpus_to_ranks
 from hostsweep.run.pyspy import record_thread_states
 from hostsweep.run.worklog import log_tail, redirect_output
 from hostsweep.measure.split import LinearityResult, SplitResult, device_split, linearity
-from hostsweep.measure.phases import PhaseTotals, cell_phases, phase_totals
+from hostsweep.measure.phases import PhaseTotals, cell_phases, over_pairs, phase_totals
 from hostsweep.measure.traces import TraceTotals, load_trace, totals
 
 log = logging.getLogger(__name__)
@@ -233,7 +233,12 @@ class SweepWorker:
             phases = None if phases_1 is None or phases_T is None else \
                 cell_phases(phases_1, phases_T, len(short), split.slowest_rank, cell.T, split.host_ms)
             splits.append(dataclasses.replace(split, phases=phases))
-        return sorted(splits, key=lambda s: s.device_ms)[(len(splits) - 1) // 2]
+        chosen = sorted(splits, key=lambda s: s.device_ms)[(len(splits) - 1) // 2]
+        if len(splits) > 1 and all(s.phases is not None for s in splits):  # medians over the pairs, with CIs
+            m = opts.measure
+            chosen = dataclasses.replace(chosen, phases=over_pairs([s.phases for s in splits], chosen.host_ms,
+                                                                   m.bootstrap_resamples, m.ci_level, cell.seed))
+        return chosen
 
     def _linearity(self, prompts: list[list[int]], opts: MeasureOptions,
                    keep: Optional[dict[str, bytes]]) -> LinearityResult:

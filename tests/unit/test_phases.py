@@ -147,3 +147,18 @@ def test_without_engine_steps_the_engine_cores_own_phases_still_count():
 
     empty = phase_totals({"traceEvents": []})
     assert engine_phases(empty, empty, core(1), core(5), 5) == pytest.approx({"schedule": 0.08})
+
+
+def test_several_pairs_give_median_phases_with_a_ci_and_one_pair_is_kept_as_it_is():
+    from hostsweep.measure.phases import PhaseSplit, over_pairs
+
+    pairs = [PhaseSplit({"sample": v, "preprocess": 1.0}, 2.0, 0.0) for v in (0.1, 0.2, 0.3, 0.4, 0.5)]
+    pairs.append(PhaseSplit({"preprocess": 1.0}, 2.0, 0.0))  # no sample in this pair: 0 there
+    merged = over_pairs(pairs, host_ms=2.5, resamples=500, level=0.95, seed=0)
+    assert merged.host_ms == pytest.approx({"sample": 0.25, "preprocess": 1.0}) and merged.pairs == 6
+    low, high = merged.ci_ms["sample"]
+    assert 0.0 <= low <= 0.25 <= high <= 0.5 and merged.ci_ms["preprocess"] == (1.0, 1.0)
+    assert merged.attributed_frac == pytest.approx(1.25 / 2.5)
+    metrics = phase_metrics(merged)
+    assert metrics["phase_sample_ci_low_ms"] == low and metrics["phase_sample_ci_high_ms"] == high
+    assert over_pairs(pairs[:1], 2.5, 500, 0.95, 0) is pairs[0]

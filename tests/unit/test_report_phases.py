@@ -11,7 +11,8 @@ def cells() -> pd.DataFrame:
     base = {"sku": "cpu", "model": "tiny", "mode": "eager", "tp": 1, "ctx": 128, "step_ms": 6.0,
             "step_ci_low_ms": 5.8, "step_ci_high_ms": 6.3, "device_ms": 2.0, "host_ms": 4.0}
     return pd.DataFrame([
-        {**base, "batch": 1, "phase_sample_ms": 0.5, "phase_preprocess_ms": 1.0, "phase_forward_dispatch_ms": 2.0},
+        {**base, "batch": 1, "phase_sample_ms": 0.5, "phase_preprocess_ms": 1.0, "phase_forward_dispatch_ms": 2.0,
+         "phase_sample_ci_low_ms": 0.4, "phase_sample_ci_high_ms": 0.6},
         {**base, "batch": 4, "phase_sample_ms": 0.7, "phase_preprocess_ms": 1.1, "phase_forward_dispatch_ms": None},
         {**base, "mode": "graph", "batch": 1, "phase_sample_ms": 0.4},
     ])
@@ -32,7 +33,8 @@ def test_the_stacked_figure_has_a_panel_per_engine_and_a_bar_per_cell_and_part()
 
 
 def test_no_phases_no_stack():
-    frame = cells().drop(columns=["phase_sample_ms", "phase_preprocess_ms", "phase_forward_dispatch_ms"])
+    frame = cells().drop(columns=["phase_sample_ms", "phase_preprocess_ms", "phase_forward_dispatch_ms",
+                                  "phase_sample_ci_low_ms", "phase_sample_ci_high_ms"])
     assert figures.phase_columns(frame) == []
     assert not [ax for ax in figures.host_phases(frame).axes if ax.patches]
 

@@ -86,6 +86,16 @@ def test_host_phases_through_the_fake_profiler_have_the_known_shares(tmp_path):
     assert metrics["phase_sample_ms"] == pytest.approx(0.1 * cycle_ms, abs=1e-3) and "attributed_frac" in metrics
 
 
+def test_several_profiled_pairs_give_phase_cis(tmp_path):
+    cell = fake_cells("batch=[1]", "ctx=[16]")[0]
+    result = SweepWorker(cell.engine, str(tmp_path)).measure(cell, options("split.reps=3"))
+    phases = result.split.phases
+    assert phases.pairs == 3 and set(phases.ci_ms) == set(phases.host_ms)
+    low, high = phases.ci_ms["sample"]
+    assert low <= phases.host_ms["sample"] <= high
+    assert "phase_sample_ci_high_ms" in cell_metrics(result)
+
+
 def test_split_phases_false_leaves_the_phases_out(tmp_path):
     cell = fake_cells("batch=[1]", "ctx=[16]", "split.phases=false")[0]
     assert not cell.engine.phases
