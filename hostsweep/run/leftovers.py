@@ -97,6 +97,11 @@ def remove_dead_sessions(is_over: Callable[[str], bool], root: Path = RAY_TEMP) 
         if session.is_symlink():  # session_latest: its target is seen under its own name
             continue
         try:
+            if session.stat().st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        try:
             marker = mark.read_text().strip()
         except OSError:
             continue

@@ -170,7 +170,8 @@ def kill_sweep(marker: str, known: dict[int, str], timeout_s: float = 10.0) -> t
 
 # What each live sweep's watchdog knows of its cluster, for the next sweep should the
 # watchdog be killed too: one file per sweep, {"marker": ..., "processes": {pid: start}}.
-LEDGER = Path(tempfile.gettempdir()) / "hostsweep-sweeps"
+# Per user, private: a ledger names processes to kill.
+LEDGER = Path(tempfile.gettempdir()) / f"hostsweep-sweeps-{os.getuid()}"
 
 
 def ledger_file(marker: str) -> Path:
@@ -178,16 +179,25 @@ def ledger_file(marker: str) -> Path:
 
 
 def write_ledger(marker: str, known: dict[int, str]) -> None:
-    LEDGER.mkdir(exist_ok=True)
-    path = ledger_file(marker)
-    partial = path.with_suffix(".tmp")
-    partial.write_text(json.dumps({"marker": marker, "processes": known}))
-    partial.replace(path)
+    """Best effort: without a ledger, only a live watchdog (and the marker) finds them."""
+    try:
+        LEDGER.mkdir(mode=0o700, exist_ok=True)
+        path = ledger_file(marker)
+        partial = path.with_suffix(".tmp")
+        partial.write_text(json.dumps({"marker": marker, "processes": known}))
+        partial.replace(path)
+    except OSError as exc:
+        log.debug("could not write the ledger of %s: %s", marker, exc)
 
 
 def read_ledgers() -> dict[str, dict[int, str]]:
     """marker -> the processes its watchdog last saw."""
-    found = {}
+    found: dict[str, dict[int, str]] = {}
+    try:
+        if LEDGER.stat().st_uid != os.getuid() or LEDGER.stat().st_mode & 0o022:
+            return found  # not this user's own: trust none of it
+    except OSError:
+        return found
     for path in LEDGER.glob("*.json"):
         try:
             entry = json.loads(path.read_text())
@@ -272,14 +282,16 @@ def watch(driver: int, marker: str) -> None:
     driver dies or its shutdown sends SIGTERM, then reap."""
     _die_with(driver)
     known: dict[int, str] = {}
-    while os.getppid() == driver:
-        now = cluster_processes(driver, marker, known)
-        if now != known:
-            known = now
-            write_ledger(marker, known)
-        if signal.sigtimedwait({signal.SIGUSR1, signal.SIGTERM}, POLL_S) is not None:
-            break
-    reap(marker, known)
+    try:
+        while os.getppid() == driver:
+            now = cluster_processes(driver, marker, known)
+            if now != known:
+                known = now
+                write_ledger(marker, known)
+            if signal.sigtimedwait({signal.SIGUSR1, signal.SIGTERM}, POLL_S) is not None:
+                break
+    finally:
+        reap(marker, known)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
