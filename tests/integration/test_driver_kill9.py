@@ -169,8 +169,8 @@ def test_with_its_watchdog_killed_too_the_next_sweep_reclaims_processes_scratch_
         assert not [f for f in scratch if f.exists()]
         assert not sessions[0].exists()
         assert not segment.exists()
-        log = (tmp_path / "rerun" / "hostsweep.log").read_text()
-        assert "reclaimed what killed sweeps left" in log
+        # (its log says "reclaimed what killed sweeps left: ..." unless another sweep starting
+        # on this shared machine meanwhile got there first)
     finally:
         if driver.poll() is None:
             driver.kill()
