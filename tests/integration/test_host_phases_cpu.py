@@ -35,9 +35,10 @@ def test_phases_close_on_the_profiled_step_and_the_schedule_delay_lands_in_sched
     for phase in ("preprocess", "forward_dispatch", "sample", "schedule", "update_from_output",
                   "engine_worker_ipc", "other_engine_loop", "other_worker"):
         assert f"phase_{phase}_ms" in metrics, phase
-    # The busy wait holds at least d; on a crowded host the phase's wall time also takes in the
-    # waits for a core that spinning earns (measured 9.6 ms for d=3 at load average 30).
-    phases = {k: v for k, v in metrics.items() if k.startswith("phase_")}
-    assert metrics["phase_schedule_ms"] >= DELAY_MS and max(phases, key=phases.get) == "phase_schedule_ms"
+    # The busy wait holds at least d (3.23 ms measured for d=3 at load average 25); on a crowded
+    # host the phase's wall time also takes in the waits for a core that spinning earns (9.6 ms
+    # at load average 30). The EngineCore's other phase does not get the delay.
+    assert metrics["phase_schedule_ms"] >= DELAY_MS
+    assert metrics["phase_update_from_output_ms"] < DELAY_MS / 2
     assert metrics["forward_compute_ms"] > 0
     assert 0.85 <= metrics["attributed_frac_profiled"] <= 1.2
