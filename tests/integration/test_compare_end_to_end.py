@@ -29,9 +29,11 @@ from tests.conftest import run_hostsweep
 pytestmark = pytest.mark.integration
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium") or "/usr/bin/chromium", shutil.which("chromedriver")
-# the preset, shortened: one shape (two engines: TP 1 and 2), one context, three reps of 9-token generates
+# the preset, shortened: one shape (two engines: TP 1 and 2), one context, three reps of 9-token generates.
+# Three pairs give wide CIs, so cells may be judged unstable (ci_width) however quiet the machine:
+# the fit keeps them here, since this test is about the stages' plumbing, not the numbers.
 OVERRIDES = ["+experiment=generalize-cpu", "stage=all", "models=[tiny-llama]", "batch=[1,4]", "ctx=[64]", "measure.reps=3", "measure.T=9",
-             "fit.resamples=500"]
+             "fit.resamples=500", "fit.exclude_unstable=false"]
 FIGURES = ("step_composition", "predicted_vs_measured", "heldout_mape", "regime_map", "step_times")
 
 
