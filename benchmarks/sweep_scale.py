@@ -8,13 +8,23 @@ last cell recorded) and end to end (first cell to the process's exit, MLflow's q
 drained); the driver's peak RSS (psutil, polled every 0.1 s); the time to plan (process
 start to the "planned:" log line); then the same command again, which resumes every cell
 (its plan time and wall); and the time to read every cell back into one DataFrame the two
-ways hostsweep does (the model stage's read_cells, resume's finished_runs).
+ways hostsweep does (the model stage's read_cells, resume's finished_runs). Then the
+issue-23 targets, each as measured / target, judged at 10,000 cells (smaller N: projected
+linearly, marked as such).
+
+--tracking-uri records into that store (a PostgreSQL-backed `mlflow server`, say) instead
+of a fresh sqlite file per N; each run uses its own experiment (a time-stamped study).
+--baseline-src DIR runs the same sweeps again with the hostsweep package of DIR (an older
+checkout: `git worktree add /tmp/old <commit>`) first on PYTHONPATH, in the same run and
+store, and prints each figure as a ratio old / new.
 
     .venv/bin/python benchmarks/sweep_scale.py --cells 1000 10000 [--keep DIR]
+        [--tracking-uri URI] [--baseline-src DIR]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -24,6 +34,7 @@ import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Optional
 
 import psutil
 
@@ -41,18 +52,27 @@ def grid(cells: int) -> tuple[list[int], list[int]]:
     return list(range(1, batches + 1)), ctx
 
 
-def command(cells: int, store: Path, run_dir: Path) -> list[str]:
+# issue 23's targets, for a 10,000-cell study
+TARGETS = {"plan_s": 10.0, "resume_plan_s": 5.0, "server_cells_per_s": 200.0, "sqlite_cells_per_s": 100.0,
+           "rss_growth": 0.20, "read_back_s": 5.0}
+TARGET_CELLS = 10000
+
+
+def command(cells: int, uri: str, run_dir: Path, study: str) -> list[str]:
     batch, ctx = grid(cells)
-    return [sys.executable, "-m", "hostsweep", "+sku=cpu", "engine.name=fake", f"study=scale-{cells}",
+    return [sys.executable, "-m", "hostsweep", "+sku=cpu", "engine.name=fake", f"study={study}",
             f"batch=[{','.join(map(str, batch))}]", f"ctx=[{','.join(map(str, ctx))}]",
             "measure.T=2", "measure.reps=2", "measure.warmups=0", "measure.bootstrap_resamples=100",
-            "split.enabled=false", "ray.exclusive=false", f"tracking.uri=sqlite:///{store}",
+            "split.enabled=false", "ray.exclusive=false", f"tracking.uri={uri}",
             f"output.pending_dir={run_dir.parent / 'pending'}", f"hydra.run.dir={run_dir}"]
 
 
-def run(cmd: list[str], cwd: Path, log: Path) -> dict[str, float]:
-    """Run one sweep process; its wall, peak RSS (MiB), exit code, and RSS samples."""
+def run(cmd: list[str], cwd: Path, log: Path, src: Optional[Path] = None) -> dict[str, float]:
+    """Run one sweep process (with the hostsweep of `src` when given); its wall, peak RSS
+    (MiB), exit code, and RSS samples."""
     env = {**os.environ, "HOSTSWEEP_FAKE_TIME_SCALE": "0"}
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     started = time.time()
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -88,61 +108,128 @@ def log_times(run_dir: Path, cells: int) -> dict[str, float]:
     return found
 
 
-def read_back(store: Path, cells: int) -> tuple[float, int, float, int]:
-    """Seconds to read every cell run into one DataFrame (model stage) and by key (resume)."""
-    from hostsweep.record.store import quiet_mlflow
-    from hostsweep.record.readback import read_cells
-    from hostsweep.record.tracking import SweepTracker
+READ_BACK = """
+import json, sys, time
+from hostsweep.record.store import quiet_mlflow
+from hostsweep.record.readback import read_cells
+from hostsweep.record.tracking import SweepTracker
+quiet_mlflow()
+uri, name = sys.argv[1], sys.argv[2]
+start = time.perf_counter()
+frame = read_cells(uri, [name])
+frame_s = time.perf_counter() - start
+start = time.perf_counter()
+finished = SweepTracker(uri, name).finished_runs()
+print(json.dumps([frame_s, len(frame), time.perf_counter() - start, len(finished)]))
+"""
 
-    quiet_mlflow()
-    uri, name = f"sqlite:///{store}", f"hostsweep-scale-{cells}"
-    start = time.perf_counter()
-    frame = read_cells(uri, [name])
-    frame_s = time.perf_counter() - start
-    start = time.perf_counter()
-    finished = SweepTracker(uri, name).finished_runs()
-    return frame_s, len(frame), time.perf_counter() - start, len(finished)
+
+def read_back(uri: str, name: str, src: Optional[Path] = None) -> tuple[float, int, float, int]:
+    """Seconds to read every cell run into one DataFrame (model stage) and by key (resume),
+    in a fresh process (with the hostsweep of `src` when given)."""
+    env = dict(os.environ)
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    # from the work folder: python -c puts the current folder (the checkout's hostsweep/) first
+    out = subprocess.run([sys.executable, "-c", READ_BACK, uri, name], env=env, capture_output=True, text=True,
+                         check=True, cwd=tempfile.gettempdir())
+    frame_s, rows, keyed_s, keys = json.loads(out.stdout.strip().splitlines()[-1])
+    return frame_s, rows, keyed_s, keys
 
 
-def bench(cells: int, root: Path) -> None:
-    store = root / f"mlflow-{cells}.db"
-    first_dir, again_dir = root / f"first-{cells}", root / f"resume-{cells}"
-    first = run(command(cells, store, first_dir), root, root / f"first-{cells}.out")
+def bench(cells: int, root: Path, uri: Optional[str], src: Optional[Path], tag: str) -> dict[str, float]:
+    """One N: the first sweep, its resume, the read-back; prints them, returns the figures."""
+    study = f"scale-{cells}-{tag}-{datetime.now():%H%M%S}"
+    uri = uri or f"sqlite:///{root / f'mlflow-{cells}-{tag}.db'}"
+    first_dir, again_dir = root / f"first-{cells}-{tag}", root / f"resume-{cells}-{tag}"
+    first = run(command(cells, uri, first_dir, study), root, root / f"first-{cells}-{tag}.out", src)
     times = log_times(first_dir, cells)
     measured = len(open(first_dir / "cells.csv").readlines()) - 1
-    print(f"\n{cells} cells: rc {first['rc']}, {measured} rows in cells.csv, wall {first['wall']:.1f} s, "
+    figures: dict[str, float] = {"rss_mib": first["rss_mib"], "wall_s": first["wall"]}
+    print(f"\n[{tag}] {cells} cells: rc {first['rc']}, {measured} rows in cells.csv, wall {first['wall']:.1f} s, "
           f"driver peak RSS {first['rss_mib']:.0f} MiB")
     if "last" in times:
         end = first["started"] + first["wall"]
-        print(f"  driver peak RSS while measuring {peak_between(first['samples'], 0, times['last']):.0f} MiB, "
+        figures["rss_measuring_mib"] = peak_between(first["samples"], 0, times["last"])
+        print(f"  driver peak RSS while measuring {figures['rss_measuring_mib']:.0f} MiB, "
               f"after (MLflow drain, summary, figures) {peak_between(first['samples'], times['last'], end):.0f} MiB")
     if {"planned", "first", "last"} <= set(times):
-        plan_s = times["planned"] - first["started"]
+        figures["plan_s"] = times["planned"] - first["started"]
         measuring = max(times["last"] - times["first"], 1e-9)
         end_to_end = first["started"] + first["wall"] - times["first"]
-        print(f"  plan {plan_s:.1f} s; cells/s while measuring {(cells - 1) / measuring:.1f}, "
-              f"end to end (MLflow drained) {cells / end_to_end:.1f}")
-    again = run(command(cells, store, again_dir), root, root / f"resume-{cells}.out")
+        figures["cells_per_s"] = cells / end_to_end
+        print(f"  plan {figures['plan_s']:.1f} s; cells/s while measuring {(cells - 1) / measuring:.1f}, "
+              f"end to end (MLflow drained) {figures['cells_per_s']:.1f}")
+    again = run(command(cells, uri, again_dir, study), root, root / f"resume-{cells}-{tag}.out", src)
     resumed = log_times(again_dir, cells)
-    plan_again = resumed.get("planned", float("nan")) - again["started"]
-    print(f"  resume (all {cells} FINISHED): rc {again['rc']}, plan {plan_again:.1f} s, wall {again['wall']:.1f} s, "
-          f"driver peak RSS {again['rss_mib']:.0f} MiB")
-    frame_s, rows, keyed_s, keys = read_back(store, cells)
+    figures["resume_plan_s"] = resumed.get("planned", float("nan")) - again["started"]
+    print(f"  resume (all {cells} FINISHED): rc {again['rc']}, plan {figures['resume_plan_s']:.1f} s, "
+          f"wall {again['wall']:.1f} s, driver peak RSS {again['rss_mib']:.0f} MiB")
+    frame_s, rows, keyed_s, keys = read_back(uri, f"hostsweep-{study}", src)
+    figures["read_cells_s"], figures["finished_runs_s"] = frame_s, keyed_s
     print(f"  read back: read_cells {frame_s:.1f} s ({rows} rows), finished_runs {keyed_s:.1f} s ({keys} keys)")
+    return figures
+
+
+def targets(cells: int, new: dict[str, float], server: bool) -> None:
+    """issue 23's targets against this N's figures (projected linearly to 10,000 cells when
+    N is smaller: per-cell costs times 10,000)."""
+    scale = TARGET_CELLS / cells
+    note = "" if cells == TARGET_CELLS else f" (projected from {cells} cells x{scale:g})"
+    rate_target = TARGETS["server_cells_per_s" if server else "sqlite_cells_per_s"]
+    rows = [("plan, first sweep", new.get("plan_s", float("nan")) * scale, TARGETS["plan_s"], "s", note),
+            ("plan, resume", new.get("resume_plan_s", float("nan")) * scale, TARGETS["resume_plan_s"], "s", note),
+            ("read back (read_cells)", new.get("read_cells_s", float("nan")) * scale, TARGETS["read_back_s"], "s",
+             note),
+            ("read back (finished_runs)", new.get("finished_runs_s", float("nan")) * scale, TARGETS["read_back_s"],
+             "s", note)]
+    print(f"  targets ({'server' if server else 'sqlite'}):")
+    for name, value, target, unit, why in rows:
+        print(f"    {name}: {value:.1f} {unit}, target < {target:g} {unit}: {'met' if value < target else 'NOT met'}{why}")
+    rate = new.get("cells_per_s", float("nan"))
+    print(f"    cells/s end to end: {rate:.1f}, target >= {rate_target:g}: {'met' if rate >= rate_target else 'NOT met'}")
+
+
+def ratios(cells: int, new: dict[str, float], old: dict[str, float]) -> None:
+    print(f"  old / new at {cells} cells (same run, same store kind):")
+    for key, what, better in (("plan_s", "plan, first sweep", "lower"), ("resume_plan_s", "plan, resume", "lower"),
+                              ("cells_per_s", "cells/s end to end", "higher"),
+                              ("read_cells_s", "read_cells", "lower"), ("finished_runs_s", "finished_runs", "lower"),
+                              ("rss_mib", "driver peak RSS", "lower")):
+        o, n = old.get(key, float("nan")), new.get(key, float("nan"))
+        ratio = (n / o if better == "higher" else o / n) if o and n else float("nan")
+        print(f"    {what}: old {o:.2f}, new {n:.2f}: {ratio:.2f}x {'faster' if key != 'rss_mib' else 'less'}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", type=int, nargs="+", default=[1000, 10000])
     parser.add_argument("--keep", type=Path, default=None, help="work in this folder and keep it")
+    parser.add_argument("--tracking-uri", default=None,
+                        help="record into this store (e.g. http://127.0.0.1:5000, a PostgreSQL-backed server); "
+                             "default: a fresh sqlite file per N in the work folder")
+    parser.add_argument("--baseline-src", type=Path, default=None,
+                        help="a checkout of the old code (its hostsweep/ package goes first on PYTHONPATH): "
+                             "the same sweeps again with it, printed as ratios old / new")
     args = parser.parse_args()
     root = args.keep or Path(tempfile.mkdtemp(prefix="sweep_scale-"))
     root.mkdir(parents=True, exist_ok=True)
     print(f"work folder {root}; batch x ctx grids: " + ", ".join(
         f"{n} = {len(grid(n)[0])} x {len(grid(n)[1])}" for n in args.cells))
+    server = bool(args.tracking_uri) and args.tracking_uri.startswith(("http://", "https://"))
+    found: dict[int, dict[str, float]] = {}
     try:
         for cells in args.cells:
-            bench(cells, root)
+            found[cells] = new = bench(cells, root, args.tracking_uri, None, "new")
+            if args.baseline_src is not None:
+                ratios(cells, new, bench(cells, root, args.tracking_uri, args.baseline_src.resolve(), "old"))
+            targets(cells, new, server)
+        if len(found) > 1:
+            low, high = min(found), max(found)
+            growth = found[high]["rss_measuring_mib"] / found[low]["rss_measuring_mib"] - 1
+            print(f"\ndriver peak RSS while measuring, {low} -> {high} cells: {found[low]['rss_measuring_mib']:.0f} -> "
+                  f"{found[high]['rss_measuring_mib']:.0f} MiB ({growth:+.0%}), target within "
+                  f"{TARGETS['rss_growth']:.0%}: {'met' if abs(growth) <= TARGETS['rss_growth'] else 'NOT met'}")
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)

@@ -1,0 +1,121 @@
+"""What recording costs per cell, old code against new, interleaved: the tracker alone.
+
+sweep_scale.py times whole sweeps, where Ray, the fake worker and the machine's load move
+the figures by tens of percent between runs. This times only what the driver does with
+MLflow (hostsweep/record/tracking.py), in a fresh process per (code, round), the two trees
+alternating round by round so a load that drifts hits both alike:
+
+- claim: SweepTracker.claim of N cells (the plan's MLflow part, after start_sweep);
+- log: SweepTracker.log_cell of N measured cells into their claims (what the uploader
+  thread does; raw_timings.csv each);
+- finished_runs: resume's read-back of the N cells; read_cells: the model stage's.
+
+It prints each phase's median over the rounds in ms per cell and s per N, and old / new.
+
+    .venv/bin/python benchmarks/recording_cost.py --cells 1000 --rounds 3 --baseline-src /tmp/old
+        [--tracking-uri http://127.0.0.1:5000]
+
+Make /tmp/old as docs/benchmarks.md says (git archive of the old commit's hostsweep and conf).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from datetime import datetime
+from pathlib import Path
+from typing import Optional
+
+PHASES = ("claim", "log", "finished_runs", "read_cells")
+
+ONE_ROUND = r"""
+import json, sys, time
+from hostsweep.record.store import quiet_mlflow
+quiet_mlflow()
+from hostsweep.measure.protocol import CellMeasurement, RepTiming
+from hostsweep.measure.results import CellResult
+from hostsweep.record.readback import read_cells
+from hostsweep.record.tracking import SweepTracker
+
+uri, name, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+params = {"sku": "cpu", "model": "tiny-llama", "mode": "eager", "tp": 1, "batch": 1, "ctx": 128, "T": 2,
+          "reps": 2, "warmups": 0, "dtype": "float32", "engine": "fake", "tp_executor": "mp"}
+reps = (RepTiming(0, True, 0.010, 0.106, 0.003), RepTiming(1, False, 0.011, 0.107, 0.003))
+host = {"hostname": "bench", "device_name": "cpu", "hostsweep_version": "0", "git_sha": "0"}
+cells = [(f"cpu/tiny-llama/eager/tp1/b{i}/ctx128/T2/0123456789", {**params, "batch": i}) for i in range(n)]
+import hostsweep
+print("hostsweep from", hostsweep.__file__, file=sys.stderr)
+tracker = SweepTracker(uri, name)
+tracker.start_sweep("bench", "study: bench\n", {"n_cells": n}, {}, ("batch",))
+times = {}
+start = time.perf_counter()
+claims, _ = tracker.claim(iter(cells), 300)
+times["claim"] = time.perf_counter() - start
+start = time.perf_counter()
+for i, (key, p) in enumerate(cells):
+    result = CellResult(key=key, params=p, status="FINISHED",
+                        measurement=CellMeasurement(3.0, 2.9, 3.1, 10.5, 106.5, reps), error=None, host=host,
+                        duration_s=0.5, started_at=1_700_000_000.0 + i, ended_at=1_700_000_000.5 + i)
+    tracker.log_cell(result, {"journal_entry": f"e{i}"}, claims.get(key))
+    tracker.delivered(f"e{i}")
+times["log"] = time.perf_counter() - start
+tracker.finish_sweep("FINISHED", {})
+start = time.perf_counter()
+assert len(tracker.finished_runs()) == n
+times["finished_runs"] = time.perf_counter() - start
+start = time.perf_counter()
+assert len(read_cells(uri, [name])) == n
+times["read_cells"] = time.perf_counter() - start
+print(json.dumps(times))
+"""
+
+
+def one_round(uri: str, name: str, cells: int, src: Optional[Path], cwd: Path) -> dict[str, float]:
+    """One round in a fresh process; run from `cwd`, not the checkout, whose hostsweep/ would
+    come before PYTHONPATH's (python -c puts the current folder first)."""
+    env = dict(os.environ)
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    out = subprocess.run([sys.executable, "-c", ONE_ROUND, uri, name, str(cells)], env=env, capture_output=True,
+                         text=True, cwd=cwd)
+    if out.returncode:
+        raise SystemExit(f"a round failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cells", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--baseline-src", type=Path, default=None, help="a checkout of the old code (see above)")
+    parser.add_argument("--tracking-uri", default=None, help="default: a fresh sqlite file per round")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="recording_cost-"))
+    print(f"work folder {root}", flush=True)
+    trees = [("new", None)] + ([("old", args.baseline_src.resolve())] if args.baseline_src else [])
+    found: dict[str, list[dict[str, float]]] = {tag: [] for tag, _ in trees}
+    for r in range(args.rounds):
+        for tag, src in (trees if r % 2 == 0 else trees[::-1]):  # alternate which goes first
+            uri = args.tracking_uri or f"sqlite:///{root / f'{tag}-{r}.db'}"
+            name = f"hostsweep-recording-{tag}-{r}-{datetime.now():%H%M%S%f}"
+            found[tag].append(one_round(uri, name, args.cells, src, root))
+            print(f"round {r + 1} {tag}: " + ", ".join(f"{k} {v:.2f} s" for k, v in found[tag][-1].items()),
+                  flush=True)
+    print(f"\n{args.cells} cells, {args.rounds} rounds, store {args.tracking_uri or 'sqlite (fresh file per round)'}; "
+          "median s (ms per cell)")
+    for phase in PHASES:
+        med = {tag: statistics.median(r[phase] for r in rounds) for tag, rounds in found.items()}
+        line = ", ".join(f"{tag} {v:.2f} s ({1000 * v / args.cells:.2f} ms/cell)" for tag, v in med.items())
+        if "old" in med:
+            line += f"; old / new {med['old'] / med['new']:.2f}x"
+        if phase == "log":
+            line += "; cells/s " + ", ".join(f"{tag} {args.cells / v:.1f}" for tag, v in med.items())
+        print(f"  {phase}: {line}")
+
+
+if __name__ == "__main__":
+    main()
