@@ -1,0 +1,176 @@
+"""The service as a cluster runs it: `mlflow server` on PostgreSQL, on loopback.
+
+A throwaway PostgreSQL cluster (Debian's postgresql package: `make test-postgres` installs
+it) in a temporary folder, `mlflow server --backend-store-uri postgresql://...` on
+127.0.0.1 with proxied artifacts (`--artifacts-destination`), and fake-engine sweeps into
+it: the server is killed and restarted mid-sweep (figures: 10 expected, 10 finished once,
+0 duplicated, 0 lost), two drivers of one study run at once (no cell measured twice), and
+everything is read back the way the fit stage reads it, through the server and straight
+from the database.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import requests
+from mlflow.tracking import MlflowClient
+
+from hostsweep.record.journal import JOURNAL_FILE, read_entries, unlogged
+from hostsweep.record.readback import read_cells
+from hostsweep.stages import sweep
+from tests.conftest import compose_raw
+from tests.fakes import FakeBackend
+from tests.integration.test_tracking_outage import free_port, when_first_cell_is_logged
+
+pytestmark = pytest.mark.integration
+
+CELLS = 10
+
+
+def pg_bin(name: str) -> str:
+    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
+    if not found:
+        pytest.skip("PostgreSQL is not installed: `make test-postgres` installs Debian's postgresql")
+    return found[-1]
+
+
+def as_postgres(command: list[str]) -> list[str]:
+    """PostgreSQL refuses to run as root: root runs it as the postgres user."""
+    return ["runuser", "-u", "postgres", "--", *command] if os.geteuid() == 0 else command
+
+
+class Postgres:
+    """A PostgreSQL cluster in a temporary folder, listening on 127.0.0.1 only, trust auth."""
+
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="hostsweep-pg-"))  # /tmp: the postgres user can reach it
+        self.data, self.port = self.root / "data", free_port()
+        if os.geteuid() == 0:
+            shutil.chown(self.root, "postgres", "postgres")
+        subprocess.run(as_postgres([pg_bin("initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust",
+                                    "--no-sync"]), check=True, capture_output=True)
+        subprocess.run(as_postgres([pg_bin("pg_ctl"), "-D", str(self.data), "-l", str(self.root / "pg.log"), "-w",
+                                    "-o", f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c fsync=off",
+                                    "start"]), check=True, capture_output=True)
+        subprocess.run(as_postgres([pg_bin("createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
+                                    "mlflow"]), check=True, capture_output=True)
+        self.uri = f"postgresql+psycopg2://postgres@127.0.0.1:{self.port}/mlflow"
+
+    def stop(self) -> None:
+        subprocess.run(as_postgres([pg_bin("pg_ctl"), "-D", str(self.data), "-m", "immediate", "stop"]),
+                       capture_output=True)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class PgServer:
+    """`mlflow server` on 127.0.0.1 over the PostgreSQL store, artifacts proxied to a folder."""
+
+    def __init__(self, store: str, root: Path) -> None:
+        self.store, self.root, self.port, self.proc = store, root, free_port(), None
+        self.uri = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+                   "--workers", "2", "--backend-store-uri", self.store,
+                   "--artifacts-destination", (self.root / "artifacts").as_uri()]
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        with (self.root / "server.log").open("a") as log:
+            self.proc = subprocess.Popen(command, env=env, stdout=log, stderr=log, start_new_session=True)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                if requests.get(f"{self.uri}/health", timeout=1).text == "OK":
+                    return
+            except requests.RequestException:
+                time.sleep(0.3)
+        raise RuntimeError(f"mlflow server did not start: {(self.root / 'server.log').read_text()[-2000:]}")
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    pytest.importorskip("psycopg2", reason="pip install psycopg2-binary (the PostgreSQL driver MLflow uses)")
+    pg_bin("initdb")
+    db = Postgres()
+    yield db
+    db.stop()
+
+
+@pytest.fixture(scope="module")
+def server(postgres, tmp_path_factory):
+    server = PgServer(postgres.uri, tmp_path_factory.mktemp("pg-mlflow"))
+    server.start()
+    yield server
+    if server.proc.poll() is None:
+        server.kill()
+
+
+def args(server: PgServer, study: str) -> list[str]:
+    return ["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=3", "measure.warmups=1", "ctx=[16]",
+            f"batch=[{','.join(map(str, range(1, CELLS + 1)))}]", "measure.bootstrap_resamples=200",
+            "split.enabled=false", "ray.exclusive=false", f"tracking.uri={server.uri}", f"study={study}",
+            "tracking.heartbeat_s=1", "tracking.outage_s=120", "tracking.stale_after_s=150",
+            "tracking.exit_wait_s=120"]  # the restarted server may take a minute on a busy machine
+
+
+def finished(server: PgServer, study: str) -> Counter:
+    client = MlflowClient(server.uri)
+    experiment = client.get_experiment_by_name(f"hostsweep-{study}")
+    runs = client.search_runs([experiment.experiment_id], "attributes.status = 'FINISHED'", max_results=1000)
+    return Counter(r.data.tags["cell_key"] for r in runs if "cell_key" in r.data.tags)
+
+
+def test_a_sweep_into_a_postgresql_backed_server_that_is_killed_and_restarted_loses_and_duplicates_nothing(
+        server, postgres, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "run"
+
+    def outage_then_back():
+        server.kill()
+        threading.Thread(target=lambda: (time.sleep(2), server.start()), daemon=True).start()
+
+    backend = FakeBackend(tmp_path / "work", on_measure=when_first_cell_is_logged(run_dir, outage_then_back))
+    assert sweep.run(compose_raw(args(server, "pg-outage")), run_dir, backend) == 0
+    counts = finished(server, "pg-outage")
+    # figure: expected 10, finished 10, duplicated 0, lost 0
+    assert (len(counts), sum(n > 1 for n in counts.values()), CELLS - len(counts)) == (CELLS, 0, 0)
+    assert not unlogged(read_entries(run_dir / JOURNAL_FILE))
+    # read back as the fit stage reads it: through the server, and straight from PostgreSQL
+    through_server = read_cells(server.uri, ["hostsweep-pg-outage"])
+    from_database = read_cells(postgres.uri, ["hostsweep-pg-outage"])
+    assert len(through_server) == len(from_database) == CELLS
+    assert sorted(through_server["run_id"]) == sorted(from_database["run_id"])
+    assert (through_server.set_index("run_id")["step_ms"].sort_index()
+            == from_database.set_index("run_id")["step_ms"].sort_index()).all()
+
+
+def test_two_drivers_of_one_study_at_once_measure_no_cell_twice(server, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    second: dict[str, object] = {}
+
+    def start_second_driver_midway(cell):
+        if not second:
+            second["backend"] = FakeBackend(tmp_path / "work2")
+            second["code"] = sweep.run(compose_raw(args(server, "pg-two")), tmp_path / "run2", second["backend"])
+
+    first = FakeBackend(tmp_path / "work1", on_measure=start_second_driver_midway)
+    assert sweep.run(compose_raw(args(server, "pg-two")), tmp_path / "run1", first) == 0
+    assert second["code"] == 0
+    measured = first.measured + second["backend"].measured
+    assert sorted(measured) == sorted(set(measured))  # no cell measured twice
+    counts = finished(server, "pg-two")
+    assert (len(counts), sum(n > 1 for n in counts.values())) == (CELLS, 0)
