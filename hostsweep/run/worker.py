@@ -276,8 +276,8 @@ class SweepWorker:
         for cell, pairs in zip(cells, done):
             if journal:
                 journal.start(cell.key, pairs)
-            if pairs:
-                log.info("%s: continuing from %d timed pair(s) a killed run left", cell.key, len(pairs))
+            if pairs:  # worth a warning: the cell's pairs then come from two engine starts
+                log.warning("%s: continuing from %d timed pair(s) a killed run left", cell.key, len(pairs))
 
         def pair(i: int, k: int, t1_first: bool) -> RepTiming:
             timed, T = generates[i], cells[i].T

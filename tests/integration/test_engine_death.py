@@ -1,11 +1,15 @@
 """kill -9 of vLLM's EngineCore mid-sweep, through the real CLI, Ray and the vLLM CPU engine.
 
-vLLM's client then blocks in generate forever; the worker's watch reports the dead
-process, the driver replaces the worker and retries the cell. One engine start and one
-restart. Figure: 3 cells expected, 3 finished once, 0 duplicated, 0 lost.
+The engine is killed in the middle of its group's interleaved rounds, once every cell has
+timed pairs in its round file. vLLM's client then blocks in generate forever; the worker's
+watch reports the dead process, the driver replaces the worker and retries the cell it had
+asked for, and the new worker continues every cell from the pairs the killed one saved.
+One engine start and one restart. Figure: 3 cells expected, 3 finished once, 0 duplicated,
+0 lost, no timed pair measured twice.
 """
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -19,7 +23,6 @@ import mlflow
 import psutil
 import pytest
 
-from hostsweep.record.journal import JOURNAL_FILE, read_entries
 
 pytestmark = pytest.mark.integration
 
@@ -49,24 +52,33 @@ def alive(proc: psutil.Process) -> bool:
         return False
 
 
+def saved_pairs(pending: Path) -> list[int]:
+    """Timed pairs in each cell's round file (a header line, then one line a pair)."""
+    return [len(path.read_text().splitlines()) - 1 for path in pending.glob("*/rounds/*.jsonl")]
+
+
+REPS = 8
+
+
 def test_a_killed_engine_core_is_detected_its_cell_retried_and_every_cell_measured_once(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    run_dir = tmp_path / "run"
-    # T and reps give the two cells after the first several seconds: on a loaded machine this
-    # test must still find the engine alive once the first cell is in the journal.
+    run_dir, pending = tmp_path / "run", tmp_path / "pending"
+    # T and reps keep the rounds going for several seconds after the first: on a loaded machine
+    # this test must still find the engine alive once every cell has a pair saved.
     command = [sys.executable, "-m", "hostsweep", "+sku=cpu", "batch=[1,2,3]", "ctx=[32]", "measure.T=49",
-               "measure.reps=4", "measure.warmups=1", "split.enabled=false", f"tracking.uri={uri}",
-               "study=enginedeath", f"hydra.run.dir={run_dir}"]
+               f"measure.reps={REPS}", "measure.warmups=1", "split.enabled=false", "measure.replicate_first=false",
+               f"tracking.uri={uri}", "study=enginedeath", f"hydra.run.dir={run_dir}", f"output.pending_dir={pending}"]
     driver = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and driver.poll() is None:  # the first cell is measured...
-            journal = run_dir / JOURNAL_FILE
-            if journal.is_file() and any(e["event"] == "measured" for e in read_entries(journal)):
+        while time.monotonic() < deadline and driver.poll() is None:  # a round of every cell is saved...
+            saved = saved_pairs(pending)
+            if len(saved) == 3 and min(saved) >= 1:
                 break
-            time.sleep(0.2)
+            time.sleep(0.1)
         tree = descendants(driver.pid)
-        (core,) = named(tree, "VLLM::EngineCore")  # ...and the second is being measured: kill its engine
+        (core,) = named(tree, "VLLM::EngineCore")  # ...and the next rounds are being timed: kill its engine
+        before = saved_pairs(pending)
         workers = named(tree, "ray::Sweep")  # the worker actor (process names are cut at 15 characters)
         core.send_signal(signal.SIGKILL)
         killed_at = time.time()
@@ -82,6 +94,11 @@ def test_a_killed_engine_core_is_detected_its_cell_retried_and_every_cell_measur
     cells = runs[runs["tags.cell_key"].notna()]
     finished = Counter(cells[cells["status"] == "FINISHED"]["tags.cell_key"])
     assert (len(finished), sum(n > 1 for n in finished.values())) == (3, 0)  # 3 finished, 0 duplicated, 0 lost
+    assert set(cells["metrics.reps_used"]) == {REPS} and 0 < max(before) < REPS
+    worker_log = "".join(path.read_text() for path in (run_dir / "workers").glob("*.log"))
+    continued = re.findall(r"continuing from (\d+) timed pair", worker_log)
+    assert len(continued) == 3 and sum(map(int, continued)) >= sum(before)  # none timed twice
+    assert not list(pending.glob("*/rounds/*.jsonl"))  # handed over: nothing left to continue
     retried = cells[cells["tags.attempt"] == "2"]
     assert len(retried) == 1 and set(cells["tags.attempt"]) == {"1", "2"}
     reason = retried.iloc[0]["tags.retry_reasons"]

@@ -137,12 +137,13 @@ WORKER_LINE = re.compile(r"\(SweepWorker pid=|\((EngineCore|VllmWorker|Worker|Ma
                          r"Self CPU time total|Triton is installed|\[(raylet|gcs_server)\]")
 
 
-def test_the_console_has_no_worker_lines_and_ends_with_the_table(sweep):
+def test_the_console_has_no_worker_lines_and_ends_with_the_table_and_the_stability_line(sweep):
     console = sweep["proc"].stdout + sweep["proc"].stderr
     assert not [line for line in console.splitlines() if WORKER_LINE.search(line)]
     assert len(console.splitlines()) < 30  # hostsweep's own lines only
     table = format_table(pd.read_csv(sweep["root"] / "run" / "cells.csv").to_dict("records"))
-    assert sweep["proc"].stdout.rstrip().endswith(table.rstrip())
+    *above, last = sweep["proc"].stdout.rstrip().splitlines()
+    assert "\n".join(above).endswith(table.rstrip()) and last.startswith("stability: ")
 
 
 def test_worker_output_is_in_its_log_file_without_the_profiler_tables(sweep):
@@ -180,7 +181,7 @@ def test_the_run_directory_and_mlflow_agree_cell_for_cell(sweep, runs, tmp_path)
     assert all(f"/runs/{run_id}?workflowType=machine_learning)" in note for run_id in table.index)
     figures = mlflow.artifacts.list_artifacts(run_id=parent["run_id"], artifact_path="figures")
     assert {f.path for f in figures} == {"figures/split_composition.png", "figures/host_fraction_by_batch.png",
-                                         "figures/step_times.png"}
+                                         "figures/step_times.png", "figures/host_phases.png"}
 
 
 def test_engines_run_at_normal_priority_beside_idled_ray_daemons(runs):
