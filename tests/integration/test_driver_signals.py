@@ -46,9 +46,10 @@ def is_loopback(ip: str) -> bool:
 def test_sigterm_stops_a_sweep_like_ctrl_c_on_a_cluster_that_listens_on_loopback_only(tmp_path, new_store):
     uri = new_store(tmp_path / "mlflow.db")  # an empty store: the sweep gets to measuring sooner
     run_dir = tmp_path / "run"
+    # Groups of two cells timed together: cells are still to be timed when the first is reported.
     command = [sys.executable, "-m", "hostsweep", "+sku=cpu", "engine.name=fake", "measure.T=400",
                "measure.reps=3", "measure.warmups=1", "ctx=[16]", "batch=[1,2,3,4,5,6]", "split.enabled=false",
-               f"tracking.uri={uri}", "study=sigterm", f"hydra.run.dir={run_dir}"]
+               "measure.interleave_max_cells=2", f"tracking.uri={uri}", "study=sigterm", f"hydra.run.dir={run_dir}"]
     driver = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
