@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from hostsweep.measure.results import CellResult, cell_metrics, cell_row
+from hostsweep.measure.phases import phase_metrics
 from hostsweep.measure.stability import Stability
 from hostsweep.record import crashpoints
 from hostsweep.record.celltable import CellTable
@@ -56,12 +57,17 @@ def describe(result: CellResult) -> str:
 
 
 def largest_phase_note(result: CellResult) -> str:
-    """', largest host phase forward_dispatch 1.82 ms (attributed 0.93)', or '' without phases."""
+    """', largest host phase forward_dispatch 1.82 ms (phases cover 0.99 of the profiled host
+    time)', or '' without phases. The coverage is against the profiled pair's own host time:
+    against the timed step's host_ms it mixes two moments of a shared host (attributed_frac)."""
     phases = result.split.phases if result.split is not None else None
     if phases is None or phases.largest is None:
         return ""
     name, ms = phases.largest
-    return f", largest host phase {name} {ms:.2f} ms (attributed {phases.attributed_frac:.2f})"
+    profiled_host_ms = result.split.profiled_step_ms - result.split.device_ms
+    coverage = phase_metrics(phases, profiled_host_ms).get("attributed_frac_profiled")
+    covered = f" (phases cover {coverage:.2f} of the profiled host time)" if coverage is not None else ""
+    return f", largest host phase {name} {ms:.2f} ms{covered}"
 
 
 def unstable_note(stability: Stability) -> str:

@@ -44,7 +44,9 @@ def test_the_console_line_names_the_largest_host_phase():
 
     from hostsweep.stages.recording import largest_phase_note
 
-    split = SimpleNamespace(phases=PhaseSplit({"sample": 0.4, "forward_dispatch": 1.8}, 2.0, 0.93))
+    # coverage against the profiled pair's own host time: 2.2 ms of phases over 5.0 - 2.8 ms
+    split = SimpleNamespace(phases=PhaseSplit({"sample": 0.4, "forward_dispatch": 1.8}, 2.0, 0.93),
+                            profiled_step_ms=5.0, device_ms=2.8)
     assert largest_phase_note(SimpleNamespace(split=split)) == \
-        ", largest host phase forward_dispatch 1.80 ms (attributed 0.93)"
+        ", largest host phase forward_dispatch 1.80 ms (phases cover 1.00 of the profiled host time)"
     assert largest_phase_note(SimpleNamespace(split=None)) == ""
