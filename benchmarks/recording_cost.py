@@ -12,10 +12,10 @@ alternating round by round so a load that drifts hits both alike:
 
 It prints each phase's median over the rounds in ms per cell and s per N, and old / new.
 
-    .venv/bin/python benchmarks/recording_cost.py --cells 1000 --rounds 3 --baseline-src /tmp/old
+    .venv/bin/python benchmarks/recording_cost.py --cells 1000 --rounds 3 --baseline-src OLD_TREE
         [--tracking-uri http://127.0.0.1:5000]
 
-Make /tmp/old as docs/benchmarks.md says (git archive of the old commit's hostsweep and conf).
+Make OLD_TREE as docs/benchmarks.md says (git archive of the old commit's hostsweep and conf).
 """
 from __future__ import annotations
 

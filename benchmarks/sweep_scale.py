@@ -15,7 +15,7 @@ figures unjudged: a plan is mostly fixed costs and does not scale linearly).
 --tracking-uri records into that store (a PostgreSQL-backed `mlflow server`, say) instead
 of a fresh sqlite file per N; each run uses its own experiment (a time-stamped study).
 --baseline-src DIR runs the same sweeps again with the hostsweep package of DIR (an older
-checkout: `git worktree add /tmp/old <commit>`) first on PYTHONPATH, in the same run and
+checkout: `git worktree add OLD_TREE <commit>`) first on PYTHONPATH, in the same run and
 store, and prints each figure as a ratio old / new.
 
     .venv/bin/python benchmarks/sweep_scale.py --cells 1000 10000 [--keep DIR]
