@@ -41,7 +41,7 @@ class RepTiming:
     wall_1_s: float
     wall_T_s: float
     step_s: float
-    round: int = -1  # the interleaved round the pair belongs to (-1: measured cell by cell)
+    round: int = -1  # the round the pair ran in (interleaved_rounds); -1 in records from before rounds
     contention: Optional[Contention] = None  # None where the machine could not be observed
     replicate: int = 0  # the engine start it was measured in (measure.replicates), 0-based
 
@@ -73,29 +73,30 @@ def step_time(wall_1_s: float, wall_T_s: float, T: int) -> float:
     return (wall_T_s - wall_1_s) / (T - 1)
 
 
+def time_pair(timed_generate: TimedGenerate, T: int, rep: int, t1_first: bool) -> RepTiming:
+    """One timed (T=1, T) pair, its T=1 generate first or second."""
+    if t1_first:
+        wall_1 = timed_generate(1)
+        wall_T = timed_generate(T)
+    else:
+        wall_T = timed_generate(T)
+        wall_1 = timed_generate(1)
+    return RepTiming(rep, t1_first, wall_1, wall_T, step_time(wall_1, wall_T, T))
+
+
 def run_protocol(timed_generate: TimedGenerate, T: int, warmups: int, reps: int,
                  on_pair: Optional[PairHook] = None, stop: Optional[StopRule] = None) -> list[RepTiming]:
-    """Warm up, then time up to `reps` interleaved (T=1, T) pairs; warm-up pairs are discarded.
-    With `stop`, the pairs end early once it says the ones so far suffice."""
+    """One cell: warm up, then time up to `reps` (T=1, T) pairs alternating which runs first;
+    warm-up pairs are discarded. With `stop`, the pairs end early once it says the ones so
+    far suffice. (The rounds of interleaved_rounds with a single cell.)"""
     tell = on_pair or (lambda kind, k, n: None)
     for warmup in range(warmups):
         tell("warm-up", warmup + 1, warmups)
         timed_generate(1)
         timed_generate(T)
-    timings = []
-    for rep in range(reps):
-        tell("rep", rep + 1, reps)
-        t1_first = rep % 2 == 0
-        if t1_first:
-            wall_1 = timed_generate(1)
-            wall_T = timed_generate(T)
-        else:
-            wall_T = timed_generate(T)
-            wall_1 = timed_generate(1)
-        timings.append(RepTiming(rep, t1_first, wall_1, wall_T, step_time(wall_1, wall_T, T)))
-        if stop is not None and stop(timings):
-            break
-    return timings
+    rounds = interleaved_rounds([reps], lambda i, k, t1_first: time_pair(timed_generate, T, k, t1_first), seed=0,
+                                stops=[stop], on_round=lambda r, active: tell("rep", r, reps))
+    return list(rounds.timings[0])
 
 
 # One timed pair of cell `index` (its k-th, 0-based), T=1 first or not: the worker builds it.

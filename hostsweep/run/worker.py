@@ -25,7 +25,7 @@ from hostsweep.config.grid import Cell, EngineSpec
 from hostsweep.config.machine import hostname
 from hostsweep.measure.protocol import (
     CellMeasurement, RepTiming, Rounds, ci_target_rule, interleaved_rounds, own_text_seeds, prompt_digest,
-    random_prompts, step_time,
+    random_prompts, time_pair,
 )
 from hostsweep.measure.group import GroupMeasurement, TimedCell
 from hostsweep.measure.results import CellResult, MeasureOptions
@@ -280,16 +280,9 @@ class SweepWorker:
                 log.warning("%s: continuing from %d timed pair(s) a killed run left", cell.key, len(pairs))
 
         def pair(i: int, k: int, t1_first: bool) -> RepTiming:
-            timed, T = generates[i], cells[i].T
             mark = self.probe.mark()
-            if t1_first:
-                wall_1 = timed(1)
-                wall_T = timed(T)
-            else:
-                wall_T = timed(T)
-                wall_1 = timed(1)
-            return RepTiming(k, t1_first, wall_1, wall_T, step_time(wall_1, wall_T, T),
-                             contention=self.probe.since(mark))
+            timing = time_pair(generates[i], cells[i].T, k, t1_first)
+            return dataclasses.replace(timing, contention=self.probe.since(mark))
 
         def on_round(r: int, active: int) -> None:
             self._phase = f"{what}: round {r} of {max(c.reps for c in cells)}, {active} cell(s)"
