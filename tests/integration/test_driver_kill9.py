@@ -31,6 +31,14 @@ FAKE = ["+sku=cpu", "engine.name=fake", "measure.T=400", "measure.reps=3", "meas
         "batch=[1,2,3,4,5,6]", "split.enabled=false", "ray.exclusive=false"]
 
 
+def command_line(proc: psutil.Process) -> str:
+    """A process's command line, '' once it is gone or a zombie (a killed tree reaps slowly)."""
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def alive(proc: psutil.Process) -> bool:
     try:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
@@ -117,7 +125,7 @@ def test_kill_9_of_the_driver_leaves_no_process_and_no_scratch_folder(tmp_path):
             {n.split(" (")[0] for n in names(tree)}, names(tree)
         time.sleep(1.5)  # the watchdog notes the cluster's processes every second
         unnoted = [p for p in tree if alive(p) and p.pid not in read_ledgers().get(marker, {})
-                   and "hostsweep.run.reaper" not in " ".join(p.cmdline())]
+                   and "hostsweep.run.reaper" not in command_line(p)]
         assert not unnoted, names(unnoted)
         assert scratch, ("the worker has no scratch folder", names(tree),
                          list(Path(tempfile.gettempdir()).glob("hostsweep-*-*")))
@@ -150,7 +158,7 @@ def test_with_its_watchdog_killed_too_the_next_sweep_reclaims_processes_scratch_
         sessions = [m.parent for m in RAY_TEMP.glob(f"session_*/{SESSION_MARK}")
                     if m.read_text() == marker and not m.parent.is_symlink()]
         assert len(sessions) == 1
-        watchdog = [p for p in tree if "hostsweep.run.reaper" in " ".join(p.cmdline())]
+        watchdog = [p for p in tree if "hostsweep.run.reaper" in command_line(p)]
         assert len(watchdog) == 1
         kill_all([psutil.Process(driver.pid), *watchdog])  # as the OOM killer or a node agent might
         driver.wait(30)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import sys
 
 import pytest
 
@@ -119,6 +120,8 @@ def test_the_installed_field_list_is_read_without_importing_vllm(tmp_path, monke
         "from dataclasses import dataclass\n@dataclass\nclass EngineArgs:\n    model: str = 'x'\n"
         "    enforce_eager: bool = False\n    def create(self):\n        local: int = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    # find_spec answers from sys.modules when an earlier test in this process imported vLLM
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
     assert engine_arg_fields() == frozenset({"model", "enforce_eager"})
 
 
