@@ -24,7 +24,7 @@ from hostsweep.config.keys import check_known_keys
 from hostsweep.config.options import check_group_overrides
 from hostsweep.config.redact import redact, redact_console, redact_log_records
 from hostsweep.config.schema import ConfigError, register_configs
-from hostsweep.stages import signals
+from hostsweep.run import signals
 
 register_configs()
 # Run directories are named by time and pid (conf/config.yaml), so two sweeps started in

@@ -19,10 +19,10 @@ from omegaconf import DictConfig
 from hostsweep.config.grid import build_cells
 from hostsweep.config.resolve import Study
 from hostsweep.config.schema import ConfigError
+from hostsweep.record.selection import fit_cells, planned_cells, train_selection
 from hostsweep.record.store import quiet_mlflow
 from hostsweep.stages import compare, sweep
 from hostsweep.stages.fit import fit_options
-from hostsweep.stages.select import fit_cells, planned_cells, train_selection
 from hostsweep.stages.terms import base_calibration, host_source
 
 log = logging.getLogger(__name__)

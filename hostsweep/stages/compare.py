@@ -4,7 +4,7 @@ logged to MLflow beside the runs.
     python -m hostsweep +experiment=generalize-cpu stage=compare
     python -m hostsweep +experiment=tp70b stage=compare calibration=seed002-h100
 
-Selects the cells (stages/select.py), fits them (stages/fit.py, logged to the models
+Selects the cells (record/selection.py), fits them (stages/fit.py, logged to the models
 experiment) or reads a logged fit (compare.fit_run), builds the report and its figures
 (report/compare_report.py) under <run dir>/compare/, and logs all of it as artifacts of a
 run named compare-<study> in the study's own experiment, so the report sits in the runs
@@ -27,11 +27,11 @@ from hostsweep.config.resolve import Study, resolve
 from hostsweep.model.unstable import Exclusion, exclude_unstable
 from hostsweep.record.reports import ReportRun, load_fit_json
 from hostsweep.record.views import runs_table_url, ui_command
+from hostsweep.record.selection import Selection, select_cells
 from hostsweep.record.store import quiet_mlflow
 from hostsweep.report.compare_report import Context, build
 from hostsweep.report.document import to_html, to_markdown
 from hostsweep.stages.fit import fit_selection
-from hostsweep.stages.select import Selection, select_cells
 
 log = logging.getLogger(__name__)
 

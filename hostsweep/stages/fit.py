@@ -25,8 +25,8 @@ from hostsweep.model.fit_command import FitOutcome, fit_and_log
 from hostsweep.model.fit_console import render
 from hostsweep.model.study_fit import FitOptions
 from hostsweep.model.unstable import Exclusion, exclude_unstable
+from hostsweep.record.selection import Selection, fit_cells, select_cells, train_selection
 from hostsweep.record.store import quiet_mlflow
-from hostsweep.stages.select import Selection, fit_cells, select_cells, train_selection
 from hostsweep.stages.terms import FixedTerms, check_fit_sources, fixed_terms
 
 log = logging.getLogger(__name__)

@@ -35,10 +35,13 @@ from hostsweep.measure.results import MeasureOptions, missing_parts, skipped_res
 from hostsweep.record.celltable import CellTable
 from hostsweep.record.claims import PARENT_TAG
 from hostsweep.record.journal import JOURNAL_FILE, Journal, pending_folder
+from hostsweep.record.preflight import preflight, record_cluster
 from hostsweep.record.provenance import driver_tags
+from hostsweep.record.recorder import SweepRecorder, upload_orphans
 from hostsweep.record.views import experiment_description, varying_axes
 from hostsweep.report.modes import cell_frame, mode_pairs, study_summary
-from hostsweep.run import cluster
+from hostsweep.report.sweep_outputs import engines_label, print_results, write_results
+from hostsweep.run import cluster, signals
 from hostsweep.run.dispatch import Dispatcher, WorkerBackend
 from hostsweep.run.faults import FaultPolicy
 from hostsweep.run.progress import ProgressReporter
@@ -46,10 +49,6 @@ from hostsweep.run.rounds import ROUNDS_FOLDER
 from hostsweep.run.hygiene import descendant_pids
 from hostsweep.run.winddown import WindDown
 from hostsweep.run.worklog import worker_log_folder
-from hostsweep.stages.preflight import preflight, record_cluster
-from hostsweep.stages import signals
-from hostsweep.stages.recording import SweepRecorder, upload_orphans
-from hostsweep.stages.results import engines_label, print_results, write_results
 
 if TYPE_CHECKING:  # MLflow (1.5 s to import) loads only once a sweep records: bad input fails fast
     from hostsweep.record.tracking import SweepTracker

@@ -17,7 +17,7 @@ from hostsweep.run.cluster import InfeasiblePlan, check_feasible, live_nodes
 from hostsweep.run.backend import RayBackend
 from hostsweep.run.dispatch import Dispatcher
 from hostsweep.run.faults import FaultPolicy
-from hostsweep.stages.recording import SweepRecorder
+from hostsweep.record.recorder import SweepRecorder
 from hostsweep.config.grid import build_cells, group_by_engine
 from hostsweep.measure.results import MeasureOptions
 from tests.conftest import compose_raw, compose_typed, run_hostsweep

@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from hostsweep.config.schema import ConfigError
-from hostsweep.stages import preflight
+from hostsweep.record import preflight
 from tests.conftest import compose_typed
 
 

@@ -42,7 +42,7 @@ def test_no_phases_no_stack():
 def test_the_console_line_names_the_largest_host_phase():
     from types import SimpleNamespace
 
-    from hostsweep.stages.recording import largest_phase_note
+    from hostsweep.record.recorder import largest_phase_note
 
     # coverage against the profiled pair's own host time: 2.2 ms of phases over 5.0 - 2.8 ms
     split = SimpleNamespace(phases=PhaseSplit({"sample": 0.4, "forward_dispatch": 1.8}, 2.0, 0.93),

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from hostsweep.stages import signals
+from hostsweep.run import signals
 
 
 @pytest.fixture
