@@ -34,8 +34,8 @@ from hostsweep.run.contention import ContentionProbe, sweep_root_pid
 from hostsweep.run.rounds import RoundJournal, round_journal
 from hostsweep.run.faults import EngineDied
 from hostsweep.run.hygiene import (
-    descendant_pids, new_scratch_folder, release_ray_thread_limits, release_shared_memory, remove_stale_scratch,
-    restore_affinity, restore_priority, restore_scheduler,
+    descendant_pids, engine_temp_folder, new_scratch_folder, release_ray_thread_limits, release_shared_memory,
+    remove_stale_scratch, restore_affinity, restore_priority, restore_scheduler,
 )
 from hostsweep.run.liveness import EngineWatch, engine_processes
 from hostsweep.run.placement import hand_gpus_to_ranks
@@ -82,10 +82,11 @@ class SweepWorker:
         scheduler = restore_scheduler()
         restore_affinity()
         self.spec = spec
-        # On a remote node the driver's folders do not exist: default to a local temp dir,
-        # removed when this worker ends (or by the next worker, if this one is killed).
+        # A local temp dir, removed when this worker ends (or by the next worker, if this
+        # one is killed): vLLM's IPC sockets and rendezvous files, and on a remote node,
+        # where the driver's folders do not exist, the engine's working folder.
         remove_stale_scratch()
-        self.scratch = None if workdir else new_scratch_folder()
+        self.scratch = new_scratch_folder()
         folder = Path(workdir) if workdir else self.scratch
         tp_gpus = None
         if spec.accelerator_type is not None and spec.tp > 1:
@@ -93,7 +94,8 @@ class SweepWorker:
         before = descendant_pids(os.getpid())
         started = time.perf_counter()
         try:
-            self.engine: Engine = start_engine(spec, folder)
+            with engine_temp_folder(self.scratch):
+                self.engine: Engine = start_engine(spec, folder)
         except BaseException:
             log.exception("the engine for %s did not start", spec.label)  # into the worker's log
             self._remove_scratch()
@@ -155,8 +157,7 @@ class SweepWorker:
             log.warning("the engine's shared memory may be left in /dev/shm (the resource tracker did not stop)")
 
     def _remove_scratch(self) -> None:
-        if self.scratch is not None:
-            shutil.rmtree(self.scratch, ignore_errors=True)
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
     def _timed_generate(self, prompts: list[list[int]], spec_log: Optional[list[list[dict]]] = None):
         """A generate of the prompts timed in seconds; with speculation, the per-request

@@ -8,6 +8,7 @@ processes and files they must not touch (nor does the reaper)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from tests.conftest import run_hostsweep
 pytestmark = pytest.mark.integration
 
 GONE_WITHIN_S = 15.0
+VLLM_SOCKET = re.compile(r"[0-9a-f]{8}-([0-9a-f]{4}-){3}[0-9a-f]{12}")
 FAKE = ["+sku=cpu", "engine.name=fake", "measure.T=400", "measure.reps=3", "measure.warmups=1", "ctx=[16]",
         "batch=[1,2,3,4,5,6]", "split.enabled=false", "ray.exclusive=false"]
 
@@ -91,6 +93,17 @@ def scratch_of(procs) -> list[Path]:
     pids = {p.pid for p in procs}
     return [f for f in Path(tempfile.gettempdir()).glob("hostsweep-*-*")
             if f.name.split("-")[1].isdigit() and int(f.name.split("-")[1]) in pids]
+
+
+def socket_files(procs) -> set[Path]:
+    """The files of vLLM's ZMQ IPC sockets the processes listen or talk on (named by a uuid4)."""
+    found = set()
+    for proc in procs:
+        try:
+            found |= {Path(c.laddr) for c in proc.net_connections(kind="unix") if c.laddr.startswith("/")}
+        except psutil.Error:
+            pass
+    return {f for f in found if VLLM_SOCKET.fullmatch(f.name)}
 
 
 def the_sweep(driver: subprocess.Popen) -> tuple[str, list[psutil.Process]]:
@@ -214,12 +227,14 @@ def test_kill_9_of_the_driver_stops_vllm_and_frees_its_shared_memory(tmp_path):
         segments = {s for s in mapped_segments(p.pid for p in tree) if s.name.startswith("psm_")}
         scratch = scratch_of(tree)
         assert segments and scratch
+        sockets = socket_files(tree)  # vLLM's ZMQ IPC: in the worker's scratch folder, not /tmp
+        assert sockets and all(any(s.is_relative_to(f) for f in scratch) for s in sockets), (sockets, scratch)
         driver.send_signal(signal.SIGKILL)
         driver.wait(30)
         took = gone_within(tree, marker, GONE_WITHIN_S)
         print(f"vLLM and Ray gone {took:.1f} s after kill -9 of the driver; segments {sorted(map(str, segments))}")
         assert not [s for s in segments if s.exists()]
-        assert not [f for f in scratch if f.exists()]
+        assert not [f for f in scratch if f.exists()] and not [s for s in sockets if s.exists()]
     finally:
         if driver.poll() is None:
             driver.kill()

@@ -2,10 +2,12 @@
 of the shared memory its engine leaves."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import psutil
@@ -14,7 +16,7 @@ import pytest
 from hostsweep.config.grid import build_cells
 from hostsweep.measure.results import MeasureOptions
 from hostsweep.run.faults import EngineDied
-from hostsweep.run.hygiene import remove_stale_scratch
+from hostsweep.run.hygiene import VLLM_IPC_ENV, engine_temp_folder, remove_stale_scratch
 from hostsweep.run.liveness import EngineWatch, describe_exit, engine_processes
 from hostsweep.run.worker import SweepWorker
 from tests.conftest import compose_typed
@@ -215,3 +217,19 @@ def test_an_engine_process_reaped_by_its_starter_before_the_watch_looks_still_re
     child.kill()
     child.join()  # reaped, as vLLM's shutdown does
     assert f"(pid {child.pid}) killed by signal 9 (SIGKILL)" in wait_for(watch.fault)
+
+
+def test_an_engine_started_in_its_temp_folder_names_its_sockets_and_rendezvous_there(tmp_path, monkeypatch):
+    """vLLM's IPC sockets (VLLM_RPC_BASE_PATH) and vllm_dist_* files (the temp folder, in a
+    forked or a spawned EngineCore) go to the worker's scratch folder while the engine starts;
+    afterwards the worker's own temp folder is what it was."""
+    monkeypatch.delenv("TMPDIR", raising=False)
+    monkeypatch.delenv(VLLM_IPC_ENV, raising=False)
+    before = tempfile.gettempdir()
+    with engine_temp_folder(tmp_path):
+        assert tempfile.gettempdir() == str(tmp_path)
+        for method in ("fork", "spawn"):
+            with multiprocessing.get_context(method).Pool(1) as pool:
+                assert pool.apply(tempfile.gettempdir) == str(tmp_path), method
+    assert tempfile.gettempdir() == before and "TMPDIR" not in os.environ
+    assert os.environ[VLLM_IPC_ENV] == str(tmp_path)  # vLLM reads it each time it opens a socket
