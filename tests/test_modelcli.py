@@ -16,7 +16,7 @@ import yaml
 from hostsweep.model.compare import cell_frame
 from hostsweep.config.options import load_model_shape, load_sku
 from hostsweep.model.fit import AllReduceFit, HostFit, allreduce_s, sharded_compute_s
-from hostsweep.model.cli import main
+from hostsweep.calibrate.cli import main
 from hostsweep.model.tpmodel import predict_rows
 
 AR, HOST, G = AllReduceFit(21.2e-6, 307e9), HostFit(16.9e-3, 0.1e-3), 0.30
@@ -154,7 +154,7 @@ def test_host_calibration_recovers_s0_and_s1_from_tp1_host_residuals(tmp_path, c
 def test_every_option_of_every_subcommand_says_what_it_is():
     import argparse
 
-    from hostsweep.model.cli import parser
+    from hostsweep.calibrate.cli import parser
 
     def silent(p: argparse.ArgumentParser, where: str) -> list[str]:
         found = []

@@ -19,10 +19,10 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from hostsweep.calibrate.fit_command import fit_arguments, fit_command, measured_cells, synth_arguments, synth_command
 from hostsweep.config.options import load_sku
 from hostsweep.config.redact import redact, redact_console, redact_log_records
 from hostsweep.config.schema import DEFAULT_TRACKING_URI, ConfigError
-from hostsweep.model.fit_command import fit_arguments, fit_command, measured_cells, synth_arguments, synth_command
 from hostsweep.model.tpmodel import tp_scaling
 from hostsweep.record.store import quiet_mlflow
 
@@ -54,8 +54,8 @@ def _write_calibration(path: str | None, section: str, values: dict) -> None:
 
 
 def allreduce_command(args: argparse.Namespace) -> int:
-    from hostsweep.model.allreduce_bench import run_allreduce_sweep
-    from hostsweep.model.calibrate import run_on_sku
+    from hostsweep.calibrate.allreduce_bench import run_allreduce_sweep
+    from hostsweep.calibrate.microbench import run_on_sku
     from hostsweep.model.fit import fit_allreduce
     from hostsweep.record.registry import log_calibration
 
@@ -77,7 +77,7 @@ def allreduce_command(args: argparse.Namespace) -> int:
 
 
 def roofs_command(args: argparse.Namespace) -> int:
-    from hostsweep.model.calibrate import measure_roofs, run_on_sku
+    from hostsweep.calibrate.microbench import measure_roofs, run_on_sku
     from hostsweep.record.registry import log_calibration
 
     sku = load_sku(args.sku)
@@ -96,7 +96,7 @@ def roofs_command(args: argparse.Namespace) -> int:
 
 
 def host_command(args: argparse.Namespace) -> int:
-    from hostsweep.model.calibrate import calibrate_host
+    from hostsweep.model.host_calibration import calibrate_host
     from hostsweep.record.registry import log_calibration
 
     cells = measured_cells(args)

@@ -15,11 +15,12 @@ import numpy as np
 import pandas as pd
 import psutil
 
+from hostsweep.calibrate.microbench import measure_roofs, run_on_sku
 from hostsweep.config.options import check_option, load_calibration, load_model_shape, load_sku
 from hostsweep.config.schema import (HOST_SOURCES, ROOF_SOURCES, AllReduceCalibration, CalibrationConfig, ConfigError,
                                      FitConfig, HostCalibration, RoofsCalibration)
-from hostsweep.model.calibrate import HostLineCalibration, calibrate_host, measure_roofs, run_on_sku
 from hostsweep.model.compare import DTYPE_BYTES
+from hostsweep.model.host_calibration import HostLineCalibration, calibrate_host
 from hostsweep.model.study_fit import CalibrationTerms, calibration_terms
 from hostsweep.record.registry import log_calibration
 
@@ -106,7 +107,7 @@ def _allreduce(sku: str, spec: dict[str, Any], cells: pd.DataFrame, calibration:
     """λ, β of a SKU with TP > 1 cells: the calibration's, or measured from its cells'
     smallest decode message up to at least 16 MiB, where time clearly grows with size
     (fit_allreduce weighs residuals relatively, so the large end does not set λ)."""
-    from hostsweep.model.allreduce_bench import run_allreduce_sweep
+    from hostsweep.calibrate.allreduce_bench import run_allreduce_sweep
     from hostsweep.model.fit import fit_allreduce
 
     run_id, source = "", "calibration"

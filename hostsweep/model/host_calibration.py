@@ -1,14 +1,14 @@
-"""Calibration microbenchmarks for the TP model: the SKU's achieved roofs, and H(N)
-from the measured host residual of single-device cells.
+"""H(N) calibrated from the measured host residual of single-device (TP-1) cells: a line
+bounded >= 0 over the batches it is applied to, with a bootstrap CI, unstable cells left
+out (pure).
 
-The all-reduce sweep lives in allreduce_bench.py. Each benchmark is a plain function so
-it can run in-process or as a Ray task pinned to the SKU it describes (run_on_sku).
+The microbenchmarks that measure the other fixed terms on a device (roofs, all-reduce)
+are in the calibrate package.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import numpy as np
 import pandas as pd
@@ -16,37 +16,6 @@ import pandas as pd
 from hostsweep.model.fit import HostFit
 from hostsweep.model.hostline import BoundedLine, fit_bounded_line
 from hostsweep.model.unstable import Exclusion, exclude_unstable
-
-
-def _median_seconds(action: Callable[[], None], sync: Callable[[], None], reps: int) -> float:
-    action()  # warm-up: allocation, kernel selection
-    sync()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        action()
-        sync()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
-def measure_roofs(gpu: bool, gemm_size: int = 4096, copy_mib: int = 512, reps: int = 5) -> dict[str, Any]:
-    """Achieved dense GEMM FLOP/s (bf16 on GPUs, float32 on CPUs) and copy bandwidth."""
-    import torch
-
-    device = torch.device("cuda") if gpu else torch.device("cpu")
-    dtype = torch.bfloat16 if gpu else torch.float32
-    sync = torch.cuda.synchronize if gpu else (lambda: None)
-    a = torch.randn(gemm_size, gemm_size, device=device, dtype=dtype)
-    b = torch.randn(gemm_size, gemm_size, device=device, dtype=dtype)
-    gemm_s = _median_seconds(lambda: torch.mm(a, b), sync, reps)
-    numel = copy_mib * 2 ** 20 // torch.finfo(dtype).bits * 8
-    src, dst = torch.empty(numel, device=device, dtype=dtype), torch.empty(numel, device=device, dtype=dtype)
-    copy_s = _median_seconds(lambda: dst.copy_(src), sync, reps)
-    moved = 2 * numel * src.element_size()  # a copy reads and writes every byte
-    return {"measured_tflops": 2 * gemm_size ** 3 / gemm_s / 1e12, "measured_bandwidth_gbps": moved / copy_s / 1e9,
-            "gemm_dtype": str(dtype).replace("torch.", ""), "gemm_size": gemm_size, "copy_mib": copy_mib,
-            "device": torch.cuda.get_device_name(0) if gpu else "cpu"}
 
 
 def _line_text(s0_ms: float, s1_ms: float) -> str:
@@ -104,29 +73,3 @@ def calibrate_host(cells: pd.DataFrame, served: Optional[np.ndarray] = None, exc
     table = single[[c for c in ("sku", "model", "batch", "ctx", "host_ms", "run_id") if c in single]].copy()
     table["fitted_host_ms"] = line.at_batches_ms(table["batch"].to_numpy(float))
     return HostLineCalibration(line, table, exclusion)
-
-
-def host_calibration(cells: pd.DataFrame, served: Optional[np.ndarray] = None) -> tuple[HostFit, pd.DataFrame]:
-    """(H(N), the cells' table) of `calibrate_host`: bounded, unstable cells left out."""
-    calibrated = calibrate_host(cells, served)
-    return calibrated.fit, calibrated.table
-
-
-def run_on_sku(function: Callable[..., Any], accelerator_type: Optional[str], gpus: int,
-               address: Optional[str], *args: Any) -> Any:
-    """Run `function(*args)` here, or as a Ray task on a node of the SKU when `address` is set."""
-    if address is None:
-        return function(*args)
-    import ray
-
-    from hostsweep.run.cluster import InfeasiblePlan, describe_inventory, live_nodes, node_offers
-
-    ray.init(address=address, ignore_reinit_error=True)
-    nodes = live_nodes()
-    if not any(node_offers(n, accelerator_type, gpus) for n in nodes):
-        raise InfeasiblePlan(f"no node has accelerator_type {accelerator_type} with >= {gpus} GPUs; "
-                             f"the cluster has: {describe_inventory(nodes)}")
-    options: dict[str, Any] = {"num_gpus": gpus}
-    if accelerator_type:
-        options["accelerator_type"] = accelerator_type
-    return ray.get(ray.remote(function).options(**options).remote(*args))

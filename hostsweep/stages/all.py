@@ -16,6 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from hostsweep.calibrate.terms import base_calibration, host_source
 from hostsweep.config.grid import build_cells
 from hostsweep.config.resolve import Study
 from hostsweep.config.schema import ConfigError
@@ -23,7 +24,6 @@ from hostsweep.record.selection import fit_cells, planned_cells, train_selection
 from hostsweep.record.store import quiet_mlflow
 from hostsweep.stages import compare, sweep
 from hostsweep.stages.fit import fit_options
-from hostsweep.stages.terms import base_calibration, host_source
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@
 
 The cells of `fit.mode` are selected (select.*), those the sweep flagged unstable left
 out (fit.exclude_unstable, counted in fit.json's "unstable"), the training selection
-checked, the fixed terms assembled (stages/terms.py), then `hostsweep.model.fit_command.fit_and_log`
+checked, the fixed terms assembled (calibrate/terms.py), then `hostsweep.calibrate.fit_command.fit_and_log`
 (the same path as `hostsweep-model fit`) fits, writes fit.json and predictions.csv under
 the run directory's fit/ and logs the model to the `fit.models_experiment` experiment.
 """
@@ -18,16 +18,16 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import DictConfig
 
+from hostsweep.calibrate.fit_command import FitOutcome, fit_and_log
+from hostsweep.calibrate.terms import FixedTerms, check_fit_sources, fixed_terms
 from hostsweep.config.redact import redact
 from hostsweep.config.resolve import Study, resolve
 from hostsweep.config.schema import ConfigError, FitConfig
-from hostsweep.model.fit_command import FitOutcome, fit_and_log
 from hostsweep.model.fit_console import render
 from hostsweep.model.study_fit import FitOptions
 from hostsweep.model.unstable import Exclusion, exclude_unstable
 from hostsweep.record.selection import Selection, fit_cells, select_cells, train_selection
 from hostsweep.record.store import quiet_mlflow
-from hostsweep.stages.terms import FixedTerms, check_fit_sources, fixed_terms
 
 log = logging.getLogger(__name__)
 

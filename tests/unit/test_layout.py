@@ -1,5 +1,5 @@
 """The package layout keeps the data flow: imports run one way, and the pure core imports
-no Ray, MLflow or vLLM (it is what notebooks reuse and what runs without a cluster)."""
+no Ray, MLflow, vLLM or torch (it is what notebooks reuse and what runs without a cluster)."""
 from __future__ import annotations
 
 import ast
@@ -12,9 +12,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "hostsweep"
 # The order the data flows through; a module may import only from its own package or
 # from packages before it.
-ORDER = ["config", "measure", "engines", "run", "record", "model", "report", "stages", "__main__"]
-# Modules that run on a cluster or a device and so import torch, Ray or MLflow (lazily).
-IMPURE_MODULES = {"model.cli", "model.calibrate", "model.allreduce_bench"}
+ORDER = ["config", "measure", "engines", "run", "record", "model", "calibrate", "report", "stages", "__main__"]
 PURE_PACKAGES = ("config", "measure", "model", "report")
 POISON = "raise ImportError('{name} must not be imported by the pure core')\n"
 
@@ -57,22 +55,29 @@ def test_the_rule_catches_an_import_against_the_flow(tmp_path):
     assert hostsweep_imports(offender) == {"record"}
 
 
+@pytest.mark.parametrize("path", sorted((PACKAGE / "model").glob("*.py")), ids=lambda p: p.name)
+def test_the_model_imports_only_the_pure_core(path):
+    """The TP model reaches Ray, torch and MLflow only through the calibrate package."""
+    assert hostsweep_imports(path) <= {"config", "measure", "model"}
+
+
 def pure_modules() -> list[str]:
     names = []
     for path in modules():
         dotted = ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
-        if package_of(path) in PURE_PACKAGES and dotted not in IMPURE_MODULES and path.name != "__init__.py":
+        if package_of(path) in PURE_PACKAGES and path.name != "__init__.py":
             names.append(f"hostsweep.{dotted}")
     return names
 
 
-def test_the_pure_core_imports_without_ray_mlflow_or_vllm(tmp_path):
-    for name in ("ray", "mlflow", "vllm"):
+def test_the_pure_core_imports_without_ray_mlflow_vllm_or_torch(tmp_path):
+    for name in ("ray", "mlflow", "vllm", "torch"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text(POISON.format(name=name))
     script = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
     pure = pure_modules()
-    assert "hostsweep.model.fit" in pure and "hostsweep.config.grid" in pure
+    assert "hostsweep.model.fit" in pure and "hostsweep.model.host_calibration" in pure
+    assert "hostsweep.config.grid" in pure and "hostsweep.report.sweep_outputs" in pure
     proc = subprocess.run([sys.executable, "-c", script, *pure], capture_output=True, text=True,
                           env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -14,7 +14,7 @@ from scipy.optimize import lsq_linear
 
 from hostsweep.config.options import load_calibration, load_model_shape, load_sku
 from hostsweep.config.schema import ConfigError, FitConfig
-from hostsweep.model.calibrate import calibrate_host, host_calibration
+from hostsweep.model.host_calibration import calibrate_host
 from hostsweep.model.fit import HostFit
 from hostsweep.model.fit_console import render
 from hostsweep.model.hostline import endpoint_design, fit_bounded_line, nnls2
@@ -108,7 +108,6 @@ def test_h_of_n_leaves_unstable_cells_out_and_counts_them():
     assert "3 unstable TP-1 cell(s) left out" in calibrated.describe()
     kept = calibrate_host(cells, exclude=False)
     assert kept.exclusion.count == 0 and kept.line.s0_ms > S0 + 2  # pulled up by the contended cells
-    assert host_calibration(cells)[0] == calibrated.fit  # the old entry point leaves them out too
 
 
 @pytest.mark.parametrize("column, unstable", [

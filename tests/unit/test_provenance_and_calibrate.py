@@ -8,8 +8,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from hostsweep.calibrate.microbench import measure_roofs, run_on_sku
 from hostsweep.config.machine import cpu_flags, cpu_model_name, cpuinfo
-from hostsweep.model.calibrate import host_calibration, measure_roofs, run_on_sku
+from hostsweep.model.host_calibration import calibrate_host
 from hostsweep.record.provenance import driver_tags, git_sha, package_version
 
 
@@ -71,7 +72,8 @@ def test_host_calibration_recovers_the_line_it_was_generated_from():
     host_ms = 5.0 + 0.25 * (batches - 1) + rng.normal(0, 0.01, batches.size)
     cells = pd.DataFrame({"sku": "cpu", "model": "m", "tp": 1, "batch": batches, "ctx": 128, "host_ms": host_ms})
     cells = pd.concat([cells, cells.assign(tp=2, host_ms=99.0)])  # TP>1 cells are not single-device
-    fit, table = host_calibration(cells)
+    calibrated = calibrate_host(cells)
+    fit, table = calibrated.fit, calibrated.table
     assert fit.s0_s * 1e3 == pytest.approx(5.0, abs=0.02) and fit.s1_s * 1e3 == pytest.approx(0.25, abs=0.01)
     assert len(table) == 12
 
@@ -79,7 +81,7 @@ def test_host_calibration_recovers_the_line_it_was_generated_from():
 def test_host_calibration_needs_two_batch_sizes():
     cells = pd.DataFrame({"sku": "cpu", "model": "m", "tp": 1, "batch": [2, 2], "ctx": 128, "host_ms": [1.0, 1.1]})
     with pytest.raises(ValueError, match="two or more batch sizes"):
-        host_calibration(cells)
+        calibrate_host(cells)
 
 
 def test_roofs_on_the_cpu_are_positive_and_run_in_process_without_an_address():

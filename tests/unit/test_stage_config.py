@@ -71,7 +71,7 @@ def test_a_host_line_negative_over_the_measured_batches_is_reported():
 
     from hostsweep.model.fit import HostFit
     from hostsweep.model.study_fit import CalibrationTerms
-    from hostsweep.stages.terms import FixedTerms, _check_host
+    from hostsweep.calibrate.terms import FixedTerms, _check_host
 
     cells = pd.DataFrame({"batch": [1, 2, 4]})
     falling = FixedTerms(CalibrationTerms({}, HostFit(0.005, -0.002)), {})
