@@ -14,7 +14,7 @@ from itertools import product
 import numpy as np
 import pandas as pd
 
-from hostsweep.model.compare import cell_frame, in_regime
+from hostsweep.model.inputs import in_regime, model_inputs
 from hostsweep.model.study_fit import CalibrationTerms, FitOptions, fit_study
 from hostsweep.config.options import load_model_shape, load_sku
 from hostsweep.model.fit import AllReduceFit, HostFit, allreduce_s, sharded_compute_s
@@ -28,7 +28,7 @@ def synthetic_cells(n: int) -> pd.DataFrame:
                                                       [1, 2, 4, 8, 16], [512, 2048, 4096])])
     base["T"] = 33
     rows = base.sample(n, replace=True, random_state=0).reset_index(drop=True)
-    cells = cell_frame(rows, {m: load_model_shape(m) for m in models},
+    cells = model_inputs(rows, {m: load_model_shape(m) for m in models},
                        {s: asdict(load_sku(s)) for s in ("h100", "h200")})
     ar, host = AllReduceFit(21.2e-6, 307e9), HostFit(16.9e-3, 0.2e-3)
     noise = np.random.default_rng(0).normal(0, 0.02, n)

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from hostsweep.config.options import load_calibration, load_model_shape, load_sku
-from hostsweep.model.compare import tp_shrink
+from hostsweep.model.evidence import tp_shrink
 from hostsweep.model.hostforms import cell_terms
 from hostsweep.model.study_fit import FitOptions, calibration_terms, fit_study
 from hostsweep.model.synthetic import SEED002_OUTLIER_FACTOR, clean_step_s, grid, host_truth_s, measure

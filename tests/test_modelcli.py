@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from hostsweep.model.compare import cell_frame
+from hostsweep.model.inputs import model_inputs
 from hostsweep.config.options import load_model_shape, load_sku
 from hostsweep.model.fit import AllReduceFit, HostFit, allreduce_s, sharded_compute_s
 from hostsweep.calibrate.cli import main
@@ -29,7 +29,7 @@ def workspace(tmp_path_factory):
                          for k, n, c in product([2, 4], [1, 2, 4, 8], [512, 2048, 4096])])
     from dataclasses import asdict
 
-    cells = cell_frame(rows, {"llama-3.1-70b": load_model_shape("llama-3.1-70b")}, {"h100": asdict(load_sku("h100"))})
+    cells = model_inputs(rows, {"llama-3.1-70b": load_model_shape("llama-3.1-70b")}, {"h100": asdict(load_sku("h100"))})
     noise = np.random.default_rng(0).normal(0, 0.01, len(cells))
     rows["step_ms"] = (G * sharded_compute_s(cells) + allreduce_s(cells, AR) + HOST.time_s(cells["batch"])) * (1 + noise) * 1e3
     rows["step_ci_low_ms"], rows["step_ci_high_ms"] = rows["step_ms"] * 0.99, rows["step_ms"] * 1.01

@@ -15,7 +15,7 @@ import yaml
 
 from tests.conftest import run_concurrently, run_hostsweep
 from tests.fake_store import write_sweep
-from tests.unit.test_compare_report import study_cells
+from tests.unit.test_fit_report import study_cells
 
 GUARD = "raise ImportError('{name} must not be imported by the fit and compare stages')\n"
 STUDY = ["+experiment=tp70b", "fit.train_sku=h100", "calibration=seed002-h100", "fit.calibrate=false",

@@ -19,13 +19,13 @@ import pandas as pd
 from hostsweep.config.options import load_calibration, load_model_shape, load_sku
 from hostsweep.config.redact import redact
 from hostsweep.config.schema import ConfigError
-from hostsweep.model.compare import cell_frame
 from hostsweep.model.fit import mape_summary
 from hostsweep.model.fit_console import render
 from hostsweep.model.hostforms import DEFAULT_FORM, FORMS
+from hostsweep.model.inputs import model_inputs
 from hostsweep.model.study_fit import (BOUNDS, G_MODES, CalibrationTerms, FitOptions, FitReport, calibration_terms,
                                        fit_study)
-from hostsweep.model.synthetic import (HOST_TRUTHS, SEED002_OUTLIER_FACTOR, below_bound, clean_step_s, grid,
+from hostsweep.model.synthetic import (HOST_TRUTHS, SEED002_OUTLIER_FACTOR, push_below_bound, clean_step_s, grid,
                                        host_truth_s, measure)
 from hostsweep.model.tpmodel import INPUT_COLUMNS, model_spec, predict_rows
 from hostsweep.model.unstable import Exclusion, exclude_unstable
@@ -108,13 +108,13 @@ def fit_and_log(measured: pd.DataFrame, terms: CalibrationTerms, skus: dict[str,
                 tokens: int | None = None, extra_params: dict[str, object] | None = None,
                 exclusion: Exclusion | None = None, host_line: dict[str, object] | None = None) -> FitOutcome:
     """The fit stage's one path (used by `stage=fit|compare|all` and `hostsweep-model fit`):
-    cell frame, fit_study, fit.json + predictions.csv at `json_path`, and a run in the
+    model inputs, fit_study, fit.json + predictions.csv at `json_path`, and a run in the
     models experiment with the chosen form as a pyfunc. `skus` are the SKU specs with the
-    roofs to use under `roofs`' keys (cell_frame). `exclusion` (the unstable cells left out
+    roofs to use under `roofs`' keys (model_inputs). `exclusion` (the unstable cells left out
     before `measured`) and `host_line` (H(N)'s CI and bound, when fitted from cells) go
     into fit.json as "unstable" and beside calibration.host."""
     shapes = {m: load_model_shape(m) for m in measured["model"].unique()}
-    cells = cell_frame(measured, shapes, skus, roofs, tokens=tokens)
+    cells = model_inputs(measured, shapes, skus, roofs, tokens=tokens)
     report = fit_study(cells, terms, options)
     data = report.to_dict()
     if exclusion is not None:
@@ -173,7 +173,7 @@ def synth_command(args: argparse.Namespace) -> int:
             raise ConfigError(f"--below-bound {sku_tp} matches no cell: the grid has sku {', '.join(args.sku)} "
                               f"and tp {', '.join(map(str, args.tp))} (give SKU:TP, and the SKU in --sku)")
         below |= group
-    out = below_bound(out, below, terms.allreduce, terms.host, args.below_factor)
+    out = push_below_bound(out, below, terms.allreduce, terms.host, args.below_factor)
     columns = ["sku", "model", "tp", "batch", "ctx", "T", "step_ms", "step_ci_low_ms", "step_ci_high_ms"]
     out.assign(status="FINISHED")[columns + ["status"]].to_csv(args.out, index=False)
     print(f"wrote {len(out)} cells to {args.out} (truth {args.truth}, g = {args.g}, noise {args.noise:.1%}, "

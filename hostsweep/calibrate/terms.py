@@ -19,8 +19,8 @@ from hostsweep.calibrate.microbench import measure_roofs, run_on_sku
 from hostsweep.config.options import check_option, load_calibration, load_model_shape, load_sku
 from hostsweep.config.schema import (HOST_SOURCES, ROOF_SOURCES, AllReduceCalibration, CalibrationConfig, ConfigError,
                                      FitConfig, HostCalibration, RoofsCalibration)
-from hostsweep.model.compare import DTYPE_BYTES
 from hostsweep.model.host_calibration import HostLineCalibration, calibrate_host
+from hostsweep.model.inputs import DTYPE_BYTES
 from hostsweep.model.study_fit import CalibrationTerms, calibration_terms
 from hostsweep.record.registry import log_calibration
 

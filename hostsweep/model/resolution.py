@@ -104,7 +104,7 @@ def family_forms(family: str) -> list[str]:
 def inconclusive_noise(evidence: Mapping[str, Any], predicted_ms: Mapping[str, np.ndarray], step_ms: np.ndarray,
                        ci_low_ms: np.ndarray, ci_high_ms: np.ndarray, margin: float, resamples: int = 2000,
                        seed: int = 0) -> dict[str, Any] | None:
-    """The noise statement for a group's inconclusive question (verdict.group_verdict's
+    """The noise statement for a group's inconclusive question (verdict.host_family_verdict's
     evidence): the families when they are not told apart, or the baseline when a
     k-invariant winner does not beat it; None for a conclusive or non-discriminating group."""
     if not evidence.get("discriminating"):

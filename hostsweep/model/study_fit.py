@@ -20,12 +20,13 @@ import numpy as np
 import pandas as pd
 
 from hostsweep.config.schema import CalibrationConfig
-from hostsweep.model.compare import CI_COLUMNS, falsifying, in_regime, tp_shrink
+from hostsweep.model.evidence import CI_COLUMNS, falsifying, tp_shrink
 from hostsweep.model.fit import CELL_COLUMNS, AllReduceFit, HostFit, ape
 from hostsweep.model.hostforms import (DEFAULT_FORM, FORMS, FittedForm, ScaleFit, Terms, cell_terms, fit_all_forms,
                                        fit_scale, identifiability, predict_terms_s)
+from hostsweep.model.inputs import in_regime
 from hostsweep.model.resolution import inconclusive_noise, overall_noise
-from hostsweep.model.verdict import falsifying_threshold, group_verdict, overall_verdict
+from hostsweep.model.verdict import falsifying_threshold, host_family_verdict, overall_verdict
 
 SCHEMA = "hostsweep.fit/1"
 G_MODES = ("pinned", "joint")
@@ -197,7 +198,7 @@ def _groups(table: pd.DataFrame, options: FitOptions) -> tuple[list[dict], list[
         scores += [{"form": form, "sku": sku, "tp": int(tp), "role": role, **_summary(errors[form][inside])}
                    for form in FORMS]
         if role == "held-out" and len(inside):
-            evidence = group_verdict({form: e[inside] for form, e in errors.items()}, int(tp) not in options.train_tp,
+            evidence = host_family_verdict({form: e[inside] for form, e in errors.items()}, int(tp) not in options.train_tp,
                                      options.resamples, options.seed, options.margin_pct)
             # an inconclusive question: could the cells' own CIs have resolved it at all?
             noise = inconclusive_noise(evidence, {f: v[inside] for f, v in predicted.items()}, step[inside],
@@ -236,12 +237,12 @@ def _falsification(table: pd.DataFrame, groups: list[dict], options: FitOptions,
 
 
 def fit_study(cells: pd.DataFrame, terms: CalibrationTerms, options: FitOptions) -> FitReport:
-    """Fit, score, compare and falsify on a cell frame (compare.cell_frame's columns and
+    """Fit, score, compare and falsify on a cell frame (inputs.model_inputs' columns and
     step_ms, optionally step_ci_low_ms/step_ci_high_ms and in_regime)."""
     options.check()
     missing = [c for c in (*CELL_COLUMNS, "sku", "model", "step_ms", "T") if c not in cells]
     if missing:
-        raise ValueError(f"cells lack columns {missing}: build them with hostsweep.model.compare.cell_frame")
+        raise ValueError(f"cells lack columns {missing}: build them with hostsweep.model.inputs.model_inputs")
     cells = cells.reset_index(drop=True)
     if "in_regime" not in cells:
         cells = cells.assign(in_regime=in_regime(cells, options.utilization))

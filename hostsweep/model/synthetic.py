@@ -8,7 +8,7 @@ H_truth is one of the host forms ("invariant": the microbenchmark S(N); "times_k
 C·k; "over_k": C/k, each equal to S(N) at the training TP degree) or any array. Each
 cell gets a 95% CI around its step (± 1.96·noise unless told), as a bootstrap reports it.
 The a-priori out-of-regime cells can be made to measure `outlier_factor` × their
-model value, like the study's disclosed memory-pressure cell; `below_bound` puts chosen
+model value, like the study's disclosed memory-pressure cell; `push_below_bound` puts chosen
 cells under H + T_ar, the way the study's H200 TP-4 cells measured.
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from hostsweep.model.compare import cell_frame, in_regime
 from hostsweep.model.fit import AllReduceTerms, HostFit, allreduce_s, sharded_compute_s
+from hostsweep.model.inputs import in_regime, model_inputs
 
 SEED002_TOKENS = 33  # the TP study [2] generates 33 tokens per timed run
 SEED002_BATCHES = (1, 2, 4, 8)
@@ -37,7 +37,7 @@ def grid(skus: Sequence[str], model: str, shapes: Mapping[str, Mapping[str, Any]
     """The cell frame of a (sku × tp × batch × ctx) grid, step_ms still NaN."""
     rows = pd.DataFrame([{"sku": s, "model": model, "tp": k, "batch": n, "ctx": c, "T": tokens, "step_ms": np.nan}
                          for s, k, n, c in product(skus, tps, batches, ctxs)])
-    frame = cell_frame(rows, shapes, sku_specs)
+    frame = model_inputs(rows, shapes, sku_specs)
     frame["in_regime"] = in_regime(frame)
     return frame
 
@@ -72,7 +72,7 @@ def measure(cells: pd.DataFrame, clean_s: np.ndarray, noise: float, seed: int, c
     return out
 
 
-def below_bound(cells: pd.DataFrame, which: np.ndarray, allreduce: AllReduceTerms, host: HostFit,
+def push_below_bound(cells: pd.DataFrame, which: np.ndarray, allreduce: AllReduceTerms, host: HostFit,
                 factor: float) -> pd.DataFrame:
     """The `which` cells re-measured at factor × (S(N) + T_ar), CI width kept: cells that
     falsify the additive model when factor < 1."""

@@ -12,9 +12,9 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
-from hostsweep.model.compare import cell_frame, in_regime
 from hostsweep.model.fit import AllReduceFit, HostFit
 from hostsweep.model.hostforms import FittedForm, predict_s
+from hostsweep.model.inputs import in_regime, model_inputs
 
 INPUT_COLUMNS = ("model", "sku", "tp", "batch", "ctx")
 
@@ -46,7 +46,7 @@ def predict_rows(spec: Mapping[str, Any], rows: pd.DataFrame) -> pd.DataFrame:
     frame["step_ms"] = np.nan
     if spec.get("tokens") is None:
         raise ValueError("this model's spec has no 'tokens' (T of its training cells): refit it with hostsweep-model fit")
-    cells = cell_frame(frame, spec["shapes"], spec["skus"], spec["roofs"], tokens=spec["tokens"])
+    cells = model_inputs(frame, spec["shapes"], spec["skus"], spec["roofs"], tokens=spec["tokens"])
     fitted = FittedForm(spec["form"], spec["g"], tuple(spec["host_params"]))
     allreduce = {sku: AllReduceFit(**fit) for sku, fit in spec["allreduce"].items()}
     host = HostFit(**spec["host"])

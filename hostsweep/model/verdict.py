@@ -55,7 +55,7 @@ def _decide(evidence: dict[str, float], margin: float) -> str:
     return "inconclusive"
 
 
-def group_verdict(ape: Mapping[str, np.ndarray], discriminating: bool, resamples: int = 2000,
+def host_family_verdict(ape: Mapping[str, np.ndarray], discriminating: bool, resamples: int = 2000,
                   seed: int = 0, margin: float = 1.0) -> dict[str, Any]:
     """The verdict on one held-out group from each form's per-cell APE (percent)."""
     point = {form: float(np.mean(errors)) for form, errors in ape.items()}

@@ -1,7 +1,7 @@
 """Figures of hostsweep (pure; matplotlib on the Agg backend, no display needed).
 
 One function per figure: each takes DataFrames (cell tables, the fit's per-cell
-predictions, tables from report/comparison.py) and returns a matplotlib Figure; `save`
+predictions, tables from report/fit_tables.py) and returns a matplotlib Figure; `save`
 writes it as a PNG and closes it. The style helpers (`panels`, `colors`, `save`) are
 shared, so the sweep summary's figures use the same look.
 

@@ -24,7 +24,7 @@ AXES = ("sku", "model", "tp", "batch", "ctx", "workload")
 INT_COLUMNS = ("tp", "batch", "ctx")
 
 
-def cell_frame(rows: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
+def finished_cells(rows: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
     """FINISHED cells as a typed frame (resumed rows come back from MLflow as strings)."""
     frame = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
     if frame.empty or "status" not in frame:

@@ -20,7 +20,7 @@ from hostsweep.config.resolve import Study
 from hostsweep.record.celltable import CellTable
 from hostsweep.record.provenance import package_version
 from hostsweep.record.views import absolute_store_uri, ui_command
-from hostsweep.report.modes import cell_frame
+from hostsweep.report.modes import finished_cells
 from hostsweep.report.summary import SUMMARY_FILE, build_summary, stability_counts, stability_line, sweep_description
 from hostsweep.report.tables import MAX_PRINTED_ROWS, format_overview, format_table
 
@@ -71,7 +71,7 @@ def sweep_figures(study: Study, rows: pd.DataFrame) -> dict[str, Any]:
     """The sweep's figures by name (empty when no cell finished)."""
     from hostsweep.report import figures
 
-    cells = cell_frame(rows)
+    cells = finished_cells(rows)
     if cells.empty:
         return {}
     for column in ("step_ms", "step_ci_low_ms", "step_ci_high_ms"):

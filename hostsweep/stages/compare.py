@@ -6,7 +6,7 @@ logged to MLflow beside the runs.
 
 Selects the cells (record/selection.py), fits them (stages/fit.py, logged to the models
 experiment) or reads a logged fit (compare.fit_run), builds the report and its figures
-(report/compare_report.py) under <run dir>/compare/, and logs all of it as artifacts of a
+(report/fit_report.py) under <run dir>/compare/, and logs all of it as artifacts of a
 run named compare-<study> in the study's own experiment, so the report sits in the runs
 table beside the sweeps it reads. Prints the verdicts, the files and the UI links.
 """
@@ -29,8 +29,8 @@ from hostsweep.record.reports import ReportRun, load_fit_json
 from hostsweep.record.views import runs_table_url, ui_command
 from hostsweep.record.selection import Selection, select_cells
 from hostsweep.record.store import quiet_mlflow
-from hostsweep.report.compare_report import Context, build
 from hostsweep.report.document import to_html, to_markdown
+from hostsweep.report.fit_report import Context, build
 from hostsweep.stages.fit import fit_selection
 
 log = logging.getLogger(__name__)

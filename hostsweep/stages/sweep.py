@@ -39,7 +39,7 @@ from hostsweep.record.preflight import preflight, record_cluster
 from hostsweep.record.provenance import driver_tags
 from hostsweep.record.recorder import SweepRecorder, upload_orphans
 from hostsweep.record.views import experiment_description, varying_axes
-from hostsweep.report.modes import cell_frame, mode_pairs, study_summary
+from hostsweep.report.modes import finished_cells, mode_pairs, study_summary
 from hostsweep.report.sweep_outputs import engines_label, print_results, write_results
 from hostsweep.run import cluster, signals
 from hostsweep.run.dispatch import Dispatcher, WorkerBackend
@@ -84,7 +84,7 @@ def record_study_summary(study: Study, rows: pd.DataFrame, tracker: SweepTracker
     """Mode comparisons and the TP floor over the whole study, on the parent run."""
     pairs = mode_pairs((m.name, m.baseline, m.engine_args) for m in study.modes)
     try:
-        tables, metrics = study_summary(cell_frame(rows), pairs, study.config.report.crossover_threshold)
+        tables, metrics = study_summary(finished_cells(rows), pairs, study.config.report.crossover_threshold)
         if tables or metrics:
             tracker.log_study_summary(tables, metrics)
             log.info("study summary: %s", ", ".join(f"{k}={v:.3g}" for k, v in sorted(metrics.items())))

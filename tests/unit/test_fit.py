@@ -11,11 +11,11 @@ import pytest
 
 from hostsweep.config.options import load_calibration, load_model_shape, load_sku
 from hostsweep.model import hostforms
-from hostsweep.model.compare import cell_frame, in_regime
 from hostsweep.model.fit import AllReduceFit, HostFit, fit_allreduce, fit_host, sharded_compute_s
 from hostsweep.model.hostforms import FORMS, cell_terms, fit_form
+from hostsweep.model.inputs import in_regime, model_inputs
 from hostsweep.model.study_fit import CalibrationTerms, FitOptions, calibration_terms, fit_study
-from hostsweep.model.synthetic import below_bound, clean_step_s, grid, host_truth_s, measure
+from hostsweep.model.synthetic import clean_step_s, grid, host_truth_s, measure, push_below_bound
 
 SEEDS = range(20)
 TRUE_G = 0.30
@@ -80,8 +80,8 @@ def test_memory_criterion_flags_only_the_tightest_tp2_cell_of_the_seed_grid():
 def test_cells_without_a_token_count_are_refused_unless_one_is_given():
     rows = pd.DataFrame([{"sku": "h100", "model": "llama-3.1-70b", "tp": 2, "batch": 1, "ctx": 512, "step_ms": 26.0}])
     with pytest.raises(ValueError, match="no T column"):
-        cell_frame(rows, SHAPES, SKUS)
-    assert cell_frame(rows, SHAPES, SKUS, tokens=17)["T"].tolist() == [17]
+        model_inputs(rows, SHAPES, SKUS)
+    assert model_inputs(rows, SHAPES, SKUS, tokens=17)["T"].tolist() == [17]
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -131,7 +131,7 @@ def test_a_host_term_that_changes_less_than_the_noise_is_inconclusive():
 def test_one_sku_below_host_plus_allreduce_is_falsified_whatever_the_form(seed):
     cells = cells_from("invariant", TWO_SKUS, seed, BOTH)
     h200_tp4 = ((cells["sku"] == "h200") & (cells["tp"] == 4)).to_numpy()
-    cells = below_bound(cells, h200_tp4, TWO_SKUS.allreduce, TWO_SKUS.host, 0.75)
+    cells = push_below_bound(cells, h200_tp4, TWO_SKUS.allreduce, TWO_SKUS.host, 0.75)
     alone = fit_study(cells[cells["sku"] == "h100"], TWO_SKUS, FitOptions("h100"))
     form = list(FORMS)[seed % len(FORMS)]  # every form, over the seeds
     report = fit_study(cells, TWO_SKUS, FitOptions("h100", form=form))
@@ -146,7 +146,7 @@ def test_one_sku_below_host_plus_allreduce_is_falsified_whatever_the_form(seed):
 def test_a_cell_whose_ci_reaches_the_bound_does_not_falsify_and_points_are_said_to_be_points():
     cells = cells_from("invariant")
     tp4 = (cells["tp"] == 4).to_numpy()
-    cells = below_bound(cells, tp4, SEED002.allreduce, SEED002.host, 0.995)
+    cells = push_below_bound(cells, tp4, SEED002.allreduce, SEED002.host, 0.995)
     cells["step_ci_high_ms"] = np.where(tp4, cells["step_ms"] * 1.02, cells["step_ci_high_ms"])
     report = fit_study(cells, SEED002, FitOptions("h100"))
     assert not report.predictions["falsifies"].any() and not any("no CI" in w for w in report.warnings)
@@ -161,7 +161,7 @@ def test_a_group_is_falsified_only_by_more_ci_cells_than_chance_puts_below(below
     cells = cells_from("invariant")
     chosen = np.flatnonzero((cells["tp"] == 4).to_numpy())[:below]
     mask = np.isin(np.arange(len(cells)), chosen)
-    report = fit_study(below_bound(cells, mask, SEED002.allreduce, SEED002.host, 0.9), SEED002, FitOptions("h100"))
+    report = fit_study(push_below_bound(cells, mask, SEED002.allreduce, SEED002.host, 0.9), SEED002, FitOptions("h100"))
     assert report.predictions["falsifies"].to_numpy().tolist() == mask.tolist()
     group = heldout(report)
     assert group["falsifying_needed"] == 2 and group["falsified"] is falsified

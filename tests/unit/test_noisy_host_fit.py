@@ -14,17 +14,17 @@ from scipy.optimize import lsq_linear
 
 from hostsweep.config.options import load_calibration, load_model_shape, load_sku
 from hostsweep.config.schema import ConfigError, FitConfig
-from hostsweep.model.host_calibration import calibrate_host
 from hostsweep.model.fit import HostFit
 from hostsweep.model.fit_console import render
+from hostsweep.model.host_calibration import calibrate_host
 from hostsweep.model.hostline import endpoint_design, fit_bounded_line, nnls2
 from hostsweep.model.resolution import noise_resolution
 from hostsweep.model.study_fit import FitOptions, calibration_terms, fit_study
 from hostsweep.model.synthetic import clean_step_s, grid, host_truth_s, measure
 from hostsweep.model.unstable import exclude_unstable, unstable_mask
-from hostsweep.report import comparison as C
-from hostsweep.report.compare_report import Context, build
+from hostsweep.report import fit_tables
 from hostsweep.report.document import to_markdown
+from hostsweep.report.fit_report import Context, build
 
 S0, S1 = 5.0, 0.25  # ms: the line the TP-1 host times are drawn from
 BATCHES = np.repeat([1, 2, 4, 8], 3).astype(float)  # 4 batches x 3 contexts, as a TP-1 grid gives
@@ -206,7 +206,7 @@ def test_cells_without_cis_leave_the_question_open():
 
 def test_the_noise_statement_reaches_the_console_the_report_and_its_verdict_line(tmp_path):
     fit = noisy_fit(2.0, 0.10, 30.0)
-    verdict, reason = C.group_verdict(heldout(fit))
+    verdict, reason = fit_tables.additive_model_verdict(heldout(fit))
     assert verdict == "inconclusive" and "the cells' CIs (±30.0 % median) could not resolve" in reason
     assert "noise: the cells' noise could not resolve the question in 1 of 1" in render(fit)
     cells = pd.DataFrame(fit["cells"]).assign(mode="eager", stable="true", unstable_reasons="",
@@ -240,13 +240,13 @@ def log_study(uri: str, experiment: str) -> None:
 
     from mlflow.tracking import MlflowClient
 
-    from hostsweep.model.compare import cell_frame
+    from hostsweep.model.inputs import model_inputs
     from hostsweep.model.fit import AllReduceFit, allreduce_s, sharded_compute_s
 
     rows = pd.DataFrame([{"sku": "cpu", "model": m, "tp": k, "batch": n, "ctx": c, "T": 17, "dtype": "float32"}
                          for m, k, n, c in product(["tiny-llama", "small-llama"], [1, 2], [1, 2, 4], [128, 512])])
     spec = {**asdict(load_sku("cpu")), "peak_bf16_tflops": 1.0, "mem_bandwidth_gbps": 20.0, "device_memory_gib": 64}
-    frame = cell_frame(rows, {m: load_model_shape(m) for m in rows["model"].unique()}, {"cpu": spec})
+    frame = model_inputs(rows, {m: load_model_shape(m) for m in rows["model"].unique()}, {"cpu": spec})
     rng = np.random.default_rng(0)
     host = 5.969 - 2.296 * (rows["batch"] - 1) + rng.normal(0, 0.3, len(rows))
     step = 0.5 * sharded_compute_s(frame) * 1e3 + allreduce_s(frame, AllReduceFit(50e-6, 5e9)) * 1e3 + 1.0

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from hostsweep.report.modes import (
-    cell_frame, comparison_kind, crossover_batches, mode_pairs, paired, study_summary,
+    comparison_kind, crossover_batches, finished_cells, mode_pairs, paired, study_summary,
 )
 
 
@@ -34,7 +34,7 @@ def test_graph_reduction_crossover_and_what_part_of_the_step_it_removed():
     rows = [row("eager", b, 512, 10.0, 6.0) for b in removed]
     rows += [row("graph", b, 512, 10.0 - r, 6.0 - r) for b, r in removed.items()]
     rows += [row("eager", 1, 2048, 20.0, 6.0), row("graph", 1, 2048, 19.5, 5.5)]  # ctx 2048: 2.5 % at b1
-    tables, metrics = study_summary(cell_frame(rows), [("graph", "eager", "graph")], crossover_threshold=0.05)
+    tables, metrics = study_summary(finished_cells(rows), [("graph", "eager", "graph")], crossover_threshold=0.05)
     cells = tables["graph_vs_eager"].sort_values(["ctx", "batch"])
     assert list(cells["reduction"].round(3)) == [0.4, 0.2, 0.04, 0.02, 0.025]
     assert list(cells["host_removed_ms"].round(3)) == [4.0, 2.0, 0.4, 0.2, 0.5]
@@ -64,7 +64,7 @@ def test_fp8_decode_and_prefill_ratios_and_launches_per_step():
         rows.append(row("eager", 1, ctx, 10.0, 6.0, wall_1_ms=29.0, launches_per_step=100.0, kernels_per_step=100.0))
         rows.append(row("fp8", 1, ctx, 10.0 / 0.79, 6.5, wall_1_ms=20.0, launches_per_step=170.0,
                         kernels_per_step=170.0))
-    tables, metrics = study_summary(cell_frame(rows), [("fp8", "eager", "fp8")])
+    tables, metrics = study_summary(finished_cells(rows), [("fp8", "eager", "fp8")])
     assert metrics["fp8_vs_eager/mean_decode_ratio"] == pytest.approx(0.79)  # seed 000: 0.79x, slower
     assert metrics["fp8_vs_eager/cells_slower"] == 3 and metrics["fp8_vs_eager/n_cells"] == 3
     assert metrics["fp8_vs_eager/mean_prefill_ratio"] == pytest.approx(1.45)  # seed 000: 1.45x faster
@@ -79,7 +79,7 @@ def test_speculation_speedup_and_acceptance_per_workload():
             row("spec-ngram", 1, 512, 6.0 / 6.15, 0.8, workload="repeat", **spec),
             row("spec-ngram", 1, 512, 6.0 / 0.98, 5.0, spec_acceptance_rate=0.01, spec_accepted_per_cycle=0.04,
                 spec_tokens_per_cycle=1.04, spec_host_cycle_ms=5.2)]
-    _, metrics = study_summary(cell_frame(rows), [("spec-ngram", "eager", "spec")])
+    _, metrics = study_summary(finished_cells(rows), [("spec-ngram", "eager", "spec")])
     assert metrics["spec-ngram_vs_eager/repeat/speedup"] == pytest.approx(6.15)
     assert metrics["spec-ngram_vs_eager/random/speedup"] == pytest.approx(0.98)
     assert metrics["spec-ngram_vs_eager/repeat/host_cycle_ms"] == pytest.approx(0.768)
@@ -89,7 +89,7 @@ def test_speculation_speedup_and_acceptance_per_workload():
 def test_tp_floor_reports_seed_000s_split_per_degree():
     # Seed 000 §4.1, Llama-3.1-8B: host floor 5.79 -> 0.48 ms, GPU-active 6.3 -> 15.4 ms (TP-1 -> TP-2).
     rows = [row("eager", 1, 128, 5.79 + 6.3, 5.79, tp=1), row("eager", 1, 128, 0.48 + 15.4, 0.48, tp=2)]
-    tables, metrics = study_summary(cell_frame(rows), [])
+    tables, metrics = study_summary(finished_cells(rows), [])
     assert metrics["tp_floor/h200/llama-3.1-8b/eager/tp1/host_ms"] == pytest.approx(5.79)
     assert metrics["tp_floor/h200/llama-3.1-8b/eager/tp2/host_ms"] == pytest.approx(0.48)
     assert metrics["tp_floor/h200/llama-3.1-8b/eager/tp2/device_ms"] == pytest.approx(15.4)
@@ -101,7 +101,7 @@ def test_resumed_rows_read_back_as_strings_pair_with_fresh_ones():
     resumed = {**{k: str(v) for k, v in row("graph", 2, 512, 8.0, 4.0).items()}, "step_ms": 8.0, "host_ms": 4.0}
     del resumed["workload"]  # logged before the workload param existed
     skipped = {**row("fp8", 2, 512, 0.0), "status": "SKIPPED", "step_ms": None}
-    pairs = paired(cell_frame([fresh, resumed, skipped]), "graph", "eager")
+    pairs = paired(finished_cells([fresh, resumed, skipped]), "graph", "eager")
     assert len(pairs) == 1 and pairs["speedup"].iloc[0] == pytest.approx(1.25)
 
 

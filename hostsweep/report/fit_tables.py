@@ -1,7 +1,8 @@
-"""The comparison's numbers, as tables (pure): per held-out (SKU, TP) group the model and
-baseline errors, how many predictions land in the measured CI and the verdict; the cells
-below the lower bound H + T_ar; the TP shrink; the residual after compute and all-reduce
-per TP degree; each host form's held-out MAPE with a bootstrap CI; the regime map.
+"""The fit's numbers as the comparison report's tables (pure): per held-out (SKU, TP)
+group the model and baseline errors, how many predictions land in the measured CI and
+the verdict; the cells below the lower bound H + T_ar; the TP shrink; the residual after
+compute and all-reduce per TP degree; each host form's held-out MAPE with a bootstrap
+CI; the regime table (host fraction per model size, TP and batch).
 
 Inputs are the fit report as JSON (`FitReport.to_dict()`, fit.json) and its per-cell
 table `pd.DataFrame(fit["cells"])` (measured step and CI, every form's prediction, the
@@ -45,7 +46,7 @@ def _score(fit: dict[str, Any], form: str, sku: str, tp: int) -> dict[str, Any]:
     return {}
 
 
-def group_verdict(group: dict[str, Any]) -> tuple[str, str]:
+def additive_model_verdict(group: dict[str, Any]) -> tuple[str, str]:
     """validated / falsified / inconclusive for one held-out group, with the reason."""
     if group.get("falsified"):
         return "falsified", group.get("reason", "cells below H + T_ar")
@@ -70,7 +71,7 @@ def heldout_groups(fit: dict[str, Any], pred: pd.DataFrame) -> pd.DataFrame:
         sku, tp = group["sku"], group["tp"]
         cells = pred[(pred["sku"] == sku) & (pred["tp"] == tp) & (pred["role"] == "held-out") & pred["in_regime"]]
         model, base = _score(fit, form, sku, tp), _score(fit, "baseline", sku, tp)
-        verdict, reason = group_verdict(group)
+        verdict, reason = additive_model_verdict(group)
         rows.append({"sku": sku, "tp": tp, "cells": group["n"], "out_of_regime": group["out_of_regime"],
                      "model_mape_mean": model.get("mape_mean"), "model_mape_p95": model.get("mape_p95"),
                      "model_mape_max": model.get("mape_max"), "model_in_ci": f"{_in_ci(cells, 'predicted_ms')}/{len(cells)}",
@@ -82,7 +83,7 @@ def heldout_groups(fit: dict[str, Any], pred: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def below_bound(pred: pd.DataFrame) -> pd.DataFrame:
+def below_bound_cells(pred: pd.DataFrame) -> pd.DataFrame:
     """Held-out in-regime cells measuring below the bound H + T_ar: their margin (step −
     bound, ms) and whether their 95% CI excludes the bound (which is what falsifies)."""
     below = pred[(pred["role"] == "held-out") & pred["in_regime"] & (pred["margin_ms"] < 0)]
@@ -168,7 +169,7 @@ def parameters_m(models: pd.Series) -> pd.Series:
     return models.map(counts)
 
 
-def regime_map(cells: pd.DataFrame, threshold: float = 0.5) -> pd.DataFrame:
+def regime_table(cells: pd.DataFrame, threshold: float = 0.5) -> pd.DataFrame:
     """Host fraction per (SKU, mode, model, TP, batch), the mean over contexts, with the
     model's size: where the step is host-bound (host_frac >= threshold)."""
     split = cells[cells["host_frac"].notna()] if "host_frac" in cells else cells.iloc[0:0]

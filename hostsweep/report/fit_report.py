@@ -10,10 +10,10 @@ from typing import Any
 
 import pandas as pd
 
-from hostsweep.model.unstable import exclude_unstable
 from hostsweep.config.redact import redact
-from hostsweep.report import comparison as C
+from hostsweep.model.unstable import exclude_unstable
 from hostsweep.report import figures as F
+from hostsweep.report import fit_tables
 from hostsweep.report.document import Bullets, Document, Figure, Heading, Table, Text
 from hostsweep.report.study_modes import mode_sections
 
@@ -112,7 +112,7 @@ def _heldout(fit: dict[str, Any], pred: pd.DataFrame, groups: pd.DataFrame, form
 
 
 def _falsification(fit: dict[str, Any], pred: pd.DataFrame) -> list:
-    info, below = fit["falsification"], C.below_bound(pred)
+    info, below = fit["falsification"], fit_tables.below_bound_cells(pred)
     blocks: list = [Heading("Falsification: cells below the lower bound H + T_ar"),
                     Text(f"Bound: {info['bound']}. Rule: {info['rule']}.")]
     blocks.append(Table(below, "margin = step − bound (ms); ci_excludes_bound: the whole 95% CI lies below "
@@ -127,8 +127,8 @@ def _falsification(fit: dict[str, Any], pred: pd.DataFrame) -> list:
 
 
 def _shrink(fit: dict[str, Any], pred: pd.DataFrame, figures: dict[str, Path], resamples: int) -> list:
-    table = C.shrink(fit)
-    per_tp, ratios = C.residuals(pred, resamples)
+    table = fit_tables.shrink(fit)
+    per_tp, ratios = fit_tables.residuals(pred, resamples)
     return [Heading("TP step shrink k → next k"),
             Table(table, "mean step(k)/step(next k) over matched (batch, ctx) cells; ideal = next k / k", 3)
             if len(table) else Text("Only one TP degree per (SKU, model): no shrink to report."),
@@ -180,12 +180,12 @@ def write_figures(pred: pd.DataFrame, cells: pd.DataFrame, forms: pd.DataFrame, 
 
 def build(ctx: Context, cells: pd.DataFrame, fit: dict[str, Any], folder: Path) -> tuple[Document, pd.DataFrame]:
     """The report and its figures (written under folder/figures); also the group table."""
-    pred = C.predictions(fit)
+    pred = fit_tables.predictions(fit)
     resamples = int(fit["options"]["resamples"])
-    groups = C.heldout_groups(fit, pred)
-    forms = C.form_mape(pred, [f["form"] for f in fit["forms"]], resamples)
+    groups = fit_tables.heldout_groups(fit, pred)
+    forms = fit_tables.form_mape(pred, [f["form"] for f in fit["forms"]], resamples)
     stable = exclude_unstable(cells, ctx.exclude_unstable)[0]
-    regime = C.regime_map(stable)
+    regime = fit_tables.regime_table(stable)
     families = {f["form"]: f["family"] for f in fit["forms"]}
     figures = write_figures(pred, stable, forms, regime, families, folder / "figures")
     doc = Document(f"Cross-SKU comparison: {ctx.study}")

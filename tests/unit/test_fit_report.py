@@ -15,11 +15,11 @@ from PIL import Image
 
 from hostsweep.config.options import load_calibration, load_model_shape, load_sku
 from hostsweep.model.study_fit import CalibrationTerms, FitOptions, calibration_terms, fit_study
-from hostsweep.model.synthetic import below_bound, clean_step_s, grid, host_truth_s, measure
-from hostsweep.report import comparison as C
+from hostsweep.model.synthetic import clean_step_s, grid, host_truth_s, measure, push_below_bound
 from hostsweep.report import figures as F
-from hostsweep.report.compare_report import Context, build, write_figures
+from hostsweep.report import fit_tables
 from hostsweep.report.document import Document, Figure, Table, Text, to_html, to_markdown
+from hostsweep.report.fit_report import Context, build, write_figures
 from hostsweep.report.study_modes import mode_sections
 
 SEED002 = calibration_terms(load_calibration("seed002-h100"))
@@ -35,7 +35,7 @@ def study_cells(seed: int = 0, truth: str = "invariant", factor: float = 0.75) -
     step = clean_step_s(BOTH, 0.30, TWO_SKUS.allreduce, host_truth_s(truth, BOTH, TWO_SKUS.host))
     cells = measure(BOTH, step, 0.015, seed)
     h200_tp4 = ((cells["sku"] == "h200") & (cells["tp"] == 4)).to_numpy()
-    cells = below_bound(cells, h200_tp4, TWO_SKUS.allreduce, TWO_SKUS.host, factor)
+    cells = push_below_bound(cells, h200_tp4, TWO_SKUS.allreduce, TWO_SKUS.host, factor)
     return cells.assign(mode="eager", run_id=[f"run{i:02d}" for i in range(len(cells))],
                         parent_run_id="parent0", cell_key=[f"key{i}" for i in range(len(cells))],
                         host_frac=0.6, host_ms=10.0, device_ms=8.0)
@@ -53,8 +53,8 @@ def fitted() -> tuple[pd.DataFrame, dict]:
 
 def test_cells_below_the_bound_are_listed_with_their_margin_and_ci_verdict(fitted):
     cells, fit = fitted
-    pred = C.predictions(fit)
-    below = C.below_bound(pred)
+    pred = fit_tables.predictions(fit)
+    below = fit_tables.below_bound_cells(pred)
     h200_tp4 = pred[(pred["sku"] == "h200") & (pred["tp"] == 4)]
     assert sorted(below["run_id"]) == sorted(h200_tp4["run_id"])  # every one of them, nothing else
     bound = pred.set_index("run_id")["bound_ms"]
@@ -66,9 +66,9 @@ def test_cells_below_the_bound_are_listed_with_their_margin_and_ci_verdict(fitte
 def test_a_cell_below_the_bound_whose_ci_reaches_it_is_listed_but_not_evidence():
     cells = study_cells()
     pick = ((cells["sku"] == "h200") & (cells["tp"] == 4)).to_numpy()
-    cells = below_bound(cells, pick, TWO_SKUS.allreduce, TWO_SKUS.host, 0.99)  # 1% under, CI ±2.9%
-    pred = C.predictions(fit_of(cells))
-    below = C.below_bound(pred)
+    cells = push_below_bound(cells, pick, TWO_SKUS.allreduce, TWO_SKUS.host, 0.99)  # 1% under, CI ±2.9%
+    pred = fit_tables.predictions(fit_of(cells))
+    below = fit_tables.below_bound_cells(pred)
     assert len(below) == pick.sum() and not below["ci_excludes_bound"].any()
     above = pred[~pred["run_id"].isin(below["run_id"]) & (pred["role"] == "held-out")]
     assert (above["margin_ms"] >= 0).all()
@@ -76,7 +76,7 @@ def test_a_cell_below_the_bound_whose_ci_reaches_it_is_listed_but_not_evidence()
 
 def test_group_verdicts_are_validated_falsified_and_inconclusive_as_documented(fitted):
     _, fit = fitted
-    groups = C.heldout_groups(fit, C.predictions(fit)).set_index(["sku", "tp"])
+    groups = fit_tables.heldout_groups(fit, fit_tables.predictions(fit)).set_index(["sku", "tp"])
     assert groups.loc[("h100", 4), "verdict"] == "validated"
     assert groups.loc[("h200", 4), "verdict"] == "falsified"
     assert groups.loc[("h200", 2), "verdict"] == "inconclusive"  # a training TP degree cannot separate families
@@ -91,7 +91,7 @@ def test_the_residual_after_compute_and_allreduce_is_constant_only_for_a_tp_inva
     cells = study_cells(truth=truth, factor=1.0)
     cells = cells[cells["sku"] == "h100"]
     fit = fit_study(cells, TWO_SKUS, FitOptions("h100", resamples=300)).to_dict()
-    per_tp, ratios = C.residuals(C.predictions(fit), 500)
+    per_tp, ratios = fit_tables.residuals(fit_tables.predictions(fit), 500)
     (row,) = ratios.to_dict(orient="records")
     assert row["residual"] == shape, row
     assert set(per_tp["tp"]) == {2, 4}
@@ -99,7 +99,7 @@ def test_the_residual_after_compute_and_allreduce_is_constant_only_for_a_tp_inva
 
 def test_shrink_reports_measured_ideal_and_the_baseline_range(fitted):
     _, fit = fitted
-    table = C.shrink(fit).set_index("sku")
+    table = fit_tables.shrink(fit).set_index("sku")
     assert table.loc["h100", "ideal"] == 2.0
     assert 1.0 < table.loc["h100", "measured_in_regime"] < table.loc["h100", "baseline_min"] <= table.loc["h100", "baseline_max"]
 
@@ -149,10 +149,10 @@ def test_a_present_mode_gets_its_comparison_with_eager():
 
 def test_every_figure_is_written_and_not_empty(fitted, tmp_path):
     cells, fit = fitted
-    pred = C.predictions(fit)
-    forms = C.form_mape(pred, [f["form"] for f in fit["forms"]], 200)
+    pred = fit_tables.predictions(fit)
+    forms = fit_tables.form_mape(pred, [f["form"] for f in fit["forms"]], 200)
     families = {f["form"]: f["family"] for f in fit["forms"]}
-    paths = write_figures(pred, cells, forms, C.regime_map(cells), families, tmp_path)
+    paths = write_figures(pred, cells, forms, fit_tables.regime_table(cells), families, tmp_path)
     assert set(paths) == {"step_composition", "predicted_vs_measured", "heldout_mape", "regime_map", "step_times"}
     for path in paths.values():
         with Image.open(path) as image:
@@ -162,7 +162,7 @@ def test_every_figure_is_written_and_not_empty(fitted, tmp_path):
 
 
 def test_figures_for_nothing_say_so_instead_of_failing(tmp_path):
-    for fig in (F.regime_map(C.regime_map(pd.DataFrame(columns=["sku", "mode", "model", "tp", "batch", "ctx"]))),
+    for fig in (F.regime_map(fit_tables.regime_table(pd.DataFrame(columns=["sku", "mode", "model", "tp", "batch", "ctx"]))),
                 F.heldout_mape(pd.DataFrame()), F.step_times(pd.DataFrame())):
         assert F.save(fig, tmp_path / "x.png").stat().st_size > 1000
 
