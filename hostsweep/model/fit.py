@@ -119,12 +119,6 @@ def fit_allreduce(message_bytes: np.ndarray, seconds: np.ndarray) -> AllReduceFi
     return AllReduceFit(latency_s=latency, bandwidth_Bps=1.0 / per_byte)
 
 
-def fit_host(batch: np.ndarray, seconds: np.ndarray) -> HostFit:
-    """H(N) = s0 + s1·(N − 1) by least squares over the microbenchmark's batches."""
-    slope, intercept = np.polyfit(np.asarray(batch, float) - 1.0, np.asarray(seconds, float), 1)
-    return HostFit(s0_s=float(intercept), s1_s=float(slope))
-
-
 def ape(predicted: np.ndarray, measured: np.ndarray) -> np.ndarray:
     """Absolute percentage error per cell, in percent."""
     measured = np.asarray(measured, float)

@@ -11,8 +11,9 @@ import pytest
 
 from hostsweep.config.options import load_calibration, load_model_shape, load_sku
 from hostsweep.model import hostforms
-from hostsweep.model.fit import AllReduceFit, HostFit, fit_allreduce, fit_host, sharded_compute_s
+from hostsweep.model.fit import AllReduceFit, HostFit, fit_allreduce, sharded_compute_s
 from hostsweep.model.hostforms import FORMS, cell_terms, fit_form
+from hostsweep.model.hostline import fit_bounded_line
 from hostsweep.model.inputs import in_regime, model_inputs
 from hostsweep.model.study_fit import CalibrationTerms, FitOptions, calibration_terms, fit_study
 from hostsweep.model.synthetic import clean_step_s, grid, host_truth_s, measure, push_below_bound
@@ -67,7 +68,8 @@ def test_calibration_fits_recover_allreduce_and_host_lines(seed):
     assert ar.bandwidth_Bps == pytest.approx(truth_ar.bandwidth_Bps, rel=0.05)
     assert ar.latency_s == pytest.approx(truth_ar.latency_s, rel=0.25)
     batch = np.repeat([1, 2, 4, 8], 5)
-    host = fit_host(batch, truth_host.time_s(batch) + rng.normal(0, 0.05e-3, batch.size))
+    host = fit_bounded_line(batch, (truth_host.time_s(batch) + rng.normal(0, 0.05e-3, batch.size)) * 1e3,
+                            resamples=0).host
     assert host.s0_s == pytest.approx(truth_host.s0_s, rel=0.02)
     assert host.s1_s == pytest.approx(truth_host.s1_s, abs=0.05e-3)
 
