@@ -20,6 +20,7 @@ import math
 import os
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
@@ -93,6 +94,9 @@ class SweepTracker:
 
     # Read finished runs of a database store with plain SELECTs (dbread.py), not search_runs.
     direct_reads = True
+    # Write a cell's run into a database store in one transaction (dbwrite.py), not the four
+    # calls of MLflow's API (a server's clients have only those).
+    direct_writes = True
 
     def __init__(self, tracking_uri: str, experiment: str, description: Optional[str] = None) -> None:
         bounded_requests()
@@ -108,7 +112,9 @@ class SweepTracker:
         # delivery reuses it instead of creating another), until `delivered`
         self.logged_into: dict[str, str] = {}
         self.claim_tags = 0  # claims.<n> tags this sweep has written on its parent run
+        self._planned: dict[str, str] = {}  # journal entry -> the run id a direct write uses, until written
         self._repos: dict[str, str] = {}  # run id -> its artifact URI, while its cell is logged
+        self._writer: Any = None  # a database store's writer (dbwrite.py), made at the first cell; False: none
 
     def _experiment_id(self, name: str, description: Optional[str]) -> str:
         found = self.client.get_experiment_by_name(name)
@@ -316,6 +322,10 @@ class SweepTracker:
         elif result.error:
             all_tags["failure_reason"] = result.error[:5000]
         run_tags = [RunTag(k, str(v)) for k, v in all_tags.items()]
+        entry = all_tags.get(JOURNAL_TAG)
+        writer = self._direct_writer()
+        if writer and not (entry in self.logged_into or (run_id is not None and not result.started_at)):
+            return self._write_cell(writer, result, values, run_tags, entry, run_id)
         claim, (run_id, created) = run_id, self._cell_run(result, run_tags, run_id)
         try:
             return self._log_into(run_id, created, claim, result, values, run_tags)
@@ -344,6 +354,56 @@ class SweepTracker:
         self.client.set_terminated(run_id, status=result.status, end_time=_ms(result.ended_at))
         if claim is not None and claim != run_id:
             self.client.delete_run(claim)  # the placeholder; the cell's run is the one just logged
+        return run_id
+
+    def _direct_writer(self) -> Any:
+        """The database store's one-transaction writer (dbwrite.py), or False: MLflow's API."""
+        if not self.direct_writes:
+            return False
+        if self._writer is None:
+            self._writer = False
+            if is_database(self.tracking_uri):
+                from hostsweep.record.dbwrite import RunWriter
+
+                try:
+                    self._writer = RunWriter.of(self.client, self.experiment_id)
+                except Exception as exc:  # noqa: BLE001 - another store or MLflow: the API does it
+                    log.debug("writing runs straight to the database is off (%s); using MLflow's API", exc)
+        return self._writer
+
+    def _write_cell(self, writer: Any, result: CellResult, values: dict[str, float], run_tags: list[RunTag],
+                    entry: Optional[str], claim: Optional[str]) -> str:
+        """A cell's run in one transaction of a database store, its final status included:
+        the artifacts first (into the folder of the run id chosen here), then the run with
+        every tag, param and metric. A retried delivery keeps the run id (its artifacts'
+        folder), and a run already written is not written again."""
+        run_id = self._planned.setdefault(entry, uuid.uuid4().hex) if entry else uuid.uuid4().hex
+        self._repos[run_id] = writer.artifact_uri(run_id)
+        try:
+            if result.measurement is not None:
+                self._text(run_id, timings_table(result), "raw_timings.csv")
+                if result.earlier_timings:
+                    self._text(run_id, earlier_timings_table(result), "raw_timings_earlier_attempts.csv")
+            self._log_analysis(run_id, result)
+            if result.status != "SKIPPED":
+                if result.error:
+                    self._text(run_id, result.error, "failure.txt")
+                if result.log_tail:
+                    self._text(run_id, result.log_tail, "worker_log_tail.txt")
+            crashpoints.reached("uploading")
+            ended = _ms(result.ended_at) or int(time.time() * 1000)
+            metrics = [Metric(k, v, _ms(result.ended_at) or 0, 0) for k, v in values.items() if math.isfinite(v)]
+            writer.write(run_id, cell_run_name(result.params, self.varying),
+                         _ms(result.started_at) or int(time.time() * 1000), ended,
+                         "KILLED" if result.status == "SKIPPED" else result.status, run_tags,
+                         [Param(k, str(v)) for k, v in result.params.items()], metrics)
+        finally:
+            self._repos.pop(run_id, None)
+        if entry:
+            self.logged_into[entry] = run_id
+            self._planned.pop(entry, None)
+        if claim is not None and claim != run_id:
+            self.client.delete_run(claim)  # a claim run of a journal from before batched claims
         return run_id
 
     def delivered(self, entry: str) -> None:

@@ -25,6 +25,7 @@ from mlflow.tracking import MlflowClient
 
 from hostsweep.record.crashpoints import ENV, EXIT_CODE
 from hostsweep.record.journal import JOURNAL_FILE
+from hostsweep.record.tracking import SweepTracker
 from hostsweep.stages import sweep
 from tests.conftest import compose_raw
 from tests.crashes import assert_kept_once, measured_entries
@@ -36,24 +37,29 @@ ARGS = ["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=3", "measur
         f"batch=[{','.join(str(b) for b in range(1, CELLS + 1))}]", "measure.bootstrap_resamples=200",
         "split.enabled=false", "ray.exclusive=false"]
 DRIVER = textwrap.dedent("""
-    import sys
+    import os, sys
     from pathlib import Path
     sys.path.insert(0, sys.argv[1])
     from tests.conftest import compose_raw
     from tests.fakes import FakeBackend
     from hostsweep.stages import sweep
+    from hostsweep.record.tracking import SweepTracker
+    SweepTracker.direct_writes = os.environ.get("API_WRITES") != "1"  # 1: MLflow's API, as against a server
     run_dir = Path(sys.argv[2])
     sys.exit(sweep.run(compose_raw(sys.argv[3:]), run_dir, FakeBackend(run_dir / "work")))
 """)
 # (point, n, where the rerun writes): the n-th arrival at the point kills the driver. Every
 # point with a new run dir; with the same one, an unlogged cell with a row already in that
-# cells.csv (tabled; the CLI test reruns mid-upload into the same run dir).
-CRASHES = [("journaled", 3, "new"), ("tabled", 3, "new"), ("uploading", 2, "new"), ("uploaded", 2, "new"),
-           ("tabled", 3, "same")]
+# cells.csv (tabled; the CLI test reruns mid-upload into the same run dir). "uploading" twice:
+# through MLflow's API (a server's path: the run is left half logged, RUNNING) and written
+# straight to the sqlite store (dbwrite.py: the artifacts are written, the run is not).
+CRASHES = [("journaled", 3, "new"), ("tabled", 3, "new"), ("uploading", 2, "new"), ("uploading", 2, "api"),
+           ("uploaded", 2, "new"), ("tabled", 3, "same")]
 
 
-def crash_driver(args: list[str], run_dir: Path, cwd: Path, point: str, nth: int) -> subprocess.CompletedProcess:
-    env = {**os.environ, ENV: f"{point}:{nth}", "HOSTSWEEP_FAKE_TIME_SCALE": "0.01"}
+def crash_driver(args: list[str], run_dir: Path, cwd: Path, point: str, nth: int,
+                 api: bool = False) -> subprocess.CompletedProcess:
+    env = {**os.environ, ENV: f"{point}:{nth}", "HOSTSWEEP_FAKE_TIME_SCALE": "0.01", "API_WRITES": "1" if api else "0"}
     return subprocess.run([sys.executable, "-c", DRIVER, str(REPO), str(run_dir), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
 
@@ -73,7 +79,7 @@ def test_a_driver_killed_while_recording_loses_no_cell_and_its_rerun_measures_no
     study = f"crash-{point}-{rerun_in}"
     args = [*ARGS, f"tracking.uri={store}", f"study={study}"]
     first = tmp_path / "first"
-    crashed = crash_driver(args, first, tmp_path, point, nth)
+    crashed = crash_driver(args, first, tmp_path, point, nth, api=rerun_in == "api")
     assert crashed.returncode == EXIT_CODE, crashed.stderr[-3000:]
     assert f"{ENV}={point}:{nth} reached" in crashed.stderr
     kept = measured_entries(first / JOURNAL_FILE)
@@ -85,9 +91,11 @@ def test_a_driver_killed_while_recording_loses_no_cell_and_its_rerun_measures_no
 
     again = first if rerun_in == "same" else tmp_path / "again"
     backend = FakeBackend(tmp_path / "work")
+    monkeypatch.setattr(SweepTracker, "direct_writes", rerun_in != "api")
     assert sweep.run(compose_raw(args), again, backend) == 0
 
     grid = [c.key for c in sweep.build_cells(sweep.resolve_sweep(compose_raw(args)))]
     assert sorted(backend.measured) == sorted(set(grid) - set(kept))  # the rest, each once; nothing kept again
-    assert_kept_once(store, study, grid, kept, first, again / "cells.csv", half_logged=point == "uploading")
+    assert_kept_once(store, study, grid, kept, first, again / "cells.csv",
+                     half_logged=point == "uploading" and rerun_in == "api")
     assert not list((tmp_path / "outputs" / "pending").rglob("*.json"))

@@ -124,6 +124,8 @@ def test_a_measured_cell_run_starts_and_ends_with_its_measurement_and_replaces_a
 
 
 def test_a_cell_is_recorded_in_one_create_run_one_log_batch_and_its_end(tracker, monkeypatch):
+    """MLflow's API, as against a server (a database store is written in one transaction)."""
+    monkeypatch.setattr(tracker, "direct_writes", False)
     calls = []
     for name in ("create_run", "log_batch", "set_tag", "set_terminated", "delete_run", "log_param", "log_metric"):
         real = getattr(tracker.client, name)
@@ -135,6 +137,68 @@ def test_a_cell_is_recorded_in_one_create_run_one_log_batch_and_its_end(tracker,
     assert calls == ["create_run", "log_batch", "set_terminated"]
     assert run.data.tags["cell_key"] == "key-ok" and run.data.tags["git_sha"] == "abc"
     assert run.data.params["batch"] == "2" and run.data.metrics["step_ms"] == 3.0
+
+
+def test_a_database_store_gets_a_cell_in_one_transaction_the_same_run_as_through_the_api(tracker, monkeypatch):
+    """sqlite (a SqlAlchemyStore): no API call per cell, and the run reads back as the API's
+    run does: status, times, name, tags, params, metrics, latest metrics, artifacts."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    calls = []
+    for name in ("create_run", "log_batch", "set_tag", "set_terminated", "log_text", "log_artifact"):
+        real = getattr(tracker.client, name)
+        monkeypatch.setattr(tracker.client, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name),
+                                                                                           _real(*a, **k))[1])
+    commits = []
+    store = tracker.client._tracking_client.store
+    assert isinstance(store, SqlAlchemyStore)
+    monkeypatch.setattr(store, "ManagedSessionMaker", lambda *a, _real=store.ManagedSessionMaker, **k: (
+        commits.append(k), _real(*a, **k))[1])
+    runs = {}
+    for direct, status in ((True, "FINISHED"), (False, "FINISHED"), (True, "FAILED"), (False, "FAILED")):
+        monkeypatch.setattr(tracker, "direct_writes", direct)
+        calls.clear()
+        commits.clear()
+        result = CellResult(f"key-{direct}-{status}", PARAMS, status, CellMeasurement(3.0, 2.9, 3.1, 10.5, 106.5, REPS),
+                            "boom" if status == "FAILED" else None, {"hostname": "vm"}, 8.25, SPLIT,
+                            started_at=1_700_000_000.0, ended_at=1_700_000_008.25)
+        run_id = tracker.log_cell(result, {"journal_entry": f"e-{direct}-{status}", "git_sha": "abc"})
+        tracker.delivered(f"e-{direct}-{status}")
+        if direct:
+            # one writing session (the first cell also reads the experiment once), no call of MLflow's API
+            assert calls == [] and [k for k in commits if k] == [{"read_only": False}]
+        runs[direct, status] = tracker.client.get_run(run_id)
+    for status in ("FINISHED", "FAILED"):
+        new, api = runs[True, status], runs[False, status]
+        assert (new.info.status, new.info.start_time, new.info.end_time, new.info.run_name) == (
+            api.info.status, api.info.start_time, api.info.end_time, api.info.run_name)
+        assert new.data.params == api.data.params and new.data.metrics == api.data.metrics
+        drop = {"cell_key", "journal_entry"}
+        assert {k: v for k, v in new.data.tags.items() if k not in drop} == {
+            k: v for k, v in api.data.tags.items() if k not in drop}
+        history = tracker.client.get_metric_history(new.info.run_id, "step_ms")
+        assert [(m.value, m.step) for m in history] == [(3.0, 0)]
+        assert new.info.artifact_uri.endswith(f"{new.info.run_id}/artifacts")
+        listed = lambda run: sorted(a.path for a in tracker.client.list_artifacts(run.info.run_id))  # noqa: E731
+        assert listed(new) == listed(api) and "raw_timings.csv" in listed(new)
+    assert runs[True, "FAILED"].data.tags["failure_reason"] == "boom"
+    # a delivery retried after its run was written (the answer lost) writes nothing twice
+    again = CellResult("key-again", PARAMS, "FINISHED", CellMeasurement(3.0, 2.9, 3.1, 10.5, 106.5, REPS), None, {},
+                       8.25, SPLIT, started_at=1_700_000_000.0, ended_at=1_700_000_008.25)
+    monkeypatch.setattr(tracker, "direct_writes", True)
+    writer = tracker._direct_writer()
+    real_write = writer.write
+
+    def write_then_lose_the_answer(*args, **kwargs):
+        real_write(*args, **kwargs)
+        monkeypatch.setattr(writer, "write", real_write)
+        raise ConnectionError("the answer was lost")
+
+    monkeypatch.setattr(writer, "write", write_then_lose_the_answer)
+    with pytest.raises(ConnectionError):
+        tracker.log_cell(again, {"journal_entry": "e-again"})
+    first = tracker.log_cell(again, {"journal_entry": "e-again"})  # the uploader's retry
+    assert len(tracker.client.search_runs([tracker.experiment_id], "tags.cell_key = 'key-again'")) == 1
 
 
 def test_claims_are_batched_on_the_parent_run_and_a_second_sweep_skips_them(tmp_path, new_store):

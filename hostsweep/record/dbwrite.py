@@ -1,0 +1,79 @@
+"""A cell's MLflow run written into a database store in one transaction.
+
+Through MLflow's API a cell is four calls (create_run, log_batch, the artifacts,
+set_terminated), and MLflow's SQL store makes each its own session and commit: a
+log_batch alone opens one for params, metrics and tags, each reading the run again. On
+sqlite every commit is an fsync. This writes the same rows with MLflow's own table models
+(mlflow.store.tracking.dbmodels) in one session, the run already in its final status: the
+run, its tags (mlflow.runName included, as create_run adds it), params, metrics and latest
+metrics, after MLflow's own validation of the batch (mlflow.utils.validation). A run is
+never seen half logged: it is there, FINISHED (or FAILED, KILLED), or it is not.
+
+Only for the stores MLflow's client opens as a SqlAlchemyStore (sqlite, PostgreSQL, MySQL
+URIs); a server's clients go through its REST API. Anything unexpected when the writer is
+made (another store class, models missing) leaves the tracker on MLflow's API
+(tracking.py); a write that fails is retried by the uploader like any refused call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.store.tracking.dbmodels.models import SqlLatestMetric, SqlMetric, SqlParam, SqlRun, SqlTag
+from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME, MLFLOW_USER
+from mlflow.utils.uri import append_to_uri_path
+from mlflow.utils.validation import _validate_batch_log_data, _validate_batch_log_limits, _validate_param_keys_unique
+
+ARTIFACTS_FOLDER = SqlAlchemyStore.ARTIFACTS_FOLDER_NAME
+
+
+@dataclass
+class RunWriter:
+    store: SqlAlchemyStore
+    experiment_id: str
+    artifact_location: str
+
+    @classmethod
+    def of(cls, client: Any, experiment_id: str) -> "RunWriter":
+        """The writer for `client`'s store; raises when it is not a SqlAlchemyStore."""
+        store = client._tracking_client.store  # noqa: SLF001 - the store MLflow opened for this URI
+        if not isinstance(store, SqlAlchemyStore):
+            raise TypeError(f"{type(store).__name__} is not MLflow's SQL store")
+        return cls(store, experiment_id, client.get_experiment(experiment_id).artifact_location)
+
+    def artifact_uri(self, run_id: str) -> str:
+        """Where run `run_id`'s artifacts go (what create_run would give it)."""
+        return append_to_uri_path(self.artifact_location, run_id, ARTIFACTS_FOLDER)
+
+    def write(self, run_id: str, name: str, start_ms: int, end_ms: int, status: str, tags: Sequence[RunTag],
+              params: Sequence[Param], metrics: Sequence[Metric]) -> None:
+        """Run `run_id` with everything, in `status`, in one transaction; nothing if it exists."""
+        tags = [t for t in tags if t.key != MLFLOW_RUN_NAME] + [RunTag(MLFLOW_RUN_NAME, name)]
+        metrics, params, tags = _validate_batch_log_data(list(metrics), list(params), tags)
+        _validate_batch_log_limits(metrics, params, tags)
+        _validate_param_keys_unique(params)
+        user = next((t.value for t in tags if t.key == MLFLOW_USER), "unknown")
+        latest: dict[str, Metric] = {}
+        for m in metrics:  # what MLflow keeps as a key's latest value: the largest (step, timestamp, value)
+            if m.key not in latest or (m.step, m.timestamp, m.value) > (latest[m.key].step, latest[m.key].timestamp,
+                                                                        latest[m.key].value):
+                latest[m.key] = m
+        with self.store.ManagedSessionMaker(read_only=False) as session:
+            if session.get(SqlRun, run_id) is not None:  # written by an earlier try whose answer was lost
+                return
+            run = SqlRun(name=name, artifact_uri=self.artifact_uri(run_id), run_uuid=run_id,
+                         experiment_id=self.experiment_id, source_type="UNKNOWN", source_name="",
+                         entry_point_name="", user_id=user, status=status, start_time=start_ms, end_time=end_ms,
+                         deleted_time=None, source_version="", lifecycle_stage="active")
+            run.tags = [SqlTag(key=t.key, value=t.value) for t in tags]
+            run.params = [SqlParam(key=p.key, value=p.value) for p in params]
+            session.add(run)
+            session.add_all([self._metric(SqlMetric, run_id, m) for m in dict.fromkeys(metrics)])
+            session.add_all([self._metric(SqlLatestMetric, run_id, m) for m in latest.values()])
+
+    def _metric(self, model: type, run_id: str, metric: Metric) -> Any:
+        is_nan, value = self.store.sanitize_metric_value(metric.value)
+        return model(run_uuid=run_id, key=metric.key, value=value, timestamp=metric.timestamp, step=metric.step,
+                     is_nan=is_nan)
