@@ -183,3 +183,19 @@ def test_cli_mistakes_are_one_line_errors_that_write_nothing(argv, needle, tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and needle in err[0], err
     assert not (tmp_path / "s.csv").exists()
+
+
+def test_the_tracking_uri_defaults_to_hostsweep_tracking_uri_as_the_sweeps_does(monkeypatch):
+    """A cluster's head exports HOSTSWEEP_TRACKING_URI (ray_cluster.yaml): hostsweep-model
+    reads the same store as the sweeps it models, without --tracking-uri."""
+    from hostsweep.calibrate.cli import parser
+    from hostsweep.config.schema import DEFAULT_TRACKING_URI, TRACKING_URI_ENV
+    from tests.conftest import compose_typed
+
+    monkeypatch.setenv(TRACKING_URI_ENV, "http://10.0.0.5:5000")
+    assert parser().parse_args(["synth", "--out", "x.csv"]).tracking_uri == "http://10.0.0.5:5000"
+    assert compose_typed(["+sku=cpu"]).config.tracking.uri == "http://10.0.0.5:5000"  # the sweep's, alike
+    given = ["--tracking-uri", "sqlite:///x.db", "synth", "--out", "x.csv"]
+    assert parser().parse_args(given).tracking_uri == "sqlite:///x.db"
+    monkeypatch.delenv(TRACKING_URI_ENV)
+    assert parser().parse_args(["synth", "--out", "x.csv"]).tracking_uri == DEFAULT_TRACKING_URI

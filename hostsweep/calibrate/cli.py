@@ -12,6 +12,7 @@ Calibrations are logged as runs of the MLflow experiment "calibration".
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import yaml
 from hostsweep.calibrate.fit_command import fit_arguments, fit_command, measured_cells, synth_arguments, synth_command
 from hostsweep.config.options import load_sku
 from hostsweep.config.redact import redact, redact_console, redact_log_records
-from hostsweep.config.schema import DEFAULT_TRACKING_URI, ConfigError
+from hostsweep.config.schema import DEFAULT_TRACKING_URI, TRACKING_URI_ENV, ConfigError
 from hostsweep.model.tpmodel import tp_scaling
 from hostsweep.record.store import quiet_mlflow
 
@@ -114,7 +115,9 @@ def host_command(args: argparse.Namespace) -> int:
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="hostsweep-model", description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    top.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI, help="MLflow store or server")
+    # the sweep's default too (config/schema.py): a cluster's head exports HOSTSWEEP_TRACKING_URI
+    top.add_argument("--tracking-uri", default=os.environ.get(TRACKING_URI_ENV) or DEFAULT_TRACKING_URI,
+                     help=f"MLflow store or server (default: ${TRACKING_URI_ENV} when set, else {DEFAULT_TRACKING_URI})")
     sub = top.add_subparsers(dest="command", required=True)
     fit_arguments(sub.add_parser("fit", help="fit on training cells, score held-out, write fit.json, log to MLflow"))
     synth_arguments(sub.add_parser("synth", help="synthetic cells from a known truth (seed 002's grid by default)"))
