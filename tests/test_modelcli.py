@@ -91,7 +91,7 @@ def test_cells_without_t_fail_in_one_line_unless_tokens_are_given(workspace, tmp
     assert run_main(argv + ["--tokens", "33"]) == 0
 
 
-def test_synth_writes_seed002_cells_that_fit_reads_back(tmp_path, capsys, new_store):
+def test_synth_writes_tp_study_cells_that_fit_reads_back(tmp_path, capsys, new_store):
     assert run_main(["synth", "--out", str(tmp_path / "synth.csv"), "--seed", "3"]) == 0
     cells = pd.read_csv(tmp_path / "synth.csv")
     assert len(cells) == 24 and {"T", "step_ci_high_ms"} <= set(cells)
@@ -199,3 +199,4 @@ def test_the_tracking_uri_defaults_to_hostsweep_tracking_uri_as_the_sweeps_does(
     assert parser().parse_args(given).tracking_uri == "sqlite:///x.db"
     monkeypatch.delenv(TRACKING_URI_ENV)
     assert parser().parse_args(["synth", "--out", "x.csv"]).tracking_uri == DEFAULT_TRACKING_URI
+

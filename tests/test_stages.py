@@ -1,5 +1,5 @@
 """The fit and compare stages through the real command line on a store written from known
-cells (seed 002's grid on H100 and H200, H200 TP-4 measured below H + T_ar): selection
+cells (the TP study's [2] grid on H100 and H200, H200 TP-4 measured below H + T_ar): selection
 mistakes are one-line errors (exit 2) before anything is fitted or measured, and a
 compare run holds the report, its figures and the verdicts. Ray and vLLM are made
 unimportable throughout: these stages never need them."""
@@ -31,7 +31,7 @@ def store(tmp_path_factory, new_store) -> dict:
     uri = new_store(root / "mlflow.db")
     cells = study_cells(seed=3)
     parent, children = write_sweep(uri, "hostsweep-tp70b", cells)
-    calibration = root / "calib.yaml"  # H200's all-reduce: seed 002 reports only H100's, so take the same
+    calibration = root / "calib.yaml"  # H200's all-reduce: the TP study reports only H100's, so take the same
     calibration.write_text(yaml.safe_dump({"allreduce": {"h200": {"latency_us": 21.2, "bandwidth_gbps": 307}}}))
     return {"root": root, "uri": uri, "parent": parent, "children": children,
             "args": [*STUDY, f"tracking.uri={uri}", f"fit.calibration_file={calibration}"]}

@@ -2,12 +2,14 @@
 
     hostsweep-model fit --experiment hostsweep-tp70b --calibration calib.yaml --train-sku h100 --train-tp 2
     hostsweep-model fit --cells outputs/.../cells.csv --calibration seed002-h100 --train-sku h100
-    hostsweep-model synth --calibration seed002-h100 --out seed002.csv     # cells from the TP study's [2] own numbers
+    hostsweep-model synth --calibration seed002-h100 --out tp-study.csv   # cells from the TP study's [2] own numbers
     hostsweep-model whatif runs:/<run_id>/model --model llama-3.1-70b --sku h100 --batch 1 --ctx 2048
     hostsweep-model allreduce --ranks 2 --out calib.yaml      # gloo here, NCCL on GPUs
     hostsweep-model roofs --sku h100 --ray-address auto --out calib.yaml
     hostsweep-model host --experiment hostsweep-default --model tiny-llama --sku cpu --out calib.yaml
 Calibrations are logged as runs of the MLflow experiment "calibration".
+
+[2] The TP study: "Why Adding GPUs Should — But Doesn't — Halve Decode" (README.md#references).
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ from hostsweep.config.redact import redact, redact_console, redact_log_records
 from hostsweep.config.schema import DEFAULT_TRACKING_URI, TRACKING_URI_ENV, ConfigError
 from hostsweep.model.tpmodel import tp_scaling
 from hostsweep.record.store import quiet_mlflow
+
+TP_STUDY = "[2] The TP study: \"Why Adding GPUs Should — But Doesn't — Halve Decode\" (README.md#references)."
 
 
 def whatif_command(args: argparse.Namespace) -> int:
@@ -119,8 +123,10 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("--tracking-uri", default=os.environ.get(TRACKING_URI_ENV) or DEFAULT_TRACKING_URI,
                      help=f"MLflow store or server (default: ${TRACKING_URI_ENV} when set, else {DEFAULT_TRACKING_URI})")
     sub = top.add_subparsers(dest="command", required=True)
-    fit_arguments(sub.add_parser("fit", help="fit on training cells, score held-out, write fit.json, log to MLflow"))
-    synth_arguments(sub.add_parser("synth", help="synthetic cells from a known truth (seed 002's grid by default)"))
+    fit_arguments(sub.add_parser("fit", help="fit on training cells, score held-out, write fit.json, log to MLflow",
+                                 description=TP_STUDY))
+    synth_arguments(sub.add_parser("synth", help="synthetic cells from a known truth (the TP study's [2] grid by default)",
+                                   description=TP_STUDY))
     whatif = sub.add_parser("whatif", help="what going from TP k to 2k buys, from a logged model")
     whatif.add_argument("model_uri", help="the logged model, e.g. runs:/<run_id>/model or models:/<name>/<version>")
     whatif.add_argument("--model", required=True, help="model shape to predict for (a conf/model name)")

@@ -25,7 +25,7 @@ from hostsweep.model.hostforms import DEFAULT_FORM, FORMS
 from hostsweep.model.inputs import model_inputs
 from hostsweep.model.study_fit import (BOUNDS, G_MODES, CalibrationTerms, FitOptions, FitReport, calibration_terms,
                                        fit_study)
-from hostsweep.model.synthetic import (HOST_TRUTHS, SEED002_OUTLIER_FACTOR, push_below_bound, clean_step_s, grid,
+from hostsweep.model.synthetic import (HOST_TRUTHS, TP_STUDY_OUTLIER_FACTOR, push_below_bound, clean_step_s, grid,
                                        host_truth_s, measure)
 from hostsweep.model.tpmodel import INPUT_COLUMNS, model_spec, predict_rows
 from hostsweep.model.unstable import Exclusion, exclude_unstable
@@ -190,7 +190,7 @@ def fit_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-tp", type=int, nargs="+", default=[2], help="TP degrees that train the model")
     parser.add_argument("--form", choices=list(FORMS), default=DEFAULT_FORM, help="host form of the logged model")
     parser.add_argument("--g-mode", choices=G_MODES, default="pinned",
-                        help="pinned: one g with H = S(N) (seed 002); joint: every form refits g (warns when unidentifiable)")
+                        help="pinned: one g with H = S(N) (as the TP study [2]); joint: every form refits g (warns when unidentifiable)")
     parser.add_argument("--bound", choices=BOUNDS, default="microbench",
                         help="falsification bound H: the microbenchmark S(N), or the lowest k-invariant fit")
     parser.add_argument("--margin", type=float, default=1.0, help="MAPE points a verdict's CI must clear")
@@ -216,15 +216,15 @@ def synth_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4], help="TP degrees")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8], help="batch sizes N")
     parser.add_argument("--ctx", type=int, nargs="+", default=[512, 2048, 4096], help="context lengths")
-    parser.add_argument("--g", type=float, default=0.30, help="true compute scale (seed 002: 0.30)")
+    parser.add_argument("--g", type=float, default=0.30, help="true compute scale (the TP study [2]: 0.30)")
     parser.add_argument("--truth", choices=HOST_TRUTHS, default="invariant",
                         help="host term: S(N) at every k, or S(N)·k/k0, or S(N)·k0/k (k0 the lowest TP)")
     parser.add_argument("--noise", type=float, default=0.015, help="relative noise per cell (sd)")
     parser.add_argument("--ci-pct", type=float, default=None,
                         help="half-width of each cell's 95%% CI, percent (default 196 x noise)")
     parser.add_argument("--seed", type=int, default=0, help="noise seed")
-    parser.add_argument("--outlier-factor", type=float, default=SEED002_OUTLIER_FACTOR,
-                        help="out-of-regime cells measure this x their model value (seed 002: 43.3%% error)")
+    parser.add_argument("--outlier-factor", type=float, default=TP_STUDY_OUTLIER_FACTOR,
+                        help="out-of-regime cells measure this x their model value (the TP study [2]: 43.3%% error)")
     parser.add_argument("--below-bound", nargs="*", default=[], metavar="SKU:TP",
                         help="groups measured at --below-factor x (S(N) + T_ar): cells that falsify the model")
     parser.add_argument("--below-factor", type=float, default=0.75, help="see --below-bound")

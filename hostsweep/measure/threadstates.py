@@ -1,4 +1,5 @@
-"""py-spy thread-state view of the engine process tree (seed 000 §2.4), parsed (pure).
+"""py-spy thread-state view of the engine process tree (the host-exposed-latency
+paper [1], §2.4, README.md#references), parsed (pure).
 
 Two py-spy recordings run side by side over the same generates: one with --idle (every
 thread, every sample) and one without (only samples where the thread was running). Per

@@ -22,18 +22,18 @@ import pandas as pd
 from hostsweep.model.fit import AllReduceTerms, HostFit, allreduce_s, sharded_compute_s
 from hostsweep.model.inputs import in_regime, model_inputs
 
-SEED002_TOKENS = 33  # the TP study [2] generates 33 tokens per timed run
-SEED002_BATCHES = (1, 2, 4, 8)
-SEED002_CTXS = (512, 2048, 4096)
-SEED002_TPS = (2, 4)
-SEED002_OUTLIER_FACTOR = 1.0 / (1.0 - 0.433)  # its outlier mispredicts by 43.3% of the measured step
+TP_STUDY_TOKENS = 33  # the TP study [2] generates 33 tokens per timed run
+TP_STUDY_BATCHES = (1, 2, 4, 8)
+TP_STUDY_CTXS = (512, 2048, 4096)
+TP_STUDY_TPS = (2, 4)
+TP_STUDY_OUTLIER_FACTOR = 1.0 / (1.0 - 0.433)  # its outlier mispredicts by 43.3% of the measured step
 HOST_TRUTHS = ("invariant", "times_k", "over_k")
 
 
 def grid(skus: Sequence[str], model: str, shapes: Mapping[str, Mapping[str, Any]],
-         sku_specs: Mapping[str, Mapping[str, Any]], tps: Sequence[int] = SEED002_TPS,
-         batches: Sequence[int] = SEED002_BATCHES, ctxs: Sequence[int] = SEED002_CTXS,
-         tokens: int = SEED002_TOKENS) -> pd.DataFrame:
+         sku_specs: Mapping[str, Mapping[str, Any]], tps: Sequence[int] = TP_STUDY_TPS,
+         batches: Sequence[int] = TP_STUDY_BATCHES, ctxs: Sequence[int] = TP_STUDY_CTXS,
+         tokens: int = TP_STUDY_TOKENS) -> pd.DataFrame:
     """The cell frame of a (sku × tp × batch × ctx) grid, step_ms still NaN."""
     rows = pd.DataFrame([{"sku": s, "model": model, "tp": k, "batch": n, "ctx": c, "T": tokens, "step_ms": np.nan}
                          for s, k, n, c in product(skus, tps, batches, ctxs)])

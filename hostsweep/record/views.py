@@ -87,9 +87,9 @@ def experiment_description(study: str) -> str:
 
 
 MODELS_DESCRIPTION = (
-    "**hostsweep fitted models**: one run per fit of the closed-form TP decode model (seed 002: "
-    "g·T_cmp/k + T_ar(k) + H(N)) on a study's training cells. Params say which cells trained it and "
-    "where every fixed term came from; metrics are held-out MAPE per host form; the artifacts hold "
+    "**hostsweep fitted models**: one run per fit of the closed-form TP decode model (the tensor-parallel "
+    "study *Why Adding GPUs Should — But Doesn't — Halve Decode*: g·T_cmp/k + T_ar(k) + H(N)) on a study's "
+    "training cells. Params say which cells trained it and where every fixed term came from; metrics are held-out MAPE per host form; the artifacts hold "
     "fit.json, predictions.csv and a pyfunc `model` (load it with `mlflow.pyfunc.load_model`).")
 CALIBRATION_DESCRIPTION = (
     "**hostsweep calibrations**: microbenchmark runs (all-reduce λ/β, achieved GEMM FLOP/s and copy "

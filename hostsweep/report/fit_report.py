@@ -19,7 +19,8 @@ from hostsweep.report.study_modes import mode_sections
 
 # the reported numbers of the tensor-parallel study [2] (README.md#references), quoted beside
 # a study of its design
-SEED002 = "seed 002 (70B, H100 TP-2→4): 1.11× in-regime (1.18× with its outlier), ideal 2×, baseline 1.36–1.53×"
+TP_STUDY_SHRINK = ("the tensor-parallel study *Why Adding GPUs Should — But Doesn't — Halve Decode* (70B, H100 "
+                   "TP-2→4): 1.11× in-regime (1.18× with its outlier), ideal 2×, baseline 1.36–1.53×")
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ def _terms(fit: dict[str, Any], ctx: Context) -> list:
 def _heldout(fit: dict[str, Any], pred: pd.DataFrame, groups: pd.DataFrame, forms: pd.DataFrame,
              figures: dict[str, Path]) -> list:
     blocks: list = [Heading("Held-out (SKU, TP) groups"),
-                    Text(f"Model = form `{fit['options']['form']}`; baseline = g·T_cmp/k + T_ar (seed 002 Eq. 1). "
+                    Text(f"Model = form `{fit['options']['form']}`; baseline = g·T_cmp/k + T_ar (Eq. 1 of the tensor-parallel study). "
                          "MAPE in percent over each group's in-regime cells; *_in_ci counts predictions inside the "
                          "measured 95% CI.")]
     shown = groups.drop(columns=["reason"]) if len(groups) else groups  # the reasons are in the verdict list
@@ -132,7 +133,7 @@ def _shrink(fit: dict[str, Any], pred: pd.DataFrame, figures: dict[str, Path], r
     return [Heading("TP step shrink k → next k"),
             Table(table, "mean step(k)/step(next k) over matched (batch, ctx) cells; ideal = next k / k", 3)
             if len(table) else Text("Only one TP degree per (SKU, model): no shrink to report."),
-            Text(f"For reference, {SEED002}."),
+            Text(f"For reference, {TP_STUDY_SHRINK}."),
             Heading("Residual after compute and all-reduce, per TP degree"),
             Text("residual = measured step − g·T_cmp/k − T_ar (in-regime cells): the part the additive host term "
                  "must explain. A TP-invariant term keeps it constant (ratio 1), C·k multiplies it by k'/k, "

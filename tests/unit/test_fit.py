@@ -1,5 +1,5 @@
 """The TP model: roofline sanity, calibration fits, and the fit stage on synthetic cells
-drawn from known parameters (seed 002's grid), recovered over 20 noise seeds."""
+drawn from known parameters (the TP study's [2] grid, README.md#references), recovered over 20 noise seeds."""
 from __future__ import annotations
 
 import json
@@ -20,8 +20,8 @@ from hostsweep.model.synthetic import clean_step_s, grid, host_truth_s, measure,
 
 SEEDS = range(20)
 TRUE_G = 0.30
-SEED002 = calibration_terms(load_calibration("seed002-h100"))  # λ 21.2 µs, β 307 GB/s, s0 16.9 ms, s1 0
-TWO_SKUS = CalibrationTerms({"h100": SEED002.allreduce["h100"], "h200": SEED002.allreduce["h100"]}, SEED002.host)
+TP_STUDY = calibration_terms(load_calibration("seed002-h100"))  # λ 21.2 µs, β 307 GB/s, s0 16.9 ms, s1 0
+TWO_SKUS = CalibrationTerms({"h100": TP_STUDY.allreduce["h100"], "h200": TP_STUDY.allreduce["h100"]}, TP_STUDY.host)
 SHAPES = {m: load_model_shape(m) for m in ("llama-3.1-8b", "llama-3.1-70b")}
 SKUS = {s: asdict(load_sku(s)) for s in ("h100", "h200")}
 H100 = grid(["h100"], "llama-3.1-70b", SHAPES, SKUS)
@@ -29,7 +29,7 @@ BOTH = grid(["h100", "h200"], "llama-3.1-70b", SHAPES, SKUS)
 K_INVARIANT = ("free_constant", "batch_linear", "fixed_microbench")
 
 
-def cells_from(truth: str, terms: CalibrationTerms = SEED002, seed: int = 0, cells: pd.DataFrame = H100,
+def cells_from(truth: str, terms: CalibrationTerms = TP_STUDY, seed: int = 0, cells: pd.DataFrame = H100,
                noise: float = 0.015, outlier_factor: float = 1.0) -> pd.DataFrame:
     step = clean_step_s(cells, TRUE_G, terms.allreduce, host_truth_s(truth, cells, terms.host))
     return measure(cells, step, noise, seed, outlier_factor=outlier_factor)
@@ -88,7 +88,7 @@ def test_cells_without_a_token_count_are_refused_unless_one_is_given():
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_k_invariant_truth_is_recovered_and_called_k_invariant(seed):
-    report = fit_study(cells_from("invariant", seed=seed), SEED002, FitOptions("h100"))
+    report = fit_study(cells_from("invariant", seed=seed), TP_STUDY, FitOptions("h100"))
     mape = heldout_mape(report)
     assert report.scale["g"] == pytest.approx(TRUE_G, rel=0.05) and not report.scale["at_bound"]
     assert all(mape[form] < 3.0 for form in K_INVARIANT)
@@ -101,9 +101,9 @@ def test_k_invariant_truth_is_recovered_and_called_k_invariant(seed):
 
 @pytest.mark.parametrize("truth,s0_ms,winner", [("times_k", 16.9, "c_times_k"), ("over_k", 4.0, "c_over_k")])
 def test_k_scaling_truths_are_called_k_scaling(truth, s0_ms, winner):
-    # A C/k truth with seed 002's s0 = 16.9 ms puts TP-4 below S(N) + T_ar: falsified (next
+    # A C/k truth with the TP study's s0 = 16.9 ms puts TP-4 below S(N) + T_ar: falsified (next
     # test). With s0 = 4 ms its cells stay above the bound and the comparison decides.
-    terms = replace(SEED002, host=HostFit(s0_ms * 1e-3, 0.0))
+    terms = replace(TP_STUDY, host=HostFit(s0_ms * 1e-3, 0.0))
     for seed in SEEDS:
         report = fit_study(cells_from(truth, terms, seed), terms, FitOptions("h100"))
         group = heldout(report)
@@ -113,7 +113,7 @@ def test_k_scaling_truths_are_called_k_scaling(truth, s0_ms, winner):
 
 def test_a_c_over_k_truth_under_the_microbench_bound_is_falsified_and_its_evidence_kept_apart():
     for seed in SEEDS:
-        report = fit_study(cells_from("over_k", seed=seed), SEED002, FitOptions("h100"))
+        report = fit_study(cells_from("over_k", seed=seed), TP_STUDY, FitOptions("h100"))
         group = heldout(report)
         assert group["verdict"] == "falsified" and group["falsifying_cells"] == 12
         assert group["evidence_apart"]["verdict"] == "k-scaling"
@@ -121,7 +121,7 @@ def test_a_c_over_k_truth_under_the_microbench_bound_is_falsified_and_its_eviden
 
 
 def test_a_host_term_that_changes_less_than_the_noise_is_inconclusive():
-    terms = replace(SEED002, host=HostFit(0.05e-3, 0.0))  # TP-2 → TP-4 moves it by < 1% of the step
+    terms = replace(TP_STUDY, host=HostFit(0.05e-3, 0.0))  # TP-2 → TP-4 moves it by < 1% of the step
     for seed in SEEDS:
         truth = ("times_k", "over_k")[seed % 2]
         report = fit_study(cells_from(truth, terms, seed), terms, FitOptions("h100"))
@@ -148,11 +148,11 @@ def test_one_sku_below_host_plus_allreduce_is_falsified_whatever_the_form(seed):
 def test_a_cell_whose_ci_reaches_the_bound_does_not_falsify_and_points_are_said_to_be_points():
     cells = cells_from("invariant")
     tp4 = (cells["tp"] == 4).to_numpy()
-    cells = push_below_bound(cells, tp4, SEED002.allreduce, SEED002.host, 0.995)
+    cells = push_below_bound(cells, tp4, TP_STUDY.allreduce, TP_STUDY.host, 0.995)
     cells["step_ci_high_ms"] = np.where(tp4, cells["step_ms"] * 1.02, cells["step_ci_high_ms"])
-    report = fit_study(cells, SEED002, FitOptions("h100"))
+    report = fit_study(cells, TP_STUDY, FitOptions("h100"))
     assert not report.predictions["falsifies"].any() and not any("no CI" in w for w in report.warnings)
-    points = fit_study(cells.drop(columns=["step_ci_low_ms", "step_ci_high_ms"]), SEED002, FitOptions("h100"))
+    points = fit_study(cells.drop(columns=["step_ci_low_ms", "step_ci_high_ms"]), TP_STUDY, FitOptions("h100"))
     assert points.predictions["falsifies"].sum() == 12 and points.falsification["judged_on_point"] == 12
     assert any("judged on their point value" in w for w in points.warnings)
 
@@ -163,21 +163,21 @@ def test_a_group_is_falsified_only_by_more_ci_cells_than_chance_puts_below(below
     cells = cells_from("invariant")
     chosen = np.flatnonzero((cells["tp"] == 4).to_numpy())[:below]
     mask = np.isin(np.arange(len(cells)), chosen)
-    report = fit_study(push_below_bound(cells, mask, SEED002.allreduce, SEED002.host, 0.9), SEED002, FitOptions("h100"))
+    report = fit_study(push_below_bound(cells, mask, TP_STUDY.allreduce, TP_STUDY.host, 0.9), TP_STUDY, FitOptions("h100"))
     assert report.predictions["falsifies"].to_numpy().tolist() == mask.tolist()
     group = heldout(report)
     assert group["falsifying_needed"] == 2 and group["falsified"] is falsified
     assert (group["verdict"] == "falsified") is falsified
 
 
-def test_seed002_table_comes_out_of_its_own_numbers():
-    """Cells from seed 002's g, λ, β, s0 (shipped calibration), its 43.3% outlier, ±1.5%
+def test_the_tp_study_table_comes_out_of_its_own_numbers():
+    """Cells from the TP study's g, λ, β, s0 (shipped calibration), its 43.3% outlier, ±1.5%
     noise; its method (one g with H pinned, forms fitted with g held). The paper: free
     1.7%, batch-linear 1.6%, fixed S(N) 4.4%, C·k 70.3%, C/k 37.7%; g 0.30 (0.32 with the
     outlier); shrink 1.11× (1.18×), baseline-predicted 1.36–1.53×."""
     for seed in SEEDS:
         cells = cells_from("invariant", seed=seed, outlier_factor=1 / (1 - 0.433))
-        report = fit_study(cells, SEED002, FitOptions("h100"))
+        report = fit_study(cells, TP_STUDY, FitOptions("h100"))
         mape = heldout_mape(report)
         assert all(mape[form] < 5.0 for form in K_INVARIANT)
         assert mape["c_times_k"] > 50.0 and 25.0 < mape["c_over_k"] < 50.0
@@ -189,23 +189,23 @@ def test_seed002_table_comes_out_of_its_own_numbers():
 
 
 def test_joint_g_warns_that_in_regime_tp2_cells_cannot_identify_it():
-    report = fit_study(cells_from("invariant"), SEED002, FitOptions("h100", g_mode="joint"))
+    report = fit_study(cells_from("invariant"), TP_STUDY, FitOptions("h100", g_mode="joint"))
     free = report.scale["joint"]["free_constant"]
     assert free["condition_number"] > 30 and free["compute_spread"] < 0.1
     assert any("free_constant: g and the host parameters are not identifiable" in w for w in report.warnings)
     assert report.forms["free_constant"].g_source == "joint"
-    pinned = fit_study(cells_from("invariant"), SEED002, FitOptions("h100"))
+    pinned = fit_study(cells_from("invariant"), TP_STUDY, FitOptions("h100"))
     assert not any("identifiable" in w for w in pinned.warnings)
     assert {f.g for f in pinned.forms.values()} == {pinned.scale["g"]}
 
 
 def test_fits_that_want_negative_terms_stop_at_zero_and_say_so():
-    cells = cells_from("invariant", terms=replace(SEED002, host=HostFit(0.0, 0.0)), noise=0.0)
+    cells = cells_from("invariant", terms=replace(TP_STUDY, host=HostFit(0.0, 0.0)), noise=0.0)
     train = cells[(cells["tp"] == 2) & cells["in_regime"]]
-    terms = cell_terms(train, SEED002.allreduce, SEED002.host)
+    terms = cell_terms(train, TP_STUDY.allreduce, TP_STUDY.host)
     fitted = fit_form("free_constant", terms, train["step_ms"].to_numpy(), g=1.5 * TRUE_G)
     assert fitted.host_params == (0.0,) and fitted.at_bound == ("C_ms",)
-    report = fit_study(cells, SEED002, FitOptions("h100"))  # S(N) = 16.9 ms exceeds step − T_ar
+    report = fit_study(cells, TP_STUDY, FitOptions("h100"))  # S(N) = 16.9 ms exceeds step − T_ar
     assert report.scale["g"] == 0.0 and report.scale["at_bound"]
     assert any("g hit its lower bound 0" in w for w in report.warnings)
 
@@ -214,7 +214,7 @@ def test_report_is_json_with_named_parameters_and_the_roofline_is_computed_once(
     calls = []
     original = hostforms.sharded_compute_s
     monkeypatch.setattr(hostforms, "sharded_compute_s", lambda cells: calls.append(len(cells)) or original(cells))
-    report = fit_study(cells_from("invariant"), SEED002, FitOptions("h100"))
+    report = fit_study(cells_from("invariant"), TP_STUDY, FitOptions("h100"))
     assert calls == [24]
     data = json.loads(json.dumps(report.to_dict(), allow_nan=False))
     forms = {f["form"]: f for f in data["forms"]}

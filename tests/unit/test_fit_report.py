@@ -22,15 +22,15 @@ from hostsweep.report.document import Document, Figure, Table, Text, to_html, to
 from hostsweep.report.fit_report import Context, build, write_figures
 from hostsweep.report.study_modes import mode_sections
 
-SEED002 = calibration_terms(load_calibration("seed002-h100"))
-TWO_SKUS = CalibrationTerms({"h100": SEED002.allreduce["h100"], "h200": SEED002.allreduce["h100"]}, SEED002.host)
+TP_STUDY = calibration_terms(load_calibration("seed002-h100"))
+TWO_SKUS = CalibrationTerms({"h100": TP_STUDY.allreduce["h100"], "h200": TP_STUDY.allreduce["h100"]}, TP_STUDY.host)
 SHAPES = {"llama-3.1-70b": load_model_shape("llama-3.1-70b")}
 SKUS = {s: asdict(load_sku(s)) for s in ("h100", "h200")}
 BOTH = grid(["h100", "h200"], "llama-3.1-70b", SHAPES, SKUS)
 
 
 def study_cells(seed: int = 0, truth: str = "invariant", factor: float = 0.75) -> pd.DataFrame:
-    """Seed 002's grid on H100 and H200 from known parameters, H200 TP-4 measured at factor
+    """The TP study's [2] grid on H100 and H200 from known parameters, H200 TP-4 measured at factor
     × (S(N) + T_ar), with the identity columns a selection read from MLflow carries."""
     step = clean_step_s(BOTH, 0.30, TWO_SKUS.allreduce, host_truth_s(truth, BOTH, TWO_SKUS.host))
     cells = measure(BOTH, step, 0.015, seed)

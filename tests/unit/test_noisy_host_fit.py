@@ -28,7 +28,7 @@ from hostsweep.report.fit_report import Context, build
 
 S0, S1 = 5.0, 0.25  # ms: the line the TP-1 host times are drawn from
 BATCHES = np.repeat([1, 2, 4, 8], 3).astype(float)  # 4 batches x 3 contexts, as a TP-1 grid gives
-SEED002 = calibration_terms(load_calibration("seed002-h100"))
+TP_STUDY = calibration_terms(load_calibration("seed002-h100"))
 SHAPES = {"llama-3.1-70b": load_model_shape("llama-3.1-70b")}
 H100 = grid(["h100"], "llama-3.1-70b", SHAPES, {"h100": asdict(load_sku("h100"))})
 
@@ -154,9 +154,9 @@ def test_the_fit_stage_leaves_unstable_cells_out_and_refuses_when_none_is_left()
 # --- an inconclusive verdict, and whether the cells' noise could have resolved it ------------
 
 def noisy_fit(host_ms: float, noise: float, ci_pct: float | None, **options) -> dict:
-    """Seed 002's H100 grid with a host term of `host_ms` at every k, measured with
+    """The TP study's [2] H100 grid with a host term of `host_ms` at every k, measured with
     relative noise `noise` and CIs of ± ci_pct %, fitted on TP-2, TP-4 held out."""
-    terms = replace(SEED002, host=HostFit(host_ms * 1e-3, 0.0))
+    terms = replace(TP_STUDY, host=HostFit(host_ms * 1e-3, 0.0))
     step = clean_step_s(H100, 0.30, terms.allreduce, host_truth_s("invariant", H100, terms.host))
     cells = measure(H100, step, noise, 0, ci_pct=ci_pct)
     return fit_study(cells, terms, FitOptions("h100", resamples=300, **options)).to_dict()

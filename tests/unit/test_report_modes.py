@@ -65,10 +65,10 @@ def test_fp8_decode_and_prefill_ratios_and_launches_per_step():
         rows.append(row("fp8", 1, ctx, 10.0 / 0.79, 6.5, wall_1_ms=20.0, launches_per_step=170.0,
                         kernels_per_step=170.0))
     tables, metrics = study_summary(finished_cells(rows), [("fp8", "eager", "fp8")])
-    assert metrics["fp8_vs_eager/mean_decode_ratio"] == pytest.approx(0.79)  # seed 000: 0.79x, slower
+    assert metrics["fp8_vs_eager/mean_decode_ratio"] == pytest.approx(0.79)  # the host-exposed-latency paper [1]: 0.79x, slower
     assert metrics["fp8_vs_eager/cells_slower"] == 3 and metrics["fp8_vs_eager/n_cells"] == 3
-    assert metrics["fp8_vs_eager/mean_prefill_ratio"] == pytest.approx(1.45)  # seed 000: 1.45x faster
-    assert metrics["fp8_vs_eager/mean_launches_ratio"] == pytest.approx(1.7)  # seed 000: ~1.7x launches
+    assert metrics["fp8_vs_eager/mean_prefill_ratio"] == pytest.approx(1.45)  # [1]: 1.45x faster
+    assert metrics["fp8_vs_eager/mean_launches_ratio"] == pytest.approx(1.7)  # [1]: ~1.7x launches
     assert set(tables["fp8_vs_eager"]["host_ms_mode"]) == {6.5}  # the FP8 split itself
 
 
@@ -86,8 +86,8 @@ def test_speculation_speedup_and_acceptance_per_workload():
     assert metrics["spec-ngram_vs_eager/repeat/acceptance_rate"] > metrics["spec-ngram_vs_eager/random/acceptance_rate"]
 
 
-def test_tp_floor_reports_seed_000s_split_per_degree():
-    # Seed 000 §4.1, Llama-3.1-8B: host floor 5.79 -> 0.48 ms, GPU-active 6.3 -> 15.4 ms (TP-1 -> TP-2).
+def test_tp_floor_reports_the_host_exposed_latency_papers_split_per_degree():
+    # The host-exposed-latency paper [1] §4.1, Llama-3.1-8B: host floor 5.79 -> 0.48 ms, GPU-active 6.3 -> 15.4 ms (TP-1 -> TP-2).
     rows = [row("eager", 1, 128, 5.79 + 6.3, 5.79, tp=1), row("eager", 1, 128, 0.48 + 15.4, 0.48, tp=2)]
     tables, metrics = study_summary(finished_cells(rows), [])
     assert metrics["tp_floor/h200/llama-3.1-8b/eager/tp1/host_ms"] == pytest.approx(5.79)

@@ -57,7 +57,7 @@ def test_stage_all_refuses_a_study_it_could_not_compare_before_sweeping(override
     assert needle in str(error.value) and "\n" not in str(error.value)
 
 
-def test_the_seed002_preset_trains_on_h100_and_takes_h_from_the_calibration():
+def test_the_tp_study_preset_trains_on_h100_and_takes_h_from_the_calibration():
     with pytest.raises(ConfigError, match="fit.train_sku is required: the selection spans SKUs h100, h200"):
         check_plan(compose_typed(["+experiment=tp70b", "fit.train_sku=null", "calibration=seed002-h100"]))
     with pytest.raises(ConfigError, match="fit.host=cells fits H"):  # no TP-1 cells: H must come from a calibration

@@ -1,10 +1,10 @@
-"""The held-out table of the tensor-parallel study [2] (README.md#references; "seed 002" in
-file names) from its own numbers: cells drawn from g = 0.30 and the shipped
-calibration (λ 21.2 µs, β 307 GB/s, s0 16.9 ms, s1 0) on its 70B grid with its 43.3%
-outlier, fitted by its method (one g with H pinned, each form's host terms with g held),
-averaged over noise seeds; then the candidate definitions of its baseline (Eq. 1).
+"""The held-out table of the tensor-parallel study [2] (README.md#references) from its own
+numbers: cells drawn from g = 0.30 and the shipped calibration (λ 21.2 µs, β 307 GB/s,
+s0 16.9 ms, s1 0) on its 70B grid with its 43.3% outlier, fitted by its method (one g
+with H pinned, each form's host terms with g held), averaged over noise seeds; then the
+candidate definitions of its baseline (Eq. 1).
 
-    .venv/bin/python benchmarks/seed002_table.py [seeds] [noise]
+    .venv/bin/python benchmarks/tp_study_table.py [seeds] [noise]
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from hostsweep.config.options import load_calibration, load_model_shape, load_sk
 from hostsweep.model.evidence import tp_shrink
 from hostsweep.model.hostforms import cell_terms
 from hostsweep.model.study_fit import FitOptions, calibration_terms, fit_study
-from hostsweep.model.synthetic import SEED002_OUTLIER_FACTOR, clean_step_s, grid, host_truth_s, measure
+from hostsweep.model.synthetic import TP_STUDY_OUTLIER_FACTOR, clean_step_s, grid, host_truth_s, measure
 
 PAPER = {"free_constant": (1.7, 4.1), "batch_linear": (1.6, 3.7), "fixed_microbench": (4.4, 7.5),
          "c_times_k": (70.3, 73.1), "c_over_k": (37.7, 38.9), "baseline": (16.9, 18.6)}
@@ -31,7 +31,7 @@ def _shrink(cells: pd.DataFrame, step_ms: np.ndarray) -> float:
 
 def one_seed(cells: pd.DataFrame, terms, seed: int, noise: float) -> dict[str, float]:
     step = clean_step_s(cells, 0.30, terms.allreduce, host_truth_s("invariant", cells, terms.host))
-    measured = measure(cells, step, noise, seed, outlier_factor=SEED002_OUTLIER_FACTOR)
+    measured = measure(cells, step, noise, seed, outlier_factor=TP_STUDY_OUTLIER_FACTOR)
     pinned = fit_study(measured, terms, FitOptions("h100", resamples=200))
     joint = fit_study(measured, terms, FitOptions("h100", g_mode="joint", resamples=200))
     row = {f"{s['form']} mean": s["mape_mean"] for s in pinned.scores if s["role"] == "held-out"}
