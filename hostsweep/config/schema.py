@@ -254,13 +254,14 @@ class SelectConfig:
 @dataclass
 class FitConfig:
     """The TP model fit (hostsweep.model.study_fit.FitOptions) and where its fixed terms
-    come from. Defaults follow seed 002: train on the lowest TP degree of one SKU, H pinned."""
+    come from. Defaults follow the TP study [2] (README.md#references): train on the lowest TP
+    degree of one SKU, H pinned."""
 
     train_sku: Optional[str] = None  # null: the only SKU selected
     train_tp: Any = None  # int or list; null: the lowest TP degree of train_sku
-    mode: str = "eager"  # the mode whose cells are fitted and judged (seed 002: eager)
+    mode: str = "eager"  # the mode whose cells are fitted and judged (the TP study: eager)
     form: str = "fixed_microbench"  # the host form of the logged model (hostsweep.model.hostforms.FORMS)
-    g_mode: str = "pinned"  # pinned: one g with H = S(N) (seed 002); joint: g refitted per form
+    g_mode: str = "pinned"  # pinned: one g with H = S(N) (as the TP study); joint: g refitted per form
     bound: str = "microbench"  # falsification bound H: microbench S(N), or conservative (lowest k-invariant fit)
     margin: float = 1.0  # MAPE points a verdict's CI must clear
     utilization: float = 0.9  # memory fraction of the a-priori in-regime rule
