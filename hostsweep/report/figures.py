@@ -30,6 +30,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from hostsweep.model.unstable import unstable_mask  # noqa: E402  (cells drawn hollow or hatched)
+
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
            "#bcbd22", "#17becf")
 # The decode-step pieces, in the colours of the tensor-parallel study [2] (README.md#references):
@@ -191,13 +193,6 @@ def regime_map(table: pd.DataFrame, threshold: float = 0.5) -> Figure:
         ax.grid(False)
         fig.colorbar(image, ax=ax, fraction=0.04)
     return fig
-
-
-def unstable_mask(rows: pd.DataFrame) -> np.ndarray:
-    """Which cells were judged unstable (measure/stability.py): drawn hollow or hatched."""
-    if "stable" not in rows:
-        return np.zeros(len(rows), dtype=bool)
-    return rows["stable"].map(lambda v: str(v).lower() == "false").to_numpy(bool)
 
 
 def _hollow_unstable(ax: plt.Axes, x: pd.Series, y: pd.Series, rows: pd.DataFrame, color: str) -> None:
