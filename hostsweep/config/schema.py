@@ -330,6 +330,10 @@ class TrackingConfig:
     # back before exiting (the cells it did not take stay in the journal).
     exit_wait_s: float = 15.0
     heartbeat_s: float = 30.0  # the sweep's parent run is touched this often
+    # Cells being logged at once (each a few calls that mostly wait on the store). null: 4 to
+    # a server (http/https; benchmarks/RESULTS.md, batched recording), 1 to a database store
+    # (sqlite takes one writer at a time; dbwrite.py writes waiting cells in one transaction).
+    deliveries: Optional[int] = None
     # A RUNNING run whose sweep has not touched it for this long is stale: its cells may be
     # claimed by another sweep, and it is marked KILLED. More than outage_s + heartbeat_s.
     stale_after_s: float = 300.0

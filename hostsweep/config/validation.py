@@ -213,6 +213,9 @@ def check_faults_and_tracking(cfg: SweepConfig) -> None:
             raise ConfigError(f"tracking.{name} must be positive, got {getattr(t, name)}")
     if t.exit_wait_s < 0:
         raise ConfigError(f"tracking.exit_wait_s must be >= 0, got {t.exit_wait_s}")
+    if t.deliveries is not None and not 1 <= t.deliveries <= 64:
+        raise ConfigError(f"tracking.deliveries must be 1 to 64 (or null: 4 to a server, 1 to a database store), "
+                          f"got {t.deliveries}")
     if t.stale_after_s <= t.outage_s + t.heartbeat_s:
         raise ConfigError(f"tracking.stale_after_s={t.stale_after_s} must exceed tracking.outage_s + tracking.heartbeat_s "
                           f"({t.outage_s + t.heartbeat_s}): a sweep waiting out an outage would look dead")

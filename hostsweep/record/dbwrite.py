@@ -4,10 +4,12 @@ Through MLflow's API a cell is four calls (create_run, log_batch, the artifacts,
 set_terminated), and MLflow's SQL store makes each its own session and commit: a
 log_batch alone opens one for params, metrics and tags, each reading the run again. On
 sqlite every commit is an fsync. This writes the same rows with MLflow's own table models
-(mlflow.store.tracking.dbmodels) in one session, the run already in its final status: the
-run, its tags (mlflow.runName included, as create_run adds it), params, metrics and latest
-metrics, after MLflow's own validation of the batch (mlflow.utils.validation). A run is
-never seen half logged: it is there, FINISHED (or FAILED, KILLED), or it is not.
+(mlflow.store.tracking.dbmodels, their tables' columns) in one transaction, the run already
+in its final status: the run, its tags (mlflow.runName included, as create_run adds it),
+params, metrics and latest metrics, after MLflow's own validation of the batch
+(mlflow.utils.validation). A run is
+never seen half logged: it is there, FINISHED (or FAILED, KILLED), or it is not. write_many
+writes the runs of several cells in one transaction (on sqlite, one fsync for them all).
 
 Only for the stores MLflow's client opens as a SqlAlchemyStore (sqlite, PostgreSQL, MySQL
 URIs); a server's clients go through its REST API. Anything unexpected when the writer is
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from mlflow.entities import Metric, Param, RunTag
+from sqlalchemy import insert, select
 from mlflow.store.tracking.dbmodels.models import SqlLatestMetric, SqlMetric, SqlParam, SqlRun, SqlTag
 from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME, MLFLOW_USER
@@ -50,6 +53,27 @@ class RunWriter:
     def write(self, run_id: str, name: str, start_ms: int, end_ms: int, status: str, tags: Sequence[RunTag],
               params: Sequence[Param], metrics: Sequence[Metric]) -> None:
         """Run `run_id` with everything, in `status`, in one transaction; nothing if it exists."""
+        self.write_many([dict(run_id=run_id, name=name, start_ms=start_ms, end_ms=end_ms, status=status, tags=tags,
+                              params=params, metrics=metrics)])
+
+    def write_many(self, runs: Sequence[dict[str, Any]]) -> None:
+        """Several runs (write's arguments each) in one transaction; those that exist already
+        (written by an earlier try whose answer was lost) are left as they are."""
+        rows: dict[type, list[dict[str, Any]]] = {SqlRun: [], SqlTag: [], SqlParam: [], SqlMetric: [],
+                                                   SqlLatestMetric: []}
+        for run in runs:
+            self._rows(rows, **run)
+        ids = [row["run_uuid"] for row in rows[SqlRun]]
+        # plain INSERTs of MLflow's tables (its ORM's unit of work cost twice the commit here)
+        with self.store.ManagedSessionMaker(read_only=False) as session:
+            there = set(session.scalars(select(SqlRun.run_uuid).where(SqlRun.run_uuid.in_(ids))))
+            for model, values in rows.items():
+                values = [v for v in values if v["run_uuid"] not in there]
+                if values:
+                    session.execute(insert(model.__table__), values)
+
+    def _rows(self, rows: dict[type, list[dict[str, Any]]], run_id: str, name: str, start_ms: int, end_ms: int,
+              status: str, tags: Sequence[RunTag], params: Sequence[Param], metrics: Sequence[Metric]) -> None:
         tags = [t for t in tags if t.key != MLFLOW_RUN_NAME] + [RunTag(MLFLOW_RUN_NAME, name)]
         metrics, params, tags = _validate_batch_log_data(list(metrics), list(params), tags)
         _validate_batch_log_limits(metrics, params, tags)
@@ -60,20 +84,16 @@ class RunWriter:
             if m.key not in latest or (m.step, m.timestamp, m.value) > (latest[m.key].step, latest[m.key].timestamp,
                                                                         latest[m.key].value):
                 latest[m.key] = m
-        with self.store.ManagedSessionMaker(read_only=False) as session:
-            if session.get(SqlRun, run_id) is not None:  # written by an earlier try whose answer was lost
-                return
-            run = SqlRun(name=name, artifact_uri=self.artifact_uri(run_id), run_uuid=run_id,
-                         experiment_id=self.experiment_id, source_type="UNKNOWN", source_name="",
-                         entry_point_name="", user_id=user, status=status, start_time=start_ms, end_time=end_ms,
-                         deleted_time=None, source_version="", lifecycle_stage="active")
-            run.tags = [SqlTag(key=t.key, value=t.value) for t in tags]
-            run.params = [SqlParam(key=p.key, value=p.value) for p in params]
-            session.add(run)
-            session.add_all([self._metric(SqlMetric, run_id, m) for m in dict.fromkeys(metrics)])
-            session.add_all([self._metric(SqlLatestMetric, run_id, m) for m in latest.values()])
+        rows[SqlRun].append(dict(run_uuid=run_id, name=name, artifact_uri=self.artifact_uri(run_id),
+                                 experiment_id=self.experiment_id, source_type="UNKNOWN", source_name="",
+                                 entry_point_name="", user_id=user, status=status, start_time=start_ms,
+                                 end_time=end_ms, deleted_time=None, source_version="", lifecycle_stage="active"))
+        rows[SqlTag] += [{"run_uuid": run_id, "key": t.key, "value": t.value} for t in tags]
+        rows[SqlParam] += [{"run_uuid": run_id, "key": p.key, "value": p.value} for p in params]
+        rows[SqlMetric] += [self._metric(run_id, m) for m in dict.fromkeys(metrics)]
+        rows[SqlLatestMetric] += [self._metric(run_id, m) for m in latest.values()]
 
-    def _metric(self, model: type, run_id: str, metric: Metric) -> Any:
+    def _metric(self, run_id: str, metric: Metric) -> dict[str, Any]:
         is_nan, value = self.store.sanitize_metric_value(metric.value)
-        return model(run_uuid=run_id, key=metric.key, value=value, timestamp=metric.timestamp, step=metric.step,
-                     is_nan=is_nan)
+        return {"run_uuid": run_id, "key": metric.key, "value": value, "timestamp": metric.timestamp,
+                "step": metric.step, "is_nan": is_nan}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 from typing import TYPE_CHECKING, Optional
 
 from hostsweep.measure.results import CellResult, cell_metrics, cell_row
@@ -81,15 +82,29 @@ def unstable_note(stability: Stability) -> str:
     return f", UNSTABLE: {', '.join(reasons)}{again}"
 
 
+# tracking.deliveries=null: cells logged at once to a server (recording_cost.py --deliveries:
+# benchmarks/RESULTS.md), and to a database store, which takes one writer at a time (sqlite)
+# and the cells waiting in one transaction.
+SERVER_DELIVERIES, DATABASE_DELIVERIES = 4, 1
+
+
+def deliveries(tracking_uri: str, configured: Optional[int]) -> int:
+    """How many cells the uploader logs at once (tracking.deliveries, null: by the store)."""
+    if configured is not None:
+        return configured
+    return SERVER_DELIVERIES if urlsplit(tracking_uri).scheme.lower() in ("http", "https") else DATABASE_DELIVERIES
+
+
 class SweepRecorder:
     """Receives each cell's final result from the dispatcher and records it."""
 
     def __init__(self, tracker: SweepTracker, journal: Journal, table: CellTable, claims: dict[str, Optional[str]],
-                 tags: dict[str, str], total: int, outage_s: float, heartbeat_s: float) -> None:
+                 tags: dict[str, str], total: int, outage_s: float, heartbeat_s: float, deliveries: int = 1) -> None:
         self.tracker, self.journal, self.table, self.claims = tracker, journal, table, claims
         self.tags, self.total = tags, total
-        self.uploader: BackgroundLogger[Measured] = BackgroundLogger(self._deliver, tracker.heartbeat,
-                                                                     outage_s, heartbeat_s)
+        self.uploader: BackgroundLogger[Measured] = BackgroundLogger(
+            self._deliver, tracker.heartbeat, outage_s, heartbeat_s, deliveries=deliveries,
+            deliver_many=self._deliver_many, batch=tracker.cells_per_write())
 
     def on_result(self, result: CellResult) -> None:
         run_id = self.claims.get(result.key)
@@ -103,11 +118,17 @@ class SweepRecorder:
                 describe(result))
 
     def _deliver(self, item: Measured) -> None:
-        run_id = self.tracker.log_cell(item.result, {**item.tags, JOURNAL_TAG: item.entry}, item.run_id)
-        crashpoints.reached("uploaded")
-        self.journal.logged(item.entry, run_id)
-        self.table.set_run_id(item.result.key, run_id)
-        self.tracker.delivered(item.entry)
+        self._deliver_many([item])
+
+    def _deliver_many(self, items: list[Measured]) -> None:
+        """Cells waiting together, logged together (one transaction into a database store)."""
+        run_ids = self.tracker.log_cells([(item.result, {**item.tags, JOURNAL_TAG: item.entry}, item.run_id)
+                                          for item in items])
+        for item, run_id in zip(items, run_ids):
+            crashpoints.reached("uploaded")
+            self.journal.logged(item.entry, run_id)
+            self.table.set_run_id(item.result.key, run_id)
+            self.tracker.delivered(item.entry)
 
     def should_stop(self) -> Optional[str]:
         return self.uploader.failure()

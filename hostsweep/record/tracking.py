@@ -59,6 +59,8 @@ SEARCH_PAGE = 1000
 # The tags whether a RUNNING run is live depends on (claims.py); a RunView keeps only these
 # (and a sweep's batched claims, tags named claims.<n>).
 LIVENESS_TAGS = (PARENT_TAG, "cell_key", HEARTBEAT_TAG, OWNER_TAG)
+# Cells written to a database store in one transaction (one commit: an fsync on sqlite).
+CELLS_PER_TRANSACTION = 25
 # Tags one log_batch may carry (MLflow's limit), and a tag value's length.
 BATCH_TAGS = 100
 TAG_VALUE_LIMIT = 8000
@@ -296,10 +298,53 @@ class SweepTracker:
         """A cell's child run, terminated with the cell's status; returns its id. A measured
         cell gets a run that starts and ends when its measurement did; others are logged into
         `run_id` (a claim run from a journal written before batched claims; it is deleted
-        when a new run replaces it), else a new run. The calls: create_run with every tag,
-        one log_batch (metrics and params), the artifacts, set_terminated.
+        when a new run replaces it), else a new run. Through MLflow's API (a server): create_run
+        with every tag, one log_batch (metrics and params), the artifacts, set_terminated; into
+        a database store: the artifacts, then the run in one transaction (dbwrite.py).
         Logging again is harmless: a retried delivery reuses the run it created, until
         `delivered` says the delivery is complete."""
+        return self.log_cells([(result, tags, run_id)])[0]
+
+    def cells_per_write(self) -> int:
+        """How many cells one log_cells call writes together: CELLS_PER_TRANSACTION into a
+        database store (one commit for them all), else 1 (a server takes one run a call)."""
+        return CELLS_PER_TRANSACTION if self._direct_writer() else 1
+
+    def log_cells(self, cells: Sequence[tuple[CellResult, dict[str, str], Optional[str]]]) -> list[str]:
+        """log_cell for each (result, tags, run_id); into a database store, the new runs of
+        them all in one transaction. Their run ids, in order."""
+        writer = self._direct_writer()
+        ids: list[Optional[str]] = [None] * len(cells)
+        planned = []  # (index, run id, the write's arguments, claim)
+        try:
+            for i, (result, tags, run_id) in enumerate(cells):
+                values, run_tags = self._cell_tags(result, tags)
+                entry = next((t.value for t in run_tags if t.key == JOURNAL_TAG), None)
+                if writer and not (entry in self.logged_into or (run_id is not None and not result.started_at)):
+                    new_id, row = self._prepare_write(writer, result, values, run_tags, entry)
+                    planned.append((i, new_id, row, entry, run_id))
+                    continue
+                claim, (run_id, created) = run_id, self._cell_run(result, run_tags, run_id)
+                try:
+                    ids[i] = self._log_into(run_id, created, claim, result, values, run_tags)
+                finally:
+                    self._repos.pop(run_id, None)
+            if planned:
+                writer.write_many([row for _, _, row, _, _ in planned])
+        finally:
+            for _, new_id, _, _, _ in planned:
+                self._repos.pop(new_id, None)
+        for i, new_id, _, entry, claim in planned:
+            ids[i] = new_id
+            if entry:
+                self.logged_into[entry] = new_id
+                self._planned.pop(entry, None)
+            if claim is not None and claim != new_id:
+                self.client.delete_run(claim)  # a claim run of a journal from before batched claims
+        return [run_id for run_id in ids if run_id is not None]
+
+    def _cell_tags(self, result: CellResult, tags: dict[str, str]) -> tuple[dict[str, float], list[RunTag]]:
+        """A cell's metrics and every tag of its run."""
         all_tags = {
             PARENT_TAG: self.parent_run_id or "",
             "cell_key": result.key,
@@ -321,16 +366,7 @@ class SweepTracker:
             all_tags.update(skipped="true", skip_reason=(result.error or "")[:5000])
         elif result.error:
             all_tags["failure_reason"] = result.error[:5000]
-        run_tags = [RunTag(k, str(v)) for k, v in all_tags.items()]
-        entry = all_tags.get(JOURNAL_TAG)
-        writer = self._direct_writer()
-        if writer and not (entry in self.logged_into or (run_id is not None and not result.started_at)):
-            return self._write_cell(writer, result, values, run_tags, entry, run_id)
-        claim, (run_id, created) = run_id, self._cell_run(result, run_tags, run_id)
-        try:
-            return self._log_into(run_id, created, claim, result, values, run_tags)
-        finally:
-            self._repos.pop(run_id, None)
+        return values, [RunTag(k, str(v)) for k, v in all_tags.items()]
 
     def _log_into(self, run_id: str, created: bool, claim: Optional[str], result: CellResult,
                   values: dict[str, float], run_tags: list[RunTag]) -> str:
@@ -371,40 +407,32 @@ class SweepTracker:
                     log.debug("writing runs straight to the database is off (%s); using MLflow's API", exc)
         return self._writer
 
-    def _write_cell(self, writer: Any, result: CellResult, values: dict[str, float], run_tags: list[RunTag],
-                    entry: Optional[str], claim: Optional[str]) -> str:
-        """A cell's run in one transaction of a database store, its final status included:
-        the artifacts first (into the folder of the run id chosen here), then the run with
-        every tag, param and metric. A retried delivery keeps the run id (its artifacts'
-        folder), and a run already written is not written again."""
+    def _prepare_write(self, writer: Any, result: CellResult, values: dict[str, float], run_tags: list[RunTag],
+                       entry: Optional[str]) -> tuple[str, dict[str, Any]]:
+        """A new run's id and what RunWriter.write_many writes for it, its artifacts written
+        first (into the folder of the run id chosen here; the run is written after them, in
+        its final status). A retried delivery keeps the run id (its artifacts' folder), and a
+        run already written is not written again."""
         run_id = self._planned.setdefault(entry, uuid.uuid4().hex) if entry else uuid.uuid4().hex
         self._repos[run_id] = writer.artifact_uri(run_id)
-        try:
-            if result.measurement is not None:
-                self._text(run_id, timings_table(result), "raw_timings.csv")
-                if result.earlier_timings:
-                    self._text(run_id, earlier_timings_table(result), "raw_timings_earlier_attempts.csv")
-            self._log_analysis(run_id, result)
-            if result.status != "SKIPPED":
-                if result.error:
-                    self._text(run_id, result.error, "failure.txt")
-                if result.log_tail:
-                    self._text(run_id, result.log_tail, "worker_log_tail.txt")
-            crashpoints.reached("uploading")
-            ended = _ms(result.ended_at) or int(time.time() * 1000)
-            metrics = [Metric(k, v, _ms(result.ended_at) or 0, 0) for k, v in values.items() if math.isfinite(v)]
-            writer.write(run_id, cell_run_name(result.params, self.varying),
-                         _ms(result.started_at) or int(time.time() * 1000), ended,
-                         "KILLED" if result.status == "SKIPPED" else result.status, run_tags,
-                         [Param(k, str(v)) for k, v in result.params.items()], metrics)
-        finally:
-            self._repos.pop(run_id, None)
-        if entry:
-            self.logged_into[entry] = run_id
-            self._planned.pop(entry, None)
-        if claim is not None and claim != run_id:
-            self.client.delete_run(claim)  # a claim run of a journal from before batched claims
-        return run_id
+        if result.measurement is not None:
+            self._text(run_id, timings_table(result), "raw_timings.csv")
+            if result.earlier_timings:
+                self._text(run_id, earlier_timings_table(result), "raw_timings_earlier_attempts.csv")
+        self._log_analysis(run_id, result)
+        if result.status != "SKIPPED":
+            if result.error:
+                self._text(run_id, result.error, "failure.txt")
+            if result.log_tail:
+                self._text(run_id, result.log_tail, "worker_log_tail.txt")
+        crashpoints.reached("uploading")
+        now = int(time.time() * 1000)
+        row = dict(run_id=run_id, name=cell_run_name(result.params, self.varying),
+                   start_ms=_ms(result.started_at) or now, end_ms=_ms(result.ended_at) or now,
+                   status="KILLED" if result.status == "SKIPPED" else result.status, tags=run_tags,
+                   params=[Param(k, str(v)) for k, v in result.params.items()],
+                   metrics=[Metric(k, v, _ms(result.ended_at) or 0, 0) for k, v in values.items() if math.isfinite(v)])
+        return run_id, row
 
     def delivered(self, entry: str) -> None:
         """Journal entry `entry` is logged and recorded as such: its run is not needed for a

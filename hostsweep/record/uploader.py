@@ -4,13 +4,15 @@ Cells are taken in the order they were measured (each is already in the journal)
 `deliveries` threads (tracking.deliveries): with one, MLflow gets them in that order; with
 more, several cells are in flight at once (each delivery is a few calls that mostly wait on
 a server: a remote store takes several times as many cells a second) and may finish out of
-order. Each cell is delivered exactly once whatever the number. A failed call is retried with
+order. With `deliver_many`, a delivery takes up to `batch` cells already waiting in one call
+(a database store writes them in one transaction). Each cell is delivered exactly once
+whatever the numbers. A failed call is retried with
 backoff; when MLflow has refused everything for longer than `outage_s` the uploader gives up
 and `failure()` says why, which stops the sweep (the journal keeps the cells for the next
 run). It touches the sweep's heartbeat every `heartbeat_s`, busy or idle, so other sweeps
 can tell this one is alive.
 
-At most `max_backlog` cells wait in memory (and `deliveries` more in flight): when MLflow
+At most `max_backlog` cells wait in memory (and `deliveries` x `batch` more in flight): when MLflow
 is that far behind, `submit` waits for it (a sweep of instant cells then goes at MLflow's
 pace, with flat memory; real cells take far longer than their logging). Closing waits for
 as long as MLflow keeps taking cells, and for an unreachable MLflow only as long as the
@@ -49,10 +51,13 @@ def short_reason(exc: BaseException) -> str:
 class BackgroundLogger(Generic[Item]):
     def __init__(self, deliver: Callable[[Item], None], heartbeat: Callable[[], None], outage_s: float,
                  heartbeat_s: float, clock: Callable[[], float] = time.monotonic,
-                 max_backlog: int = MAX_BACKLOG, deliveries: int = 1) -> None:
-        if deliveries < 1:
-            raise ValueError(f"deliveries must be at least 1, not {deliveries}")
+                 max_backlog: int = MAX_BACKLOG, deliveries: int = 1,
+                 deliver_many: Optional[Callable[[list[Item]], None]] = None, batch: int = 1) -> None:
+        if deliveries < 1 or batch < 1:
+            raise ValueError(f"deliveries and batch must be at least 1, not {deliveries} and {batch}")
         self.deliver, self.heartbeat = deliver, heartbeat
+        # with deliver_many: a delivery takes up to `batch` waiting items in one call
+        self.deliver_many, self.batch = (deliver_many, batch) if deliver_many is not None else (None, 1)
         self.outage_s, self.heartbeat_s, self.clock = outage_s, heartbeat_s, clock
         self.items: "queue.Queue[Item]" = queue.Queue(maxsize=max_backlog)
         self.wake = threading.Event()  # set to cut a backoff short (closing)
@@ -146,10 +151,34 @@ class BackgroundLogger(Generic[Item]):
             if item is _WAKE:
                 if self.closing:
                     return
-            elif not self._failure and self._attempt(lambda: self.deliver(item), "a measured cell"):
-                with self.lock:
-                    self.delivered += 1
+            else:
+                items, woken = self._more(item)
+                if not self._failure and self._attempt(lambda: self._deliver(items), "a measured cell"):
+                    with self.lock:
+                        self.delivered += len(items)
+                if woken and self.closing:
+                    return
             self._beat_if_due()
+
+    def _more(self, item: Item) -> tuple[list[Item], bool]:
+        """`item` and up to batch - 1 more already waiting (never waits for them); and
+        whether a wake-up (closing) was taken on the way."""
+        items = [item]
+        while len(items) < self.batch:
+            try:
+                more = self.items.get_nowait()
+            except queue.Empty:
+                break
+            if more is _WAKE:
+                return items, True
+            items.append(more)
+        return items, False
+
+    def _deliver(self, items: list[Item]) -> None:
+        if self.deliver_many is not None:
+            self.deliver_many(items)
+        else:
+            self.deliver(items[0])
 
     def close(self, timeout_s: float, patient: bool = True, down_wait_s: Optional[float] = None) -> int:
         """Deliver what is queued, stop the threads; returns how many items MLflow did not get

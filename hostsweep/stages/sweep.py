@@ -37,7 +37,7 @@ from hostsweep.record.claims import PARENT_TAG
 from hostsweep.record.journal import JOURNAL_FILE, Journal, pending_folder
 from hostsweep.record.preflight import preflight, record_cluster
 from hostsweep.record.provenance import driver_tags
-from hostsweep.record.recorder import SweepRecorder, upload_orphans
+from hostsweep.record.recorder import SweepRecorder, deliveries, upload_orphans
 from hostsweep.record.views import experiment_description, varying_axes
 from hostsweep.report.modes import finished_cells, mode_pairs, study_summary
 from hostsweep.report.sweep_outputs import engines_label, print_results, write_results
@@ -230,7 +230,7 @@ def _sweep(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, b
     table = CellTable(run_dir / cfg.output.cells_file, resumed)
     tags = {**driver_tags(), PARENT_TAG: tracker.parent_run_id or ""}
     recorder = SweepRecorder(tracker, journal, table, claims, tags, len(cells), cfg.tracking.outage_s,
-                             cfg.tracking.heartbeat_s)
+                             cfg.tracking.heartbeat_s, deliveries(cfg.tracking.uri, cfg.tracking.deliveries))
 
     def should_stop() -> Optional[str]:
         signals.check()  # a stop signal whose KeyboardInterrupt was swallowed on the way

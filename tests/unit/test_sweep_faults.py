@@ -182,7 +182,7 @@ def test_an_interrupted_sweep_marks_its_runs_killed_and_a_rerun_measures_only_th
 
 def test_cells_measured_while_tracking_refuses_them_are_kept_and_uploaded_by_the_rerun(study, store, tmp_path,
                                                                                          monkeypatch):
-    original = SweepTracker.log_cell
+    original = SweepTracker.log_cells
 
     def refuse(self, *args, **kwargs):
         raise ConnectionError("Connection refused")
@@ -190,14 +190,14 @@ def test_cells_measured_while_tracking_refuses_them_are_kept_and_uploaded_by_the
     def slow_cells(cell):
         time.sleep(0.6)  # real time passes while measuring, so the outage outlasts tracking.outage_s=1
 
-    monkeypatch.setattr(SweepTracker, "log_cell", refuse)
+    monkeypatch.setattr(SweepTracker, "log_cells", refuse)
     assert run_sweep(study, tmp_path / "down", FakeBackend(tmp_path / "work", on_measure=slow_cells)) == 1
     kept = pd.read_csv(tmp_path / "down" / "cells.csv")
     journal = unlogged(read_entries(tmp_path / "down" / JOURNAL_FILE))
     assert 1 <= len(kept) < 4 and len(journal) == len(kept)  # stopped measuring; every measured cell kept
     assert tally(experiment_runs(store, study), 4)[1] == 0
 
-    monkeypatch.setattr(SweepTracker, "log_cell", original)
+    monkeypatch.setattr(SweepTracker, "log_cells", original)
     rerun = FakeBackend(tmp_path / "work")
     assert run_sweep(study, tmp_path / "up", rerun) == 0
     assert len(rerun.measured) == 4 - len(kept)  # the journal's cells were uploaded, not measured again

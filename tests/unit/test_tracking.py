@@ -187,14 +187,14 @@ def test_a_database_store_gets_a_cell_in_one_transaction_the_same_run_as_through
                        8.25, SPLIT, started_at=1_700_000_000.0, ended_at=1_700_000_008.25)
     monkeypatch.setattr(tracker, "direct_writes", True)
     writer = tracker._direct_writer()
-    real_write = writer.write
+    real_write = writer.write_many
 
     def write_then_lose_the_answer(*args, **kwargs):
         real_write(*args, **kwargs)
-        monkeypatch.setattr(writer, "write", real_write)
+        monkeypatch.setattr(writer, "write_many", real_write)
         raise ConnectionError("the answer was lost")
 
-    monkeypatch.setattr(writer, "write", write_then_lose_the_answer)
+    monkeypatch.setattr(writer, "write_many", write_then_lose_the_answer)
     with pytest.raises(ConnectionError):
         tracker.log_cell(again, {"journal_entry": "e-again"})
     first = tracker.log_cell(again, {"journal_entry": "e-again"})  # the uploader's retry

@@ -101,3 +101,77 @@ def test_closing_an_idle_logger_with_several_deliveries_ends_every_thread_at_onc
     started = time.monotonic()
     assert logger.close(timeout_s=10) == 0
     assert time.monotonic() - started < 0.5 and not logger.alive()
+
+
+def test_tracking_deliveries_defaults_to_four_for_a_server_and_one_for_a_database_store():
+    from hostsweep.record.recorder import deliveries
+
+    assert deliveries("http://mlflow:5000", None) == 4 and deliveries("https://u:p@mlflow", None) == 4
+    assert deliveries("sqlite:///outputs/mlflow.db", None) == 1
+    assert deliveries("postgresql+psycopg2://u@db/mlflow", None) == 1
+    assert deliveries("sqlite:///outputs/mlflow.db", 3) == 3 and deliveries("http://mlflow:5000", 1) == 1
+
+
+def test_tracking_deliveries_is_checked_when_the_study_is_resolved():
+    import pytest
+
+    from hostsweep.config.schema import ConfigError
+    from tests.conftest import compose_typed
+
+    assert compose_typed(["+sku=cpu", "tracking.deliveries=8"]).config.tracking.deliveries == 8
+    assert compose_typed(["+sku=cpu"]).config.tracking.deliveries is None
+    with pytest.raises(ConfigError, match="tracking.deliveries must be 1 to 64"):
+        compose_typed(["+sku=cpu", "tracking.deliveries=0"])
+
+
+def test_a_delivery_takes_the_cells_already_waiting_together_each_once_never_waiting_for_more():
+    """deliver_many (a database store: one transaction for them all) gets up to `batch` of
+    the items already queued; a lone item goes at once, and a refused batch is retried whole."""
+    calls: list[list[int]] = []
+    refusals = [1]
+
+    def deliver_many(items: list[int]) -> None:
+        if refusals and len(calls) == 1:
+            refusals.pop()
+            raise ConnectionError("[Errno 111] Connection refused")
+        calls.append(list(items))
+        time.sleep(0.02)
+
+    store = ConcurrentStore()
+    logger = BackgroundLogger(store.deliver, store.heartbeat, outage_s=30, heartbeat_s=60, deliver_many=deliver_many,
+                              batch=5)
+    logger.submit(0)
+    while logger.pending():
+        time.sleep(0.01)
+    for item in range(1, 41):
+        logger.submit(item)
+    assert logger.close(timeout_s=30) == 0
+    assert calls[0] == [0]  # alone: not held back waiting for a batch
+    assert sorted(i for batch in calls for i in batch) == list(range(41))  # each once, the refused batch too
+    assert max(len(batch) for batch in calls) == 5 and len(calls) < 41
+
+
+def test_cells_logged_together_into_a_database_store_are_one_transaction(tmp_path, new_store, monkeypatch):
+    from hostsweep.measure.protocol import CellMeasurement, RepTiming
+    from hostsweep.measure.results import CellResult
+    from hostsweep.record.tracking import CELLS_PER_TRANSACTION, SweepTracker
+
+    tracker = SweepTracker(new_store(tmp_path / "mlflow.db"), "hostsweep-batch")
+    tracker.start_sweep("batch", "", {}, {})
+    assert tracker.cells_per_write() == CELLS_PER_TRANSACTION > 1
+    store = tracker.client._tracking_client.store
+    sessions = []
+    monkeypatch.setattr(store, "ManagedSessionMaker", lambda *a, _real=store.ManagedSessionMaker, **k: (
+        sessions.append(k), _real(*a, **k))[1])
+    reps = (RepTiming(0, True, 0.010, 0.106, 0.003),)
+    params = {"sku": "cpu", "model": "m", "mode": "eager", "tp": 1, "ctx": 16}
+    cells = [(CellResult(f"k{i}", {**params, "batch": i}, "FINISHED", CellMeasurement(3.0, 2.9, 3.1, 10.5, 106.5, reps),
+                         None, {}, 1.0, started_at=1_700_000_000.0 + i, ended_at=1_700_000_001.0 + i),
+              {"journal_entry": f"e{i}"}, None) for i in range(3)]
+    ids = tracker.log_cells(cells)
+    assert [k for k in sessions if k] == [{"read_only": False}]  # one writing session for the three
+    runs = [tracker.client.get_run(run_id) for run_id in ids]
+    assert [r.data.tags["cell_key"] for r in runs] == ["k0", "k1", "k2"]
+    assert all(r.info.status == "FINISHED" and r.data.metrics["step_ms"] == 3.0 for r in runs)
+    monkeypatch.setattr(tracker, "direct_writes", False)
+    assert SweepTracker.cells_per_write(tracker) == 1  # MLflow's API (a server): one cell a call
