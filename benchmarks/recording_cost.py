@@ -6,9 +6,11 @@ MLflow (hostsweep/record/tracking.py), in a fresh process per (code, round), the
 alternating round by round so a load that drifts hits both alike:
 
 - claim: SweepTracker.claim of N cells (the plan's MLflow part, after start_sweep);
-- log: SweepTracker.log_cell of N measured cells into their claims, through the sweep's
-  BackgroundLogger with `--deliveries K` threads (tracking.deliveries; raw_timings.csv
-  each); with several K, each K is a variant of its own, timed in the same rounds;
+- log: N measured cells logged into their claims as a sweep's recorder does, through its
+  BackgroundLogger with `--deliveries K` threads (tracking.deliveries) and the cells waiting
+  together in one SweepTracker.log_cells (one transaction into a database store;
+  raw_timings.csv each); with several K, each K is a variant of its own, timed in the same
+  rounds (the old tree: log_cell after log_cell);
 - finished_runs: resume's read-back of the N cells; read_cells: the model stage's.
 
 It prints each phase's median over the rounds in ms per cell and s per N, and old / new.
@@ -59,20 +61,27 @@ times = {}
 start = time.perf_counter()
 claims, _ = tracker.claim(iter(cells), 300)
 times["claim"] = time.perf_counter() - start
-def deliver(item):
+def cell(item):
     i, key, p = item
     result = CellResult(key=key, params=p, status="FINISHED",
                         measurement=CellMeasurement(3.0, 2.9, 3.1, 10.5, 106.5, reps), error=None, host=host,
                         duration_s=0.5, started_at=1_700_000_000.0 + i, ended_at=1_700_000_000.5 + i)
-    tracker.log_cell(result, {"journal_entry": f"e{i}"}, claims.get(key))
-    tracker.delivered(f"e{i}")
+    return result, {"journal_entry": f"e{i}"}, claims.get(key)
+def deliver(item):
+    tracker.log_cell(*cell(item))
+    tracker.delivered(f"e{item[0]}")
+def deliver_many(items):  # the recorder's way: the cells waiting, together
+    tracker.log_cells([cell(item) for item in items])
+    for item in items:
+        tracker.delivered(f"e{item[0]}")
 start = time.perf_counter()
 if deliveries == 0:  # the old tree: no deliveries argument, cell after cell
     for i, (key, p) in enumerate(cells):
         deliver((i, key, p))
 else:
     from hostsweep.record.uploader import BackgroundLogger
-    uploader = BackgroundLogger(deliver, tracker.heartbeat, 60, 30, deliveries=deliveries)
+    uploader = BackgroundLogger(deliver, tracker.heartbeat, 60, 30, deliveries=deliveries, deliver_many=deliver_many,
+                                batch=tracker.cells_per_write())
     for i, (key, p) in enumerate(cells):
         uploader.submit((i, key, p))
     assert uploader.close(60) == 0 and uploader.failure() is None
