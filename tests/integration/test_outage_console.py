@@ -17,7 +17,7 @@ from datetime import datetime
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.integration.test_tracking_outage import Server
+from tests.integration.mlflow_server import MlflowServer as Server
 
 pytestmark = pytest.mark.integration
 

@@ -4,18 +4,17 @@ A throwaway PostgreSQL cluster (Debian's postgresql package: `make test-postgres
 it) in a temporary folder, `mlflow server --backend-store-uri postgresql://...` on
 127.0.0.1 with proxied artifacts (`--artifacts-destination`), and fake-engine sweeps into
 it: the server is killed and restarted mid-sweep (figures: 10 expected, 10 finished once,
-0 duplicated, 0 lost), two drivers of one study run at once (no cell measured twice), and
+0 duplicated, 0 lost), two drivers of one study run at once (no cell measured twice),
 everything is read back the way the fit stage reads it, through the server and straight
-from the database.
+from the database, and `stage=fit` itself fits a sweep's cells read through the server.
+The server is tests/integration/mlflow_server.py's, as in test_tracking_outage.py.
 """
 from __future__ import annotations
 
 import glob
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -23,7 +22,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import requests
 from mlflow.tracking import MlflowClient
 
 from hostsweep.record.journal import JOURNAL_FILE, read_entries, unlogged
@@ -31,7 +29,8 @@ from hostsweep.record.readback import read_cells
 from hostsweep.stages import sweep
 from tests.conftest import compose_raw
 from tests.fakes import FakeBackend
-from tests.integration.test_tracking_outage import free_port, when_first_cell_is_logged
+from tests.integration.mlflow_server import MlflowServer, free_port
+from tests.integration.test_tracking_outage import when_first_cell_is_logged
 
 pytestmark = pytest.mark.integration
 
@@ -73,34 +72,6 @@ class Postgres:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-class PgServer:
-    """`mlflow server` on 127.0.0.1 over the PostgreSQL store, artifacts proxied to a folder."""
-
-    def __init__(self, store: str, root: Path) -> None:
-        self.store, self.root, self.port, self.proc = store, root, free_port(), None
-        self.uri = f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
-                   "--workers", "2", "--backend-store-uri", self.store,
-                   "--artifacts-destination", (self.root / "artifacts").as_uri()]
-        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-        with (self.root / "server.log").open("a") as log:
-            self.proc = subprocess.Popen(command, env=env, stdout=log, stderr=log, start_new_session=True)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                if requests.get(f"{self.uri}/health", timeout=1).text == "OK":
-                    return
-            except requests.RequestException:
-                time.sleep(0.3)
-        raise RuntimeError(f"mlflow server did not start: {(self.root / 'server.log').read_text()[-2000:]}")
-
-    def kill(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-
 @pytest.fixture(scope="module")
 def postgres():
     pytest.importorskip("psycopg2", reason="pip install psycopg2-binary (the PostgreSQL driver MLflow uses)")
@@ -112,14 +83,14 @@ def postgres():
 
 @pytest.fixture(scope="module")
 def server(postgres, tmp_path_factory):
-    server = PgServer(postgres.uri, tmp_path_factory.mktemp("pg-mlflow"))
+    server = MlflowServer(tmp_path_factory.mktemp("pg-mlflow"), postgres.uri, workers=2, proxied=True,
+                          start_timeout_s=180)
     server.start()
     yield server
-    if server.proc.poll() is None:
-        server.kill()
+    server.stop()
 
 
-def args(server: PgServer, study: str) -> list[str]:
+def args(server: MlflowServer, study: str) -> list[str]:
     return ["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=3", "measure.warmups=1", "ctx=[16]",
             f"batch=[{','.join(map(str, range(1, CELLS + 1)))}]", "measure.bootstrap_resamples=200",
             "split.enabled=false", "ray.exclusive=false", f"tracking.uri={server.uri}", f"study={study}",
@@ -127,7 +98,7 @@ def args(server: PgServer, study: str) -> list[str]:
             "tracking.exit_wait_s=120"]  # the restarted server may take a minute on a busy machine
 
 
-def finished(server: PgServer, study: str) -> Counter:
+def finished(server: MlflowServer, study: str) -> Counter:
     client = MlflowClient(server.uri)
     experiment = client.get_experiment_by_name(f"hostsweep-{study}")
     runs = client.search_runs([experiment.experiment_id], "attributes.status = 'FINISHED'", max_results=1000)
@@ -174,3 +145,36 @@ def test_two_drivers_of_one_study_at_once_measure_no_cell_twice(server, tmp_path
     assert sorted(measured) == sorted(set(measured))  # no cell measured twice
     counts = finished(server, "pg-two")
     assert (len(counts), sum(n > 1 for n in counts.values())) == (CELLS, 0)
+
+
+def test_the_fit_stage_reads_its_cells_back_through_the_server(server, tmp_path, monkeypatch):
+    """stage=fit on a sweep recorded into the server: the cells come back through the
+    server's API (no database URI is given), and the model is logged into the server."""
+    import json
+
+    import yaml
+
+    from hostsweep.stages import fit
+
+    monkeypatch.chdir(tmp_path)
+    calibration = tmp_path / "calibration.yaml"  # the CPU's terms given, so nothing is microbenchmarked
+    calibration.write_text(yaml.safe_dump({"allreduce": {"cpu": {"latency_us": 40.0, "bandwidth_gbps": 5.0}},
+                                           "roofs": {"cpu": {"measured_tflops": 0.5, "measured_bandwidth_gbps": 20.0}},
+                                           "host": {"s0_ms": 0.5, "s1_ms": 0.0}}))
+    study = [f"tracking.uri={server.uri}", "study=pg-fit", "tp=[1,2]", "batch=[1,2]", "ctx=[16]", "+sku=cpu",
+             "engine.name=fake", "ray.exclusive=false"]
+    sweep_args = [*study, "measure.T=5", "measure.reps=3", "measure.warmups=0", "measure.bootstrap_resamples=200",
+                  "split.enabled=false"]
+    assert sweep.run(compose_raw(sweep_args), tmp_path / "sweep", FakeBackend(tmp_path / "work")) == 0
+    fit_args = [*study, "stage=fit", "fit.resamples=200", f"fit.calibration_file={calibration}", "fit.host=calibration",
+                "fit.exclude_unstable=false"]  # fake cells on a busy test machine: the fit runs whatever their spread
+    assert fit.run(compose_raw(fit_args), tmp_path / "fit") == 0
+    (fitted,) = (tmp_path / "fit").rglob("fit.json")
+    report = json.loads(fitted.read_text())
+    run_ids = {run.info.run_id for run in MlflowClient(server.uri).search_runs(
+        [MlflowClient(server.uri).get_experiment_by_name("hostsweep-pg-fit").experiment_id], "tags.cell_key != ''")}
+    assert len(run_ids) == 4 and len(report["cells"]) == 4  # every cell, read through the server
+    assert {cell["run_id"] for cell in report["cells"]} == run_ids
+    client = MlflowClient(server.uri)
+    models = client.get_experiment_by_name(fit.resolve(compose_raw(fit_args)).config.fit.models_experiment)
+    assert client.search_runs([models.experiment_id])  # the model went to the server too

@@ -15,7 +15,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import run_hostsweep
-from tests.integration.test_tracking_outage import Server
+from tests.integration.mlflow_server import MlflowServer as Server
 
 pytestmark = pytest.mark.integration
 

@@ -6,11 +6,6 @@ cells that take real time so the outage overlaps measuring. Figures: 10 cells ex
 """
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -18,7 +13,6 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import requests
 from mlflow.tracking import MlflowClient
 
 from hostsweep.record.claims import KILLED_REASON_TAG
@@ -26,6 +20,7 @@ from hostsweep.record.journal import JOURNAL_FILE, read_entries, unlogged
 from hostsweep.stages import sweep
 from tests.conftest import compose_raw
 from tests.fakes import FakeBackend
+from tests.integration.mlflow_server import MlflowServer
 
 pytestmark = pytest.mark.integration
 
@@ -33,51 +28,16 @@ CELLS = 10
 CELL_S = 1.0  # real seconds each cell takes to measure
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
-    """`mlflow server` on 127.0.0.1 over a sqlite store that outlives restarts."""
-
-    def __init__(self, root: Path) -> None:
-        self.root, self.port, self.proc = root, free_port(), None
-        self.uri = f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
-                   "--workers", "1", "--backend-store-uri", f"sqlite:///{self.root}/mlflow.db",
-                   "--default-artifact-root", str(self.root / "artifacts")]
-        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # starts in seconds, not a minute
-        with (self.root / "server.log").open("a") as log:
-            self.proc = subprocess.Popen(command, env=env, stdout=log, stderr=log, start_new_session=True)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if requests.get(f"{self.uri}/health", timeout=1).text == "OK":
-                    return
-            except requests.RequestException:
-                time.sleep(0.3)
-        raise RuntimeError(f"mlflow server did not start: {(self.root / 'server.log').read_text()[-2000:]}")
-
-    def kill(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGKILL)  # the server and its uvicorn worker, at once
-        self.proc.wait()
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, new_store):
-    server = Server(tmp_path_factory.mktemp("mlflow-server"))
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
     new_store(server.root / "mlflow.db")  # made once for the session, not migrated by this server
     server.start()
     yield server
-    if server.proc.poll() is None:
-        server.kill()
+    server.stop()
 
 
-def args(server: Server, outage_s: int) -> list[str]:
+def args(server: MlflowServer, outage_s: int) -> list[str]:
     return ["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=3", "measure.warmups=1", "ctx=[16]",
             f"batch=[{','.join(map(str, range(1, CELLS + 1)))}]", "measure.bootstrap_resamples=200",
             "split.enabled=false", "ray.exclusive=false", f"tracking.uri={server.uri}", "study=outage",
@@ -97,7 +57,7 @@ def when_first_cell_is_logged(run_dir: Path, action) -> "callable":
     return hook
 
 
-def finished_counts(server: Server) -> Counter:
+def finished_counts(server: MlflowServer) -> Counter:
     client = MlflowClient(server.uri)
     experiment = client.get_experiment_by_name("hostsweep-outage")
     runs = client.search_runs([experiment.experiment_id], "attributes.status = 'FINISHED'", max_results=1000)

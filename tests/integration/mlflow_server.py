@@ -1,0 +1,62 @@
+"""`mlflow server` on loopback for the integration tests: started, killed (the server and its
+workers at once, as a crash would) and started again on the same port and store."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import requests
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class MlflowServer:
+    """`mlflow server` on 127.0.0.1 over `store` (default: a sqlite file in `root` that
+    outlives restarts). Artifacts: under `root`/artifacts, written by the clients
+    (--default-artifact-root), or with `proxied` through the server
+    (--artifacts-destination, as ray_cluster.yaml runs it)."""
+
+    def __init__(self, root: Path, store: Optional[str] = None, workers: int = 1, proxied: bool = False,
+                 start_timeout_s: float = 120) -> None:
+        self.root, self.port, self.proc = root, free_port(), None
+        self.store = store or f"sqlite:///{root}/mlflow.db"
+        self.workers, self.proxied, self.start_timeout_s = workers, proxied, start_timeout_s
+        self.uri = f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        artifacts = (["--artifacts-destination", (self.root / "artifacts").as_uri()] if self.proxied
+                     else ["--default-artifact-root", str(self.root / "artifacts")])
+        return [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+                "--workers", str(self.workers), "--backend-store-uri", self.store, *artifacts]
+
+    def start(self) -> None:
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # starts in seconds, not a minute
+        with (self.root / "server.log").open("a") as log:
+            self.proc = subprocess.Popen(self.command(), env=env, stdout=log, stderr=log, start_new_session=True)
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if requests.get(f"{self.uri}/health", timeout=1).text == "OK":
+                    return
+            except requests.RequestException:
+                time.sleep(0.3)
+        raise RuntimeError(f"mlflow server did not start: {(self.root / 'server.log').read_text()[-2000:]}")
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)  # the server and its uvicorn workers, at once
+        self.proc.wait()
+
+    def stop(self) -> None:
+        """At the end of a fixture: kill it if it still runs."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill()
