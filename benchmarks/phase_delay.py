@@ -6,7 +6,9 @@ cell is timed as a sweep times it (its step with a bootstrap 95% CI), and --pair
 T=1 / T pairs give that phase's host ms per step, with a bootstrap CI of their median. It
 prints, per d: the step and its rise over d=0, the phase and its rise, and the largest move
 of any other phase. A phase on the critical path moves the step and itself by d; one that
-overlaps the next step moves itself by d and the step by less.
+overlaps the next step (`--phase frontend_process_outputs`: the front-end's output
+processing, reported as overlapped) moves itself by d and the step by less, and
+`frontend_exposed` says how much of it the step could not hide.
 
     .venv/bin/python benchmarks/phase_delay.py [--phase sample] [--delays 0 2] [--pairs 5] [hydra overrides]
 
@@ -51,8 +53,9 @@ def measure(phase: str, delay_ms: float, pairs: int, overrides: list[str]) -> di
         worker.close()
     if any(p is None for p in phases):
         raise RuntimeError("no host phases: is hostsweep's vLLM plugin installed (pip install -e .)?")
-    names = sorted(set().union(*(p.host_ms for p in phases)))
-    per_phase = {name: [p.host_ms.get(name, 0.0) for p in phases] for name in names}
+    # Host phases and the front-end's overlapped work (measure/phases.py) by one name each.
+    per_pair = [{**p.host_ms, **p.overlapped_ms} for p in phases]
+    per_phase = {name: [pair.get(name, 0.0) for pair in per_pair] for name in sorted(set().union(*per_pair))}
     per_phase["(profiled step)"] = [s.profiled_step_ms for s in splits]
     per_phase["(device)"] = [s.device_ms for s in splits]
     return {"step": (m.step_ms, m.step_ci_low_ms, m.step_ci_high_ms), "phases": per_phase}

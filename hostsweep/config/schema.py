@@ -152,9 +152,10 @@ class DebugConfig:
     delay_ms: float = 0.0
 
 
-# The phases the delay hook can sit in: vLLM's model-runner scopes and hostsweep's EngineCore ones.
+# The phases the delay hook can sit in: vLLM's model-runner scopes, hostsweep's EngineCore ones,
+# and the front-end's output processing (which overlaps the next step).
 DELAY_PHASES = ("schedule", "update_from_output", "preprocess", "forward", "postprocess", "sample", "bookkeep",
-                "model_runner_output")
+                "model_runner_output", "frontend_process_outputs")
 
 
 @dataclass

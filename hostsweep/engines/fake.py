@@ -87,6 +87,9 @@ class FakeEngine:
     # other_worker 0.05, engine_worker_ipc 0.05, other_engine_loop 0.1 (all host: 0.6).
     phase_shares = {"schedule": 0.05, "preprocess": 0.1, "forward_dispatch": 0.05, "sample": 0.1,
                     "bookkeep": 0.05, "update_from_output": 0.05}
+    # The front-end's output processing per step, beside the cycle: overlapped by the next
+    # cycle while it is shorter than one (with the debug delay in it, it may not be).
+    frontend_share = 0.08
 
     def __init__(self, spec: EngineSpec, workdir: Path) -> None:
         self.spec = spec
@@ -99,7 +102,9 @@ class FakeEngine:
         self.time_scale = float(os.environ.get("HOSTSWEEP_FAKE_TIME_SCALE", "1"))
         self.slowdown = planted_slowdowns(os.environ.get("HOSTSWEEP_FAKE_SLOWDOWN", ""))
         phase, _, ms = spec.debug_delay.partition(":")
-        self.delay_phase, self.delay_s = (phase, float(ms) / 1e3) if spec.debug_delay else ("", 0.0)
+        self.delay_phase, delay_s = (phase, float(ms) / 1e3) if spec.debug_delay else ("", 0.0)
+        in_frontend = self.delay_phase == "frontend_process_outputs"
+        self.delay_s, self.frontend_delay_s = (0.0, delay_s) if in_frontend else (delay_s, 0.0)
 
     def step_seconds(self, batch: int, ctx: int) -> float:
         planted = self.slowdown.get(f"b{batch}-ctx{ctx}", self.slowdown.get("*", 1.0))
@@ -109,12 +114,18 @@ class FakeEngine:
         """One engine step, the debug delay (debug.delay_ms) included."""
         return self.step_seconds(batch, ctx) * (1.0 + self.verify_cost * self.k) + self.delay_s
 
+    def frontend_seconds(self, cycle_s: float) -> float:
+        """The front-end's work on one step's outputs (the debug delay included when it is there)."""
+        return self.frontend_share * (cycle_s - self.delay_s) + self.frontend_delay_s
+
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
         decoded = [decode(p, max_tokens, self.k) for p in prompts]
         steps = max(d[1] for d in decoded)  # a batch steps until its longest request is done
         cycle = self.cycle_seconds(len(prompts), len(prompts[0]))
+        # A front-end slower than the engine falls behind by the excess every step.
+        behind = max(0.0, self.frontend_seconds(cycle) - cycle) * (steps - 1)
         if self.time_scale > 0:
-            time.sleep((self.overhead_s + cycle * steps) * self.time_scale)
+            time.sleep((self.overhead_s + cycle * steps + behind) * self.time_scale)
         if self._profiling is not None:
             self._recorded.append((steps, len(prompts), len(prompts[0]), cycle))
         self._last = [(text, stats) for text, _, stats in decoded]
@@ -132,19 +143,25 @@ class FakeEngine:
     def stop_profile(self, prefix: str) -> list[Path]:
         self.trace_dir.mkdir(parents=True, exist_ok=True)
         paths = []
-        worker, core = self.synthetic_events()
+        worker, core, front = self.synthetic_events()
         for rank in range(self.spec.tp):
             path = self.trace_dir / f"{prefix}_rank{rank}.0.pt.trace.json.gz"
             with gzip.open(path, "wt") as handle:
                 json.dump({"traceEvents": worker}, handle)
             paths.append(path)
         (self.trace_dir / f"{prefix}_enginecore.json").write_text(json.dumps({"traceEvents": core}))
+        (self.trace_dir / f"{prefix}_frontend.json").write_text(json.dumps({"traceEvents": front}))
         self._profiling = None
         return paths
 
     def engine_core_trace(self, prefix: str) -> Optional[Path]:
         """The EngineCore's step intervals of the last profiled generate (as vllm_plugin writes them)."""
         path = self.trace_dir / f"{prefix}_enginecore.json"
+        return path if path.exists() else None
+
+    def frontend_trace(self, prefix: str) -> Optional[Path]:
+        """The front-end's output-processing intervals (as vllm_plugin writes them)."""
+        path = self.trace_dir / f"{prefix}_frontend.json"
         return path if path.exists() else None
 
     def _shares(self, cycle_s: float) -> dict[str, float]:
@@ -156,12 +173,14 @@ class FakeEngine:
             shares[target] += self.delay_s * 1e6
         return shares
 
-    def synthetic_events(self) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
-        """The worker's trace and the EngineCore's: a prefill op, then per cycle the phases in
-        the order vLLM runs them, the forward scope enclosing a compute op (with a nested one
-        and a view) of device_share of the cycle."""
+    def synthetic_events(self) -> tuple[list[dict[str, object]], list[dict[str, object]], list[dict[str, object]]]:
+        """The worker's trace, the EngineCore's and the front-end's: a prefill op, then per
+        cycle the phases in the order vLLM runs them, the forward scope enclosing a compute op
+        (with a nested one and a view) of device_share of the cycle; the front-end processes
+        each step's outputs once the step is over and it is done with the previous ones."""
         worker: list[dict[str, object]] = []
         core: list[dict[str, object]] = []
+        front: list[dict[str, object]] = []
         clock = 0.0
 
         def op(name: str, start: float, dur: float, cat: str = "cpu_op", into: list = worker,
@@ -180,6 +199,7 @@ class FakeEngine:
             # The cycle: [other_engine_loop | schedule | ipc/2 | worker busy | ipc/2 | update]
             base = cycle_s - self.delay_s
             gap_us, half_ipc_us, other_worker_us = 0.1 * base * 1e6, 0.025 * base * 1e6, 0.05 * base * 1e6
+            front_us, front_free, front_start = self.frontend_seconds(cycle_s) * 1e6, 0.0, None
             for _ in range(steps):
                 step_start = clock + gap_us
                 t = scope("hostsweep: schedule", step_start, ph["schedule"], core, "phases") + half_ipc_us
@@ -194,9 +214,13 @@ class FakeEngine:
                 scope("hostsweep span: worker_busy", busy_start, t - busy_start)
                 t = scope("hostsweep: update_from_output", t + half_ipc_us, ph["update_from_output"], core, "phases")
                 scope("hostsweep span: engine_step", step_start, t - step_start, core, "step")
+                start = max(t + half_ipc_us, front_free)
+                front_start = start if front_start is None else front_start
+                front_free = scope("hostsweep: frontend_process_outputs", start, front_us, front, "phases")
                 clock += cycle_us
             scope("hostsweep span: engine_loop", clock - steps * cycle_us, steps * cycle_us, core, "loop")
-        return worker, core
+            scope("hostsweep span: frontend_loop", front_start, front_free - front_start, front, "loop")
+        return worker, core, front
 
     def vocab_size(self) -> int:
         return 64 * RING

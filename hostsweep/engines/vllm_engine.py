@@ -21,6 +21,7 @@ from hostsweep.config.engine_args import WORKER_EXTENSION
 from hostsweep.config.grid import EngineSpec
 from hostsweep.config.machine import device_name
 from hostsweep.config.shapes import hf_config
+from hostsweep.engines.vllm_plugin import register as register_phase_hooks
 from hostsweep.engines.weights import write_random_weights
 
 log = logging.getLogger(__name__)
@@ -187,6 +188,9 @@ class VllmEngine:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+        # vLLM loads its plugins once per process: an engine started after another in this
+        # (front-end) process must point the hooks at its own folder and delay itself.
+        register_phase_hooks()
         kwargs = engine_kwargs(spec, materialize_model(spec, workdir))
         if spec.profile:
             kwargs["profiler_config"] = profiler_config(self.trace_dir)
@@ -230,6 +234,12 @@ class VllmEngine:
         """The EngineCore's step intervals of the last profiled generate, which the plugin
         writes during stop_profile; None without the plugin."""
         path = self.trace_dir / f"{prefix}_enginecore.json"
+        return path if path.exists() else None
+
+    def frontend_trace(self, prefix: str) -> Optional[Path]:
+        """The front-end's output-processing intervals of the last profiled generate, which
+        the plugin writes during stop_profile; None without the plugin."""
+        path = self.trace_dir / f"{prefix}_frontend.json"
         return path if path.exists() else None
 
     def vocab_size(self) -> int:

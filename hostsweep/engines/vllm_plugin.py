@@ -18,6 +18,12 @@ HOSTSWEEP_PHASES_DIR (engines/vllm_engine.py); then it
   microseconds): `hostsweep: schedule` and `hostsweep: update_from_output` (phases, on one
   thread row), and the spans `engine_step` (schedule → wait for the worker → update) and
   `engine_loop` (first step's start to last step's end) on rows of their own;
+- in the front-end process (the `LLM`, hostsweep's worker), times each call of the output
+  processor (`hostsweep: frontend_process_outputs`, the work of `llm_engine step:
+  process_outputs`) between LLMEngine.start_profile and stop_profile, with the span
+  `frontend_loop` (first call's start to last call's end), written at the stop as
+  `<prefix>_frontend.json`: the EngineCore hands its outputs to a queue and steps on, so
+  this work overlaps the next step unless the front-end falls behind (measure/phases.py);
 - with HOSTSWEEP_DELAY_PHASE=<phase> and HOSTSWEEP_DELAY_MS=<d> (config `debug.`), spins d ms
   (a busy wait) inside that phase's scope on every step, profiled or not: the test-only hook
   that shows a phase's time is on the step's critical path (benchmarks/phase_delay.py).
@@ -28,15 +34,20 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 DIR_ENV, DELAY_PHASE_ENV, DELAY_MS_ENV = "HOSTSWEEP_PHASES_DIR", "HOSTSWEEP_DELAY_PHASE", "HOSTSWEEP_DELAY_MS"
 SPAN_PREFIX = "hostsweep span: "
-# The delay hook's phases that vLLM has no scope for: hostsweep's EngineCore scopes.
+# The delay hook's phases that vLLM has no scope for: hostsweep's EngineCore scopes, and
+# the front-end's output processing.
 ENGINE_PHASES = ("schedule", "update_from_output")
+FRONTEND_PHASE = "frontend_process_outputs"
 
 
 def _phase_of(scope: str) -> str:
@@ -85,10 +96,13 @@ def scope_factory(delay_phase: str = "", delay_s: float = 0.0) -> Callable[[str]
 
 
 class EngineRecorder:
-    """The EngineCore's step intervals while profiling, written as a chrome trace at the stop."""
+    """One vLLM process's intervals while profiling (the EngineCore's steps, or the
+    front-end's output processing), written as a chrome trace `<prefix>_<suffix>.json` at
+    the stop, with the span `<loop>` from the first recorded interval's start to the last's end."""
 
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
+    def __init__(self, folder: Path, process: str = "EngineCore", suffix: str = "enginecore",
+                 loop: str = "engine_loop") -> None:
+        self.folder, self.process, self.suffix, self.loop = folder, process, suffix, loop
         self.prefix: Optional[str] = None
         self.events: list[dict[str, Any]] = []
         self.first_start: Optional[float] = None
@@ -100,22 +114,28 @@ class EngineRecorder:
     def add(self, name: str, row: str, start_s: float, end_s: float) -> None:
         if self.prefix is None:
             return
-        self.events.append({"ph": "X", "cat": "user_annotation", "name": name, "pid": "EngineCore", "tid": row,
+        self.events.append({"ph": "X", "cat": "user_annotation", "name": name, "pid": self.process, "tid": row,
                             "ts": start_s * 1e6, "dur": (end_s - start_s) * 1e6})
+
+    def extend(self, start_s: float, end_s: float) -> None:
+        """Widen the loop span to cover this interval."""
+        if self.prefix is None:
+            return
+        self.first_start = start_s if self.first_start is None else self.first_start
+        self.last_end = end_s
 
     def step(self, start_s: float, end_s: float) -> None:
         if self.prefix is None:
             return
         self.add(SPAN_PREFIX + "engine_step", "step", start_s, end_s)
-        self.first_start = start_s if self.first_start is None else self.first_start
-        self.last_end = end_s
+        self.extend(start_s, end_s)
 
     def stop(self) -> Optional[Path]:
         if self.prefix is None:
             return None
         if self.first_start is not None:
-            self.add(SPAN_PREFIX + "engine_loop", "loop", self.first_start, self.last_end)
-        path = self.folder / f"{self.prefix}_enginecore.json"
+            self.add(SPAN_PREFIX + self.loop, "loop", self.first_start, self.last_end)
+        path = self.folder / f"{self.prefix}_{self.suffix}.json"
         self.folder.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"traceEvents": self.events}))
@@ -124,19 +144,39 @@ class EngineRecorder:
         return path
 
 
-def _timed(recorder: EngineRecorder, name: str, method: Callable, delay_s: float) -> Callable:
+@dataclass
+class Hooks:
+    """What the patched methods of one process use, set by every `register`: a process may
+    start several engines one after the other (a benchmark's, a GPU's in-process EngineCore),
+    and the classes are patched once, by the first."""
+
+    engine: Optional[EngineRecorder] = None
+    frontend: Optional[EngineRecorder] = None
+    delay_phase: str = ""
+    delay_s: float = 0.0
+
+    def delay_in(self, phase: str) -> float:
+        return self.delay_s if self.delay_phase == phase else 0.0
+
+
+HOOKS = Hooks()
+
+
+def _timed(name: str, method: Callable) -> Callable:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         start = time.time()
         try:
             return method(*args, **kwargs)
         finally:
+            delay_s = HOOKS.delay_in(name)
             if delay_s > 0:
                 spin(delay_s)
-            recorder.add("hostsweep: " + name, "phases", start, time.time())
+            if HOOKS.engine is not None:
+                HOOKS.engine.add("hostsweep: " + name, "phases", start, time.time())
     return wrapper
 
 
-def patch_engine_core(recorder: EngineRecorder, delay_phase: str, delay_s: float) -> None:
+def patch_engine_core() -> None:
     """Time EngineCore.step and its scheduler's schedule / update_from_output; record
     between EngineCore.profile(start) and profile(stop). The class is patched before the
     EngineCore binds its step function (plugins load first in EngineCore.__init__)."""
@@ -146,28 +186,69 @@ def patch_engine_core(recorder: EngineRecorder, delay_phase: str, delay_s: float
     if getattr(EngineCore, "_hostsweep_phases", False):
         return
     for name in ENGINE_PHASES:
-        setattr(Scheduler, name, _timed(recorder, name, getattr(Scheduler, name),
-                                        delay_s if delay_phase == name else 0.0))
+        setattr(Scheduler, name, _timed(name, getattr(Scheduler, name)))
     step, profile = EngineCore.step, EngineCore.profile
 
     def timed_step(self: Any) -> Any:
         start = time.time()
         outputs = step(self)
-        if outputs[1]:  # a step that ran the model
-            recorder.step(start, time.time())
+        if outputs[1] and HOOKS.engine is not None:  # a step that ran the model
+            HOOKS.engine.step(start, time.time())
         return outputs
 
     def recorded_profile(self: Any, is_start: bool = True, profile_prefix: Optional[str] = None,
                          *args: Any, **kwargs: Any) -> Any:
-        if is_start:
-            recorder.start(profile_prefix)
+        if is_start and HOOKS.engine is not None:
+            HOOKS.engine.start(profile_prefix)
         result = profile(self, is_start, profile_prefix, *args, **kwargs)
-        if not is_start:
-            recorder.stop()
+        if not is_start and HOOKS.engine is not None:
+            HOOKS.engine.stop()
         return result
 
     EngineCore.step, EngineCore.profile = timed_step, recorded_profile
     EngineCore._hostsweep_phases = True
+
+
+def patch_front_end() -> None:
+    """Time the front-end's output processing between LLMEngine.start_profile and
+    stop_profile (the recorder's file is whole once stop_profile returns); spin inside it on
+    every call when the delay hook is set there."""
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    if getattr(LLMEngine, "_hostsweep_phases", False):
+        return
+    process, start_profile, stop_profile = OutputProcessor.process_outputs, LLMEngine.start_profile, \
+        LLMEngine.stop_profile
+
+    def timed_process(self: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.time()
+        try:
+            return process(self, *args, **kwargs)
+        finally:
+            delay_s = HOOKS.delay_in(FRONTEND_PHASE)
+            if delay_s > 0:
+                spin(delay_s)
+            end = time.time()
+            if HOOKS.frontend is not None:
+                HOOKS.frontend.add("hostsweep: " + FRONTEND_PHASE, "phases", start, end)
+                HOOKS.frontend.extend(start, end)
+
+    def recorded_start(self: Any, profile_prefix: Optional[str] = None, *args: Any, **kwargs: Any) -> Any:
+        result = start_profile(self, profile_prefix, *args, **kwargs)
+        if HOOKS.frontend is not None:
+            HOOKS.frontend.start(profile_prefix)
+        return result
+
+    def recorded_stop(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = stop_profile(self, *args, **kwargs)
+        if HOOKS.frontend is not None:
+            HOOKS.frontend.stop()
+        return result
+
+    OutputProcessor.process_outputs = timed_process
+    LLMEngine.start_profile, LLMEngine.stop_profile = recorded_start, recorded_stop
+    LLMEngine._hostsweep_phases = True
 
 
 def mark_worker_busy() -> None:
@@ -192,16 +273,26 @@ def mark_worker_busy() -> None:
 
 
 def register() -> None:
-    """vLLM's entry point: a no-op unless hostsweep's engine asked for phases."""
+    """vLLM's entry point: a no-op unless hostsweep's engine asked for phases (beyond undoing
+    what an earlier engine of this process asked for)."""
     folder = os.environ.get(DIR_ENV)
     if not folder:
+        HOOKS.engine = HOOKS.frontend = None
+        HOOKS.delay_phase, HOOKS.delay_s = "", 0.0
+        vllm_utils = sys.modules.get("vllm.v1.utils")
+        if vllm_utils is not None and getattr(vllm_utils._PROFILER_FUNC, "__module__", None) == __name__:
+            vllm_utils._PROFILER_FUNC = None  # vLLM's own choice again, made at the next scope
         return
     delay_phase = os.environ.get(DELAY_PHASE_ENV, "")
     delay_s = float(os.environ.get(DELAY_MS_ENV, "0") or 0) / 1e3
     import vllm.v1.utils as vllm_utils
 
     vllm_utils._PROFILER_FUNC = scope_factory(delay_phase, delay_s)
-    patch_engine_core(EngineRecorder(Path(folder)), delay_phase, delay_s)
+    HOOKS.engine, HOOKS.delay_phase, HOOKS.delay_s = EngineRecorder(Path(folder)), delay_phase, delay_s
+    patch_engine_core()
+    if multiprocessing.parent_process() is None:  # the front-end: vLLM starts its other processes
+        HOOKS.frontend = EngineRecorder(Path(folder), "frontend", "frontend", "frontend_loop")
+        patch_front_end()
     try:
         mark_worker_busy()
     except ImportError:  # a build without the GPU worker module: the spans are skipped

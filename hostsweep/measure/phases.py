@@ -25,6 +25,7 @@ Per step, each total is differenced exactly like the kernel totals:
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -40,7 +41,8 @@ PHASE_CATEGORY = "user_annotation"
 SPAN_PREFIX = "hostsweep span: "
 # The phases in the order a step runs them (what figures stack); unknown phases follow.
 PHASE_ORDER = ("schedule", "engine_worker_ipc", "preprocess", "forward_dispatch", "postprocess", "sample",
-               "draft", "bookkeep", "eplb", "model_runner_output", "update_from_output", "other_engine_loop")
+               "draft", "bookkeep", "eplb", "model_runner_output", "update_from_output", "other_engine_loop",
+               "frontend_exposed")
 
 
 def phase_name(scope: str) -> Optional[str]:
@@ -65,6 +67,7 @@ class PhaseTotals:
     compute_us: Counter = field(default_factory=Counter)
     count: Counter = field(default_factory=Counter)
     span_us: Counter = field(default_factory=Counter)  # `hostsweep span: …` markers, not phases
+    span_end_us: dict[str, float] = field(default_factory=dict)  # each span's latest end (the trace's clock)
     compute_total_us: float = 0.0  # every counted compute op of the trace, in a phase or not
 
 
@@ -113,7 +116,9 @@ def phase_totals(trace: Mapping[str, Any]) -> PhaseTotals:
     for e in events:
         name = str(e.get("name", ""))
         if e.get("cat") == PHASE_CATEGORY and e.get("ph") == "X" and name.startswith(SPAN_PREFIX):
-            out.span_us[name[len(SPAN_PREFIX):]] += float(e.get("dur", 0.0))
+            span, end = name[len(SPAN_PREFIX):], float(e.get("ts", 0.0)) + float(e.get("dur", 0.0))
+            out.span_us[span] += float(e.get("dur", 0.0))
+            out.span_end_us[span] = max(end, out.span_end_us.get(span, end))
     if not scopes:
         return out
     # On a GPU the host scopes hold no device time (kernels run on the stream, apart).
@@ -143,6 +148,10 @@ class PhaseSplit:
     attributed_frac: float  # sum of host_ms over the cell's host_ms (nan without host time)
     ci_ms: dict[str, tuple[float, float]] = field(default_factory=dict)  # over profiled pairs (2 or more)
     pairs: int = 1
+    # Work beside the step's critical path, per step (ms): the front-end's output processing,
+    # which the EngineCore's next step overlaps; what of it delays the step is the host phase
+    # frontend_exposed.
+    overlapped_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def largest(self) -> Optional[tuple[str, float]]:
@@ -209,14 +218,39 @@ def engine_phases(worker_1: PhaseTotals, worker_T: PhaseTotals, core_1: Optional
     return out
 
 
+def frontend_phases(core_1: PhaseTotals, core_T: PhaseTotals, front_1: PhaseTotals, front_T: PhaseTotals,
+                    T: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Per step (ms): what of the front-end's work delays the step, and the work itself.
+
+    The EngineCore hands each step's outputs to a queue and steps on, so the front-end
+    processes step k's outputs while step k+1 runs. What it cannot hide is what it still
+    has to do after the engine's last step: `tail` = the front-end loop's end − the engine
+    loop's end (one wall clock: both intervals are time.time()). A front-end that keeps up
+    leaves the same tail at T=1 and T (one output to process), which the difference
+    cancels; one slower than the engine falls further behind each step, and the tail grows
+    by the excess. So frontend_exposed = (tail(T) − tail(1)) / (T − 1), a host phase; the
+    output processing itself (its scopes) is reported beside as overlapped."""
+    overlapped = {name: per_step_ms(front_1.scope_us[name], front_T.scope_us[name], T)
+                  for name in set(front_T.scope_us)}
+    ends = [(f.span_end_us.get("frontend_loop"), c.span_end_us.get("engine_loop"))
+            for f, c in ((front_1, core_1), (front_T, core_T))]
+    if any(front is None or core is None for front, core in ends):
+        return {}, overlapped
+    (front_end_1, core_end_1), (front_end_T, core_end_T) = ends
+    return {"frontend_exposed": per_step_ms(front_end_1 - core_end_1, front_end_T - core_end_T, T)}, overlapped
+
+
 def cell_phases(phases_1: list[PhaseTotals], phases_T: list[PhaseTotals], ranks: int, rank: int, T: int,
                 host_ms: float) -> Optional[PhaseSplit]:
     """A cell's phases from a profiled pair: the given rank's trace (the split's slowest), and
-    the EngineCore's intervals when the engine recorded them (entry `ranks` of each list)."""
+    when the engine recorded them, the EngineCore's intervals (entry `ranks` of each list)
+    and the front-end's (entry `ranks` + 1)."""
     if len(phases_1) < ranks or len(phases_T) < ranks:
         return None
     core_1 = phases_1[ranks] if len(phases_1) > ranks else None
     core_T = phases_T[ranks] if len(phases_T) > ranks else None
+    front_1 = phases_1[ranks + 1] if len(phases_1) > ranks + 1 else None
+    front_T = phases_T[ranks + 1] if len(phases_T) > ranks + 1 else None
     worker_1, worker_T = phases_1[rank], phases_T[rank]
     if core_1 is not None and core_T is not None:
         # Where the model runs inside the EngineCore (a GPU's single-process executor) the
@@ -224,14 +258,20 @@ def cell_phases(phases_1: list[PhaseTotals], phases_T: list[PhaseTotals], ranks:
         # interval already encloses them.
         worker_1, worker_T = without_scheduler(worker_1), without_scheduler(worker_T)
     extra = engine_phases(worker_1, worker_T, core_1, core_T, T)
-    return phase_split(worker_1, worker_T, T, host_ms, extra)
+    overlapped: dict[str, float] = {}
+    if core_1 is not None and core_T is not None and front_1 is not None and front_T is not None:
+        exposed, overlapped = frontend_phases(core_1, core_T, front_1, front_T, T)
+        extra.update(exposed)
+    split = phase_split(worker_1, worker_T, T, host_ms, extra)
+    return None if split is None else dataclasses.replace(split, overlapped_ms=overlapped)
 
 
 def without_scheduler(totals: PhaseTotals) -> PhaseTotals:
     """The totals less vLLM's own scheduler phases (schedule_*)."""
     keep = [name for name in totals.scope_us if not name.startswith("schedule_")]
     return PhaseTotals(Counter({n: totals.scope_us[n] for n in keep}), Counter({n: totals.compute_us[n] for n in keep}),
-                       Counter({n: totals.count[n] for n in keep}), totals.span_us, totals.compute_total_us)
+                       Counter({n: totals.count[n] for n in keep}), totals.span_us, totals.span_end_us,
+                       totals.compute_total_us)
 
 
 def over_pairs(pairs: list[PhaseSplit], host_ms: float, resamples: int, level: float, seed: int) -> PhaseSplit:
@@ -244,16 +284,22 @@ def over_pairs(pairs: list[PhaseSplit], host_ms: float, resamples: int, level: f
 
     from hostsweep.measure.protocol import bootstrap_median_ci
 
-    names = sorted(set().union(*(p.host_ms for p in pairs)))
     rng = np.random.default_rng(seed)
-    medians, cis = {}, {}
-    for name in names:
-        values = [p.host_ms.get(name, 0.0) for p in pairs]
-        medians[name] = float(np.median(values))
-        cis[name] = bootstrap_median_ci(values, resamples, level, rng)
+    cis: dict[str, tuple[float, float]] = {}
+
+    def medians_of(per_pair: list[dict[str, float]]) -> dict[str, float]:
+        medians = {}
+        for name in sorted(set().union(*per_pair)):
+            values = [p.get(name, 0.0) for p in per_pair]
+            medians[name] = float(np.median(values))
+            cis[name] = bootstrap_median_ci(values, resamples, level, rng)
+        return medians
+
+    medians = medians_of([p.host_ms for p in pairs])
+    overlapped = medians_of([p.overlapped_ms for p in pairs])
     forward = float(np.median([p.forward_compute_ms for p in pairs]))
     attributed = sum(medians.values()) / host_ms if host_ms > 0 else float("nan")
-    return PhaseSplit(medians, forward, attributed, cis, len(pairs))
+    return PhaseSplit(medians, forward, attributed, cis, len(pairs), overlapped)
 
 
 def phase_metrics(split: PhaseSplit, profiled_host_ms: Optional[float] = None) -> dict[str, float]:
@@ -262,8 +308,10 @@ def phase_metrics(split: PhaseSplit, profiled_host_ms: Optional[float] = None) -
     from profiled generates, which the profiler slows, so they may name more than the timed
     host_ms (attributed_frac > 1) while closing on the profiled step (attributed_frac_profiled ~ 1)."""
     metrics = {f"phase_{name}_ms": ms for name, ms in split.ordered()}
+    metrics.update({f"overlapped_{name}_ms": ms for name, ms in sorted(split.overlapped_ms.items())})
     for name, (low, high) in split.ci_ms.items():
-        metrics[f"phase_{name}_ci_low_ms"], metrics[f"phase_{name}_ci_high_ms"] = low, high
+        kind = "overlapped" if name in split.overlapped_ms else "phase"
+        metrics[f"{kind}_{name}_ci_low_ms"], metrics[f"{kind}_{name}_ci_high_ms"] = low, high
     metrics.update(forward_compute_ms=split.forward_compute_ms, attributed_frac=split.attributed_frac)
     if profiled_host_ms is not None and profiled_host_ms > 0:
         metrics["attributed_frac_profiled"] = sum(split.host_ms.values()) / profiled_host_ms

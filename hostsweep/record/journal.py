@@ -28,6 +28,7 @@ from hostsweep.config.schema import ConfigError
 from hostsweep.measure.protocol import CellMeasurement, Contention, RepTiming
 from hostsweep.measure.results import CellResult
 from hostsweep.measure.speculative import SpecResult
+from hostsweep.measure.phases import PhaseSplit
 from hostsweep.measure.split import LinearityResult, SplitResult
 from hostsweep.measure.stability import ContentionSummary, Stability
 
@@ -50,7 +51,8 @@ def decode_result(data: dict) -> CellResult:
     measurement = None if m is None else CellMeasurement(**{**m, "reps": decode_timings(m["reps"])})
     sp = data["split"]
     split = None if sp is None else SplitResult(**{**sp, "per_rank_device_ms": tuple(sp["per_rank_device_ms"]),
-                                                   "top_ops": tuple(tuple(op) for op in sp["top_ops"])})
+                                                   "top_ops": tuple(tuple(op) for op in sp["top_ops"]),
+                                                   "phases": decode_phases(sp.get("phases"))})
     lin = data["linearity"]
     linearity = None if lin is None else LinearityResult(**{**lin, **{k: tuple(lin[k]) for k in
                                                                        ("tokens", "wall_ms", "kernel_ms")}})
@@ -66,6 +68,12 @@ def decode_result(data: dict) -> CellResult:
         stability=decode_stability(data.get("stability")),
         earlier_timings=tuple(decode_timings(reps) for reps in data.get("earlier_timings", ())),
     )
+
+
+def decode_phases(data: Optional[dict]) -> Optional[PhaseSplit]:
+    if data is None:
+        return None
+    return PhaseSplit(**{**data, "ci_ms": {name: tuple(ci) for name, ci in data.get("ci_ms", {}).items()}})
 
 
 def decode_timings(reps: list[dict]) -> tuple[RepTiming, ...]:

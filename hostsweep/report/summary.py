@@ -75,9 +75,10 @@ def _plain(value: Any) -> Any:
 
 
 def phase_entry(row: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """A cell's host phases (ms per step, measure/phases.py) and the share of host_ms they
-    name; None for a cell without them."""
-    phases = {k: _plain(row[k]) for k in row if k.startswith("phase_") and _plain(row[k]) is not None}
+    """A cell's host phases (ms per step, measure/phases.py), the front-end work beside the
+    step (overlapped_*), and the share of host_ms the phases name; None for a cell without them."""
+    phases = {k: _plain(row[k]) for k in row
+              if k.startswith(("phase_", "overlapped_")) and _plain(row[k]) is not None}
     if not phases:
         return None
     return {**phases, **{k: _plain(row.get(k)) for k in ("forward_compute_ms", "attributed_frac")}}

@@ -180,22 +180,26 @@ class SweepWorker:
                   keep: Optional[dict[str, bytes]],
                   phases: Optional[list[PhaseTotals]] = None) -> tuple[list[TraceTotals], float]:
         """One profiled generate: per-rank kernel totals and its (inflated) wall time; per-rank
-        phase totals appended to `phases` when given (the EngineCore's, when the engine
-        recorded them, as one more entry). Trace files go into `keep` when given, and are
+        phase totals appended to `phases` when given (the EngineCore's and the front-end's,
+        when the engine recorded them, as two more entries). Trace files go into `keep` when given, and are
         deleted either way."""
         self.engine.start_profile(prefix)
         wall = self._timed_generate(prompts)(tokens)
         files = self.engine.stop_profile(prefix)
-        core = getattr(self.engine, "engine_core_trace", lambda _: None)(prefix) if phases is not None else None
+        # The EngineCore's intervals, then the front-end's, which are read against them
+        # (measure/phases.cell_phases).
+        core, front = [getattr(self.engine, f"{kind}_trace", lambda _: None)(prefix) if phases is not None else None
+                       for kind in ("engine_core", "frontend")]
+        processes = [path for path in (core, front if core is not None else None) if path is not None]
         rank_totals = []
         for path in files:
             trace = load_trace(path)
             rank_totals.append(totals(trace))
             if phases is not None:
                 phases.append(phase_totals(trace))
-        if core is not None:
-            phases.append(phase_totals(load_trace(core)))
-        for path in files + ([core] if core is not None else []):  # traces are large: keep only when asked
+        if phases is not None:
+            phases.extend(phase_totals(load_trace(path)) for path in processes)
+        for path in files + [p for p in (core, front) if p is not None]:  # traces are large: keep only when asked
             if keep is not None:
                 data = path.read_bytes()
                 gz = path.name.endswith(".gz")

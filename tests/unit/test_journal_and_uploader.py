@@ -17,6 +17,7 @@ from hostsweep.record.claims import (
     HEARTBEAT_TAG, LIVE_HERE, OWNER_TAG, PARENT_TAG, RunView, claim_winner, stale_reason, this_owner,
 )
 from hostsweep.measure.speculative import SpecResult
+from hostsweep.measure.phases import PhaseSplit
 from hostsweep.record.journal import Journal, decode_result, encode_result, read_entries, unlogged
 from hostsweep.record.uploader import BackgroundLogger
 
@@ -24,7 +25,9 @@ RESULT = CellResult(
     "cpu/tiny/eager/tp1/b2/ctx128/T33/abc", {"sku": "cpu", "batch": 2, "ctx": 128}, "FINISHED",
     CellMeasurement(3.0, 2.9, 3.1, 10.5, 106.5, (RepTiming(0, True, 0.010, 0.106, 0.003),)), None,
     {"hostname": "vm"}, 1.5,
-    SplitResult("cpu-ops", 1.25, 1.75, 0.58, 0.01, 0.0, 0.0, 3.5, 1.17, "host-bound", (1.25, 1.3), (("aten::mm", 1.0),)),
+    SplitResult("cpu-ops", 1.25, 1.75, 0.58, 0.01, 0.0, 0.0, 3.5, 1.17, "host-bound", (1.25, 1.3), (("aten::mm", 1.0),),
+                phases=PhaseSplit({"sample": 0.1, "frontend_exposed": 0.01}, 1.0, 0.5, {"sample": (0.09, 0.11)}, 3,
+                                  {"frontend_process_outputs": 0.2})),
     LinearityResult((8, 16, 32), (1.0, 2.0, 4.0), (), 0.999, float("nan"), 0.12, 0.121, 0.008),
     {"p1_rank0.pt.trace.json.gz": b"\x1f\x8b\x00binary"},
     pd.DataFrame({"process": ["EngineCore"], "samples": [10], "active_frac": [0.4]}),

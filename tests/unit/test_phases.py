@@ -162,3 +162,32 @@ def test_several_pairs_give_median_phases_with_a_ci_and_one_pair_is_kept_as_it_i
     metrics = phase_metrics(merged)
     assert metrics["phase_sample_ci_low_ms"] == low and metrics["phase_sample_ci_high_ms"] == high
     assert over_pairs(pairs[:1], 2.5, 500, 0.95, 0) is pairs[0]
+
+
+def loop_trace(loop: str, start: float, end: float, scopes: list[tuple[str, float, float]] = ()) -> dict:
+    events = [scope(f"hostsweep span: {loop}", start, end - start)]
+    events += [scope(name, ts, dur) for name, ts, dur in scopes]
+    return {"traceEvents": events}
+
+
+@pytest.mark.parametrize("work_us", [400.0, 1300.0])
+def test_the_front_end_is_overlapped_while_it_keeps_up_and_exposed_by_what_it_falls_behind(work_us):
+    """Engine steps of 1000 us from t=0; the front-end takes each step's outputs 50 us after
+    the step ends, or when it is done with the previous ones, and works work_us on them.
+    400 us keeps up: its end trails the engine's by the same 450 us at T=1 and T=9, nothing
+    exposed. 1300 us outlasts a step: it falls 300 us further behind each step."""
+    from hostsweep.measure.phases import frontend_phases
+
+    def pair(T: int) -> tuple:
+        core = phase_totals(loop_trace("engine_loop", 0.0, 1000.0 * T))
+        free, scopes = 0.0, []
+        for k in range(T):
+            start = max(1000.0 * (k + 1) + 50.0, free)
+            scopes.append(("hostsweep: frontend_process_outputs", start, work_us))
+            free = start + work_us
+        return core, phase_totals(loop_trace("frontend_loop", scopes[0][1], free, scopes))
+
+    (core_1, front_1), (core_T, front_T) = pair(1), pair(9)
+    exposed, overlapped = frontend_phases(core_1, core_T, front_1, front_T, 9)
+    assert overlapped == pytest.approx({"frontend_process_outputs": work_us / 1e3})
+    assert exposed == pytest.approx({"frontend_exposed": max(0.0, work_us - 1000.0) / 1e3})

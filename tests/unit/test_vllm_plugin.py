@@ -80,3 +80,25 @@ def test_span_prefix_agrees_with_the_reader():
     from hostsweep.measure import phases
 
     assert SPAN_PREFIX == phases.SPAN_PREFIX
+
+
+def test_a_later_engine_of_the_same_process_records_into_its_own_folder_and_one_without_phases_undoes_it(
+        tmp_path, monkeypatch):
+    """The classes are patched once per process; each register points the hooks at the engine
+    starting now (a benchmark starts several engines in one process)."""
+    import hostsweep.engines.vllm_plugin as plugin
+
+    monkeypatch.setattr(plugin, "patch_engine_core", lambda: None)
+    monkeypatch.setattr(plugin, "patch_front_end", lambda: None)
+    monkeypatch.setattr(plugin, "mark_worker_busy", lambda: None)
+    monkeypatch.setattr(plugin, "HOOKS", plugin.Hooks())
+    for name, delay in (("first", "0"), ("second", "2")):
+        monkeypatch.setenv(plugin.DIR_ENV, str(tmp_path / name))
+        monkeypatch.setenv(plugin.DELAY_PHASE_ENV, plugin.FRONTEND_PHASE)
+        monkeypatch.setenv(plugin.DELAY_MS_ENV, delay)
+        plugin.register()
+        assert plugin.HOOKS.frontend.folder == plugin.HOOKS.engine.folder == tmp_path / name
+    assert plugin.HOOKS.delay_in(plugin.FRONTEND_PHASE) == pytest.approx(0.002) and plugin.HOOKS.delay_in("sample") == 0
+    monkeypatch.delenv(plugin.DIR_ENV)
+    plugin.register()
+    assert plugin.HOOKS.engine is None and plugin.HOOKS.frontend is None and plugin.HOOKS.delay_s == 0

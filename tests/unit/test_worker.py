@@ -77,23 +77,27 @@ def test_host_phases_through_the_fake_profiler_have_the_known_shares(tmp_path):
     cycle_ms = FakeEngine.cycle_seconds(worker.engine, 2, 64) * 1e3
     expected = {name: share * cycle_ms for name, share in FakeEngine.phase_shares.items()}
     expected.update(other_worker=0.05 * cycle_ms, engine_worker_ipc=0.05 * cycle_ms, other_engine_loop=0.1 * cycle_ms)
+    expected.update(frontend_exposed=0.0)  # the front-end keeps up: all its work is overlapped
     phases = result.split.phases
-    assert phases.host_ms == pytest.approx(expected, rel=1e-6)
+    assert phases.host_ms == pytest.approx(expected, rel=1e-6, abs=1e-9)
+    assert phases.overlapped_ms == pytest.approx({"frontend_process_outputs": FakeEngine.frontend_share * cycle_ms})
     assert phases.forward_compute_ms == pytest.approx(FakeEngine.device_share * cycle_ms, rel=1e-6)
     # All of the fake's host time is named: attributed_frac is the traces' host over the timed one.
     assert phases.attributed_frac == pytest.approx(0.6 * cycle_ms / result.split.host_ms, rel=1e-6)
     metrics = cell_metrics(result)
     assert metrics["phase_sample_ms"] == pytest.approx(0.1 * cycle_ms, abs=1e-3) and "attributed_frac" in metrics
+    assert metrics["overlapped_frontend_process_outputs_ms"] == pytest.approx(0.08 * cycle_ms, abs=1e-3)
 
 
 def test_several_profiled_pairs_give_phase_cis(tmp_path):
     cell = fake_cells("batch=[1]", "ctx=[16]")[0]
     result = SweepWorker(cell.engine, str(tmp_path)).measure(cell, options("split.reps=3"))
     phases = result.split.phases
-    assert phases.pairs == 3 and set(phases.ci_ms) == set(phases.host_ms)
+    assert phases.pairs == 3 and set(phases.ci_ms) == set(phases.host_ms) | set(phases.overlapped_ms)
     low, high = phases.ci_ms["sample"]
     assert low <= phases.host_ms["sample"] <= high
-    assert "phase_sample_ci_high_ms" in cell_metrics(result)
+    metrics = cell_metrics(result)
+    assert "phase_sample_ci_high_ms" in metrics and "overlapped_frontend_process_outputs_ci_high_ms" in metrics
 
 
 def test_split_phases_false_leaves_the_phases_out(tmp_path):
@@ -124,13 +128,40 @@ def test_a_debug_delay_in_a_phase_moves_that_phase_and_the_step_by_it(tmp_path, 
     assert d.step_ci_low_ms - p.step_ci_high_ms - 0.5 <= delay_ms <= d.step_ci_high_ms - p.step_ci_low_ms + 0.5
 
 
+@pytest.mark.parametrize("delay_ms, exposed", [(0.2, False), (2.0, True)])
+def test_a_debug_delay_in_the_front_end_is_overlapped_until_the_front_end_falls_behind(tmp_path, delay_ms, exposed):
+    """The front-end processes step k's outputs while step k+1 runs: a delay there moves the
+    overlapped work by d and the step not at all, until the front-end's work outlasts a step;
+    then the step and frontend_exposed rise by the excess."""
+    from hostsweep.engines.fake import FakeEngine
+
+    plain_cell = fake_cells("batch=[1]", "ctx=[16]")[0]
+    cell = fake_cells("batch=[1]", "ctx=[16]", "debug.delay_phase=frontend_process_outputs",
+                      f"debug.delay_ms={delay_ms}")[0]
+    plain = SweepWorker(plain_cell.engine, str(tmp_path / "plain")).measure(plain_cell, options())
+    worker = SweepWorker(cell.engine, str(tmp_path / "delayed"))
+    delayed = worker.measure(cell, options())
+    front = "frontend_process_outputs"
+    assert delayed.split.phases.overlapped_ms[front] - plain.split.phases.overlapped_ms[front] == \
+        pytest.approx(delay_ms, rel=1e-6)
+    cycle_ms = FakeEngine.cycle_seconds(worker.engine, 1, 16) * 1e3
+    excess_ms = max(0.0, FakeEngine.frontend_share * cycle_ms + delay_ms - cycle_ms)
+    assert (excess_ms > 0) == exposed
+    before, after = plain.split.phases.host_ms, delayed.split.phases.host_ms
+    assert after["frontend_exposed"] == pytest.approx(excess_ms, abs=1e-6)
+    assert all(after[p] == pytest.approx(before[p], rel=1e-6) for p in before if p != "frontend_exposed")
+    p, d = plain.measurement, delayed.measurement  # slept: as noisy as the machine, give or take 0.5 ms
+    assert d.step_ci_low_ms - p.step_ci_high_ms - 0.5 <= excess_ms <= d.step_ci_high_ms - p.step_ci_low_ms + 0.5
+
+
 def test_kept_traces_come_back_with_the_result(tmp_path):
     cell = fake_cells("batch=[1]", "ctx=[16]")[0]
     worker = SweepWorker(cell.engine, str(tmp_path))
     result = worker.measure(cell, options("split.keep_traces=true"))
-    # Per generate: the rank's trace and the EngineCore's step intervals (host phases).
-    assert len(result.traces) == 4 and all(name.endswith(".json.gz") for name in result.traces)
+    # Per generate: the rank's trace, the EngineCore's step intervals and the front-end's (host phases).
+    assert len(result.traces) == 6 and all(name.endswith(".json.gz") for name in result.traces)
     assert sum("_enginecore" in name for name in result.traces) == 2
+    assert sum("_frontend" in name for name in result.traces) == 2
 
 
 def test_plain_json_traces_are_parsed_and_kept_ones_come_back_gzipped(tmp_path):
@@ -156,7 +187,7 @@ def test_plain_json_traces_are_parsed_and_kept_ones_come_back_gzipped(tmp_path):
     result = worker.measure(cell, options("split.keep_traces=true"))
     assert result.status == "FINISHED", result.error
     assert result.split.device_ms > 0
-    ranks = [name for name in result.traces if "_enginecore" not in name]
+    ranks = [name for name in result.traces if "_enginecore" not in name and "_frontend" not in name]
     assert len(ranks) == 2 and all(name.endswith(".pt.trace.json.gz") for name in ranks)
     for blob in result.traces.values():
         assert "traceEvents" in json.loads(gzip.decompress(blob))
