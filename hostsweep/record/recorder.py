@@ -44,7 +44,11 @@ def describe(result: CellResult) -> str:
     shown = cell_metrics(result)  # as cells.csv and the table have them
     step = f"{shown['step_ms']:.3f} ms/step" if result.measurement else result.status
     if result.split is not None:
-        step += f", device {shown['device_ms']:.3f} ms, host_frac {shown['host_frac']:.3f}"
+        # A split whose host time came out negative has no host_frac (measure/stability.py's
+        # split_impossible): the line says so rather than showing a fraction.
+        host_frac = shown.get("host_frac")
+        step += f", device {shown['device_ms']:.3f} ms, " + \
+            (f"host_frac {host_frac:.3f}" if host_frac is not None else "no host_frac (host time < 0)")
         step += largest_phase_note(result)
     if result.status != "FINISHED" and result.error:
         step += f": {result.error.strip().splitlines()[0][:300]}"

@@ -267,6 +267,7 @@ def test_an_unstable_cell_is_measured_again_at_most_remeasure_unstable_times_and
 def test_a_split_with_device_time_above_the_step_is_profiled_again_then_flagged_never_a_fraction(tmp_path, monkeypatch):
     from hostsweep.engines.fake import FakeEngine
     from hostsweep.measure.results import cell_metrics, cell_row
+    from hostsweep.record.recorder import describe
 
     # Impossible: 50 times more device time per step than the fake step costs, whatever the load.
     monkeypatch.setattr(FakeEngine, "device_share", 50.0)
@@ -278,6 +279,8 @@ def test_a_split_with_device_time_above_the_step_is_profiled_again_then_flagged_
     assert "host_frac" not in cell_metrics(result) and "device_ms" in cell_metrics(result)
     row = cell_row(result, "run")
     assert row["stable"] == "false" and "split_impossible" in row["unstable_reasons"] and "regime" not in row
+    line = describe(result)  # the console's cell line: said, not a crash of the sweep
+    assert "no host_frac (host time < 0)" in line and "split_impossible" in line
 
 
 def test_replicates_measure_each_cell_in_fresh_engine_starts_and_report_it_once(tmp_path):
