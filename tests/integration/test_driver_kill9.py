@@ -30,7 +30,7 @@ pytestmark = pytest.mark.integration
 GONE_WITHIN_S = 15.0
 VLLM_SOCKET = re.compile(r"[0-9a-f]{8}-([0-9a-f]{4}-){3}[0-9a-f]{12}")
 FAKE = ["+sku=cpu", "engine.name=fake", "measure.T=400", "measure.reps=3", "measure.warmups=1", "ctx=[16]",
-        "batch=[1,2,3,4,5,6]", "split.enabled=false", "ray.exclusive=false"]
+        "batch=[1,2,3,4,5,6]", "split.enabled=false", "ray.exclusive=false", "measure.remeasure_unstable=0"]
 
 
 def command_line(proc: psutil.Process) -> str:

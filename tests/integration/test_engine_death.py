@@ -67,6 +67,7 @@ def test_a_killed_engine_core_is_detected_its_cell_retried_and_every_cell_measur
     # this test must still find the engine alive once every cell has a pair saved.
     command = [sys.executable, "-m", "hostsweep", "+sku=cpu", "batch=[1,2,3]", "ctx=[32]", "measure.T=49",
                f"measure.reps={REPS}", "measure.warmups=1", "split.enabled=false", "measure.replicate_first=false",
+               "measure.remeasure_unstable=0",
                f"tracking.uri={uri}", "study=enginedeath", f"hydra.run.dir={run_dir}", f"output.pending_dir={pending}"]
     driver = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

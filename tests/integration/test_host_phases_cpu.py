@@ -1,6 +1,7 @@
 """Host phases on the real vLLM CPU engine, in-process (no Ray, no MLflow): hostsweep's vLLM
 plugin loads in the EngineCore and the model's worker, their phases close on the profiled
-step, and the test-only delay sits in the EngineCore's schedule. One engine start.
+step, the front-end's output processing is reported beside it, and the test-only delay sits
+in the EngineCore's schedule. One engine start.
 """
 from __future__ import annotations
 
@@ -42,3 +43,7 @@ def test_phases_close_on_the_profiled_step_and_the_schedule_delay_lands_in_sched
     assert metrics["phase_update_from_output_ms"] < DELAY_MS / 2
     assert metrics["forward_compute_ms"] > 0
     assert 0.85 <= metrics["attributed_frac_profiled"] <= 1.2
+    # The front-end's output processing, timed in this process: beside the step, and a step's
+    # worth of it is not left exposed (it keeps up with a 3-ms-slower engine).
+    assert metrics["overlapped_frontend_process_outputs_ms"] > 0
+    assert abs(metrics["phase_frontend_exposed_ms"]) < DELAY_MS / 2

@@ -19,7 +19,7 @@ def test_keystone_cpu_multirun_logs_one_job_per_shape_with_a_split(tmp_path, new
     uri = new_store(tmp_path / "mlflow.db")  # the sweeps in tests/integration with real engines create theirs
     proc = run_hostsweep(
         ["-m", "+experiment=keystone-cpu", "+sku=cpu", "engine.name=fake", "measure.T=17", "ctx=[64]", "measure.reps=3",
-         "measure.warmups=1", f"tracking.uri={uri}", f"hydra.sweep.dir={tmp_path}/multi"],
+         "measure.warmups=1", "measure.remeasure_unstable=0", f"tracking.uri={uri}", f"hydra.sweep.dir={tmp_path}/multi"],
         cwd=tmp_path, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -26,7 +26,8 @@ from tests.conftest import run_hostsweep
 pytestmark = pytest.mark.integration
 
 COMMON = ["+sku=cpu", "batch=[1]", "ctx=[256]", "measure.T=17", "measure.reps=3", "measure.warmups=1",
-          "model.load_format=random", "model.shape.tie_word_embeddings=false", "study=modes-it", "verbose=true"]
+          "model.load_format=random", "model.shape.tie_word_embeddings=false", "study=modes-it", "verbose=true",
+          "measure.remeasure_unstable=0"]
 
 
 @pytest.fixture(scope="module")

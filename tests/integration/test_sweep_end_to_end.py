@@ -33,7 +33,7 @@ def sweep(tmp_path_factory):
     root = tmp_path_factory.mktemp("sweep")
     uri = f"sqlite:///{root}/mlflow.db"
     proc = run_hostsweep(
-        ["+sku=cpu", "batch=[1,2]", "ctx=[64]", "measure.reps=4", "measure.warmups=1",
+        ["+sku=cpu", "batch=[1,2]", "ctx=[64]", "measure.reps=4", "measure.warmups=1", "measure.remeasure_unstable=0",
          "split.pyspy=true", "split.pyspy_seconds=4",  # 2 s was too short for py-spy to attach to the engine once in CI
          f"tracking.uri={uri}", "study=it", f"hydra.run.dir={root}/run"],
         cwd=root, timeout=900,
