@@ -31,6 +31,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from hostsweep.model.unstable import unstable_mask  # noqa: E402  (cells drawn hollow or hatched)
+from hostsweep.report.tables import phase_columns  # noqa: E402
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
            "#bcbd22", "#17becf")
@@ -299,16 +300,6 @@ def host_fraction_by_batch(cells: pd.DataFrame, threshold: float = 0.5) -> Figur
         ax.legend(fontsize=7)
     fig.suptitle("Host fraction against batch, per context length", fontsize=11)
     return fig
-
-
-def phase_columns(cells: pd.DataFrame) -> list[str]:
-    """The cells' phase_<name>_ms columns, in the order a step runs the phases."""
-    from hostsweep.measure.phases import PHASE_ORDER
-
-    found = [c for c in cells.columns if c.startswith("phase_") and c.endswith("_ms")
-             and not c.endswith(("_ci_low_ms", "_ci_high_ms")) and cells[c].notna().any()]
-    rank = {f"phase_{name}_ms": i for i, name in enumerate(PHASE_ORDER)}
-    return sorted(found, key=lambda c: (rank.get(c, len(rank)), c))
 
 
 def host_phases(cells: pd.DataFrame) -> Figure:

@@ -16,6 +16,7 @@ from hostsweep.report import figures as F
 from hostsweep.report import fit_tables
 from hostsweep.report.document import Bullets, Document, Figure, Heading, Table, Text
 from hostsweep.report.study_modes import mode_sections
+from hostsweep.report.tables import host_phase_table
 
 # the reported numbers of the tensor-parallel study [2] (README.md#references), quoted beside
 # a study of its design
@@ -153,6 +154,13 @@ def _study_wide(cells: pd.DataFrame, regime: pd.DataFrame, figures: dict[str, Pa
                                                      "(mean over contexts)."),
                     Table(regime, digits=3) if len(regime) else Text("absent: no split cells"),
                     Figure(figures["step_times"], "Step time per cell with 95% CI, one panel per SKU.")]
+    phases = host_phase_table(cells)
+    if len(phases):
+        blocks += [Heading("Host phases", 3),
+                   Text("Milliseconds per decode step: device, each host phase on the step's critical path "
+                        "(measure/phases.py), and the front-end's output processing, which overlaps the next "
+                        "step (its exposed part is the phase frontend_exposed)."),
+                   Table(phases, digits=3)]
     for section in mode_sections(cells):
         blocks.append(Heading(section.title, 3))
         if section.status != "present":

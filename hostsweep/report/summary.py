@@ -155,7 +155,11 @@ def sweep_description(meta: dict[str, Any], rows: list[dict[str, Any]],
            "(reasons: docs/measurement.md, Stability)."] if stability_line(rows) else []),
         "",
     ]
+    has_phases = any(phase_entry(row) for row in rows)
     tail = [
+        *(["", "**Host phases** per cell (ms per step: device, each host phase on the step's path, the "
+           "front-end's work beside it): `host_phases.csv` and `figures/host_phases.png` (artifacts; "
+           "docs/measurement.md, Host phases)."] if has_phases else []),
         "",
         f"Each step is the difference of a T=1 and a T={meta['T']} generate over T−1 steps ({meta['reps']} timed "
         f"pairs after {meta['warmups']} warm-ups; median and bootstrap 95% CI), split into device "

@@ -22,13 +22,14 @@ from hostsweep.record.provenance import package_version
 from hostsweep.record.views import absolute_store_uri, ui_command
 from hostsweep.report.modes import finished_cells
 from hostsweep.report.summary import SUMMARY_FILE, build_summary, stability_counts, stability_line, sweep_description
-from hostsweep.report.tables import MAX_PRINTED_ROWS, format_overview, format_table
+from hostsweep.report.tables import MAX_PRINTED_ROWS, format_overview, format_table, host_phase_table, phase_columns
 
 if TYPE_CHECKING:  # MLflow (1.5 s to import) loads only once a sweep records: bad input fails fast
     from hostsweep.record.tracking import SweepTracker
 
 log = logging.getLogger(__name__)
 FIGURES_FOLDER = "figures"
+PHASES_FILE = "host_phases.csv"  # report/tables.host_phase_table, beside cells.csv
 
 
 def engines_label(study: Study, tps: list[int]) -> str:
@@ -79,7 +80,7 @@ def sweep_figures(study: Study, rows: pd.DataFrame) -> dict[str, Any]:
     figs = {"split_composition": figures.split_composition(cells),
             "host_fraction_by_batch": figures.host_fraction_by_batch(cells, study.config.split.host_bound_threshold),
             "step_times": figures.step_times(cells)}
-    if figures.phase_columns(cells):  # cells with host phases (measure/phases.py)
+    if phase_columns(cells):  # cells with host phases (measure/phases.py)
         figs["host_phases"] = figures.host_phases(cells)
     return figs
 
@@ -94,6 +95,10 @@ def write_results(study: Study, tracker: SweepTracker, table: CellTable, cells: 
         summary = build_summary(cells, meta, tracker.run_url)
         path = run_dir / SUMMARY_FILE
         path.write_text(json.dumps(summary, indent=1, allow_nan=False))
+        phases = host_phase_table(cells)
+        phases_csv = run_dir / PHASES_FILE
+        if len(phases):
+            phases.to_csv(phases_csv, index=False)
         figs = sweep_figures(study, cells)
         rows = cells.to_dict("records")
         from hostsweep.report.figures import SAVE_KWARGS
@@ -107,7 +112,7 @@ def write_results(study: Study, tracker: SweepTracker, table: CellTable, cells: 
         if mlflow_up:
             relative = f"#/experiments/{tracker.experiment_id}/runs/{{}}?workflowType=machine_learning"
             tracker.describe_sweep(sweep_description(meta, rows, relative.format))
-            tracker.log_sweep_files([p for p in (table.path, path) if p.is_file()], pngs)
+            tracker.log_sweep_files([p for p in (table.path, path, phases_csv) if p.is_file()], pngs)
         return path
     except Exception as exc:  # noqa: BLE001 - the measurements are in cells.csv and MLflow already
         log.warning("sweep summary not written: %s", error_line(exc))

@@ -115,3 +115,35 @@ def format_markdown(rows: Iterable[dict[str, object]], max_chars: int,
         lines.append(line)
         used += len(line) + 1
     return "\n".join(lines)
+
+
+SHAPE_COLUMNS = ("sku", "model", "mode", "tp", "batch", "ctx")
+FRONTEND_COLUMN = "overlapped_frontend_process_outputs_ms"
+
+
+def phase_columns(cells: pd.DataFrame) -> list[str]:
+    """The cells' phase_<name>_ms columns, in the order a step runs the phases."""
+    from hostsweep.measure.phases import PHASE_ORDER
+
+    found = [c for c in cells.columns if c.startswith("phase_") and c.endswith("_ms")
+             and not c.endswith(("_ci_low_ms", "_ci_high_ms")) and cells[c].notna().any()]
+    rank = {f"phase_{name}_ms": i for i, name in enumerate(PHASE_ORDER)}
+    return sorted(found, key=lambda c: (rank.get(c, len(rank)), c))
+
+
+def host_phase_table(cells: pd.DataFrame) -> pd.DataFrame:
+    """Per cell with host phases, ms per decode step: device, each host phase in the order a
+    step runs them, the front-end's work beside the step (overlapped, not part of host_ms)
+    and the share of host_ms the phases name. Empty when no cell has phases."""
+    columns = phase_columns(cells)
+    if not columns:
+        return pd.DataFrame()
+    rows = cells.dropna(subset=columns, how="all")
+    shown = {c: c for c in SHAPE_COLUMNS if c in rows}
+    shown.update({c: c for c in ("step_ms", "device_ms") if c in rows})
+    shown.update({c: c[len("phase_"):-len("_ms")] for c in columns})
+    if FRONTEND_COLUMN in rows:
+        shown[FRONTEND_COLUMN] = "frontend (overlapped)"
+    if "attributed_frac" in rows:
+        shown["attributed_frac"] = "attributed_frac"
+    return rows[list(shown)].rename(columns=shown).reset_index(drop=True)

@@ -1,10 +1,12 @@
-"""Host phases where people see them: the console's cell line and the stacked figure."""
+"""Host phases where people see them: the console's cell line, the stacked figure, the table
+of the parent run (host_phases.csv) and the comparison report, and the parent's description."""
 from __future__ import annotations
 
 import pandas as pd
 
 from hostsweep.measure.phases import PhaseSplit
 from hostsweep.report import figures
+from hostsweep.report.tables import host_phase_table, phase_columns
 
 
 def cells() -> pd.DataFrame:
@@ -12,14 +14,15 @@ def cells() -> pd.DataFrame:
             "step_ci_low_ms": 5.8, "step_ci_high_ms": 6.3, "device_ms": 2.0, "host_ms": 4.0}
     return pd.DataFrame([
         {**base, "batch": 1, "phase_sample_ms": 0.5, "phase_preprocess_ms": 1.0, "phase_forward_dispatch_ms": 2.0,
-         "phase_sample_ci_low_ms": 0.4, "phase_sample_ci_high_ms": 0.6},
+         "phase_sample_ci_low_ms": 0.4, "phase_sample_ci_high_ms": 0.6, "overlapped_frontend_process_outputs_ms": 0.03,
+         "attributed_frac": 0.875},
         {**base, "batch": 4, "phase_sample_ms": 0.7, "phase_preprocess_ms": 1.1, "phase_forward_dispatch_ms": None},
         {**base, "mode": "graph", "batch": 1, "phase_sample_ms": 0.4},
     ])
 
 
 def test_phase_columns_come_in_the_order_a_step_runs_them():
-    assert figures.phase_columns(cells()) == ["phase_preprocess_ms", "phase_forward_dispatch_ms", "phase_sample_ms"]
+    assert phase_columns(cells()) == ["phase_preprocess_ms", "phase_forward_dispatch_ms", "phase_sample_ms"]
 
 
 def test_the_stacked_figure_has_a_panel_per_engine_and_a_bar_per_cell_and_part():
@@ -35,7 +38,7 @@ def test_the_stacked_figure_has_a_panel_per_engine_and_a_bar_per_cell_and_part()
 def test_no_phases_no_stack():
     frame = cells().drop(columns=["phase_sample_ms", "phase_preprocess_ms", "phase_forward_dispatch_ms",
                                   "phase_sample_ci_low_ms", "phase_sample_ci_high_ms"])
-    assert figures.phase_columns(frame) == []
+    assert phase_columns(frame) == []
     assert not [ax for ax in figures.host_phases(frame).axes if ax.patches]
 
 
@@ -50,3 +53,24 @@ def test_the_console_line_names_the_largest_host_phase():
     assert largest_phase_note(SimpleNamespace(split=split)) == \
         ", largest host phase forward_dispatch 1.80 ms (phases cover 1.00 of the profiled host time)"
     assert largest_phase_note(SimpleNamespace(split=None)) == ""
+
+
+def test_the_phase_table_has_a_row_per_cell_with_phases_in_step_order_and_the_front_end_beside():
+    table = host_phase_table(cells())
+    assert list(table.columns) == ["sku", "model", "mode", "tp", "batch", "ctx", "step_ms", "device_ms",
+                                   "preprocess", "forward_dispatch", "sample", "frontend (overlapped)",
+                                   "attributed_frac"]
+    assert len(table) == 3 and table.loc[0, "forward_dispatch"] == 2.0 and table.loc[0, "frontend (overlapped)"] == 0.03
+    no_phases = cells().drop(columns=[c for c in cells().columns if c.startswith("phase_")])
+    assert host_phase_table(no_phases).empty
+
+
+def test_the_parent_description_points_at_the_phase_table_only_when_there_are_phases():
+    from hostsweep.report.summary import sweep_description
+
+    meta = {"what": "cpu sweep", "status": "FINISHED", "T": 33, "reps": 5, "warmups": 1, "kernel_source": "cpu-ops",
+            "run_dir": "run", "versions": {}, "git_sha": "abc"}
+    rows = cells().to_dict("records")
+    assert "`host_phases.csv`" in sweep_description(meta, rows)
+    bare = [{k: v for k, v in row.items() if not k.startswith(("phase_", "overlapped_"))} for row in rows]
+    assert "host_phases.csv" not in sweep_description(meta, bare)
