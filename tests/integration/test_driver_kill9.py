@@ -14,8 +14,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
+from typing import Callable, Iterator, NamedTuple
 
 import psutil
 import pytest
@@ -131,15 +133,36 @@ def kill_all(procs) -> None:
             pass
 
 
-def test_kill_9_of_the_driver_leaves_no_process_and_no_scratch_folder(tmp_path):
+class Sweep(NamedTuple):
+    driver: subprocess.Popen
+    marker: str
+    tree: list[psutil.Process]
+    scratch: list[Path]
+
+
+@contextmanager
+def sweep_under_way(args: list[str], tmp_path: Path, study: str, ready: Callable[[subprocess.Popen, Path], bool],
+                    settle_s: float = 0.0) -> Iterator[Sweep]:
+    """A driver started with args, settle_s after ready(driver, run_dir): its marker, process
+    tree and scratch folders. Whatever the test leaves alive is killed on the way out."""
     run_dir = tmp_path / "run"
-    driver = start_driver([*FAKE, f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "study=kill9",
+    driver = start_driver([*args, f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"study={study}",
                            f"hydra.run.dir={run_dir}"], tmp_path)
     tree: list[psutil.Process] = []
     try:
-        wait_for(lambda: measured_one(run_dir), driver, 300)
+        wait_for(lambda: ready(driver, run_dir), driver, 300)
+        time.sleep(settle_s)
         marker, tree = the_sweep(driver)
-        scratch = scratch_of(tree)
+        yield Sweep(driver, marker, tree, scratch_of(tree))
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        kill_all(tree)
+
+
+def test_kill_9_of_the_driver_leaves_no_process_and_no_scratch_folder(tmp_path):
+    with sweep_under_way(FAKE, tmp_path, "kill9", lambda _, run_dir: measured_one(run_dir)) as sweep:
+        driver, marker, tree, scratch = sweep
         assert {"raylet", "ray::SweepWorker", "ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= \
             {process_kind(n) for n in names(tree)}, names(tree)
         time.sleep(1.5)  # the watchdog notes the cluster's processes every second
@@ -153,79 +176,64 @@ def test_kill_9_of_the_driver_leaves_no_process_and_no_scratch_folder(tmp_path):
         took = gone_within(tree, marker, GONE_WITHIN_S)
         print(f"every process of the sweep gone {took:.1f} s after kill -9 of the driver")
         assert not [f for f in scratch if f.exists()]
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-        kill_all(tree)
 
 
 def test_with_its_watchdog_killed_too_the_next_sweep_reclaims_processes_scratch_and_ray_session(tmp_path):
-    run_dir = tmp_path / "run"
     # What a SIGKILLed engine and its SIGKILLed resource tracker leave (the fake engine has none).
     segment = shared_memory.SharedMemory(create=True, size=1 << 20)
     resource_tracker.unregister(segment._name, "shared_memory")
     segment.close()
     segment = Path("/dev/shm") / segment.name
     planted = segment.stat().st_ctime
-    driver = start_driver([*FAKE, f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "study=kill9b",
-                           f"hydra.run.dir={run_dir}"], tmp_path)
-    tree: list[psutil.Process] = []
     try:
-        wait_for(lambda: measured_one(run_dir), driver, 300)
-        marker, tree = the_sweep(driver)
-        scratch = scratch_of(tree)
-        sessions = [m.parent for m in RAY_TEMP.glob(f"session_*/{SESSION_MARK}")
-                    if m.read_text() == marker and not m.parent.is_symlink()]
-        assert len(sessions) == 1
-        watchdog = [p for p in tree if "hostsweep.run.reaper" in command_line(p)]
-        assert len(watchdog) == 1
-        kill_all([psutil.Process(driver.pid), *watchdog])  # as the OOM killer or a node agent might
-        driver.wait(30)
-        time.sleep(3)
-        left = [p for p in tree if alive(p)]
-        assert left, "nothing was left to reclaim"  # Ray's agents wait for the dead GCS
-        # Old enough to be reclaimed (any other local sweep starting here meanwhile may take it first).
-        time.sleep(max(0.0, SEGMENT_MIN_AGE_S + 1 - (time.time() - planted)))
-        rerun = run_hostsweep(["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=3", "measure.warmups=1",
-                               "ctx=[16]", "batch=[1]", "split.enabled=false", "ray.exclusive=false",
-                               f"tracking.uri=sqlite:///{tmp_path}/mlflow2.db", "study=kill9b-rerun",
-                               f"hydra.run.dir={tmp_path / 'rerun'}"], tmp_path, timeout=300,
-                              env={"HOSTSWEEP_FAKE_TIME_SCALE": "0.01"})
-        assert rerun.returncode == 0, rerun.stderr[-3000:]
-        assert not names([p for p in tree if alive(p)] + marked(marker))
-        assert not [f for f in scratch if f.exists()]
-        assert not sessions[0].exists()
-        assert not segment.exists()
-        # (its log says "reclaimed what killed sweeps left: ..." unless another sweep starting
-        # on this shared machine meanwhile got there first)
+        with sweep_under_way(FAKE, tmp_path, "kill9b", lambda _, run_dir: measured_one(run_dir)) as sweep:
+            reclaimed_by_the_next_sweep(sweep, tmp_path, segment, planted)
     finally:
-        if driver.poll() is None:
-            driver.kill()
-        kill_all(tree)
         segment.unlink(missing_ok=True)
+
+
+def reclaimed_by_the_next_sweep(sweep: Sweep, tmp_path: Path, segment: Path, planted: float) -> None:
+    driver, marker, tree, scratch = sweep
+    sessions = [m.parent for m in RAY_TEMP.glob(f"session_*/{SESSION_MARK}")
+                if m.read_text() == marker and not m.parent.is_symlink()]
+    assert len(sessions) == 1
+    watchdog = [p for p in tree if "hostsweep.run.reaper" in command_line(p)]
+    assert len(watchdog) == 1
+    kill_all([psutil.Process(driver.pid), *watchdog])  # as the OOM killer or a node agent might
+    driver.wait(30)
+    time.sleep(3)
+    left = [p for p in tree if alive(p)]
+    assert left, "nothing was left to reclaim"  # Ray's agents wait for the dead GCS
+    # Old enough to be reclaimed (any other local sweep starting here meanwhile may take it first).
+    time.sleep(max(0.0, SEGMENT_MIN_AGE_S + 1 - (time.time() - planted)))
+    rerun = run_hostsweep(["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=3", "measure.warmups=1",
+                           "ctx=[16]", "batch=[1]", "split.enabled=false", "ray.exclusive=false",
+                           f"tracking.uri=sqlite:///{tmp_path}/mlflow2.db", "study=kill9b-rerun",
+                           f"hydra.run.dir={tmp_path / 'rerun'}"], tmp_path, timeout=300,
+                          env={"HOSTSWEEP_FAKE_TIME_SCALE": "0.01"})
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert not names([p for p in tree if alive(p)] + marked(marker))
+    assert not [f for f in scratch if f.exists()]
+    assert not sessions[0].exists()
+    assert not segment.exists()
+    # (its log says "reclaimed what killed sweeps left: ..." unless another sweep starting
+    # on this shared machine meanwhile got there first)
+
+
+def engine_up(driver: subprocess.Popen, _run_dir: Path) -> bool:
+    procs = psutil.Process(driver.pid).children(recursive=True)
+    return any(n.startswith("VLLM::Worker") for n in names(procs)) and \
+        any(str(s).startswith("/dev/shm/psm_") for s in mapped_segments(p.pid for p in procs))
 
 
 def test_kill_9_of_the_driver_stops_vllm_and_frees_its_shared_memory(tmp_path):
     """The real vLLM CPU engine: its EngineCore and VLLM::Worker and the /dev/shm segments
     of its message queues go with the driver."""
     pytest.importorskip("vllm")
-    run_dir = tmp_path / "run"
-    driver = start_driver(["+sku=cpu", "batch=[1,2,3]", "ctx=[32]", "measure.T=49", "measure.reps=12",
-                           "measure.warmups=1", "split.enabled=false", "ray.exclusive=false",
-                           f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "study=kill9vllm",
-                           f"hydra.run.dir={run_dir}"], tmp_path)
-    tree: list[psutil.Process] = []
-    try:
-        def engine_up() -> bool:
-            procs = psutil.Process(driver.pid).children(recursive=True)
-            return any(n.startswith("VLLM::Worker") for n in names(procs)) and \
-                any(str(s).startswith("/dev/shm/psm_") for s in mapped_segments(p.pid for p in procs))
-
-        wait_for(engine_up, driver, 240)
-        time.sleep(2)
-        marker, tree = the_sweep(driver)
+    args = ["+sku=cpu", "batch=[1,2,3]", "ctx=[32]", "measure.T=49", "measure.reps=12", "measure.warmups=1",
+            "split.enabled=false", "ray.exclusive=false", "measure.remeasure_unstable=0"]
+    with sweep_under_way(args, tmp_path, "kill9vllm", engine_up, settle_s=2.0) as (driver, marker, tree, scratch):
         segments = {s for s in mapped_segments(p.pid for p in tree) if s.name.startswith("psm_")}
-        scratch = scratch_of(tree)
         assert segments and scratch
         sockets = socket_files(tree)  # vLLM's ZMQ IPC: in the worker's scratch folder, not /tmp
         assert sockets and all(any(s.is_relative_to(f) for f in scratch) for s in sockets), (sockets, scratch)
@@ -235,7 +243,3 @@ def test_kill_9_of_the_driver_stops_vllm_and_frees_its_shared_memory(tmp_path):
         print(f"vLLM and Ray gone {took:.1f} s after kill -9 of the driver; segments {sorted(map(str, segments))}")
         assert not [s for s in segments if s.exists()]
         assert not [f for f in scratch if f.exists()] and not [s for s in sockets if s.exists()]
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-        kill_all(tree)
