@@ -54,7 +54,7 @@ def test_several_deliveries_in_flight_take_every_item_exactly_once_within_the_ba
 
 
 def test_with_several_deliveries_an_outage_is_ridden_out_said_once_and_loses_nothing(caplog):
-    store = ConcurrentStore(failures=9)
+    store = ConcurrentStore(failures=3)
     logger = BackgroundLogger(store.deliver, store.heartbeat, outage_s=30, heartbeat_s=60, deliveries=3)
     with caplog.at_level(logging.WARNING, "hostsweep.record.uploader"):
         for item in range(20):
