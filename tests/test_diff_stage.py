@@ -161,7 +161,7 @@ def test_naming_mistakes_are_one_line_errors(command_line, args, needle):
 
 def test_a_cell_run_is_refused_with_its_sweep_named(store, command_line):
     proc = command_line[("cell",)]
-    assert proc.returncode == 2 and f"is a cell run" in proc.stderr and store["base"] in proc.stderr
+    assert proc.returncode == 2 and "is a cell run" in proc.stderr and store["base"] in proc.stderr
 
 
 def test_the_command_line_gate_exits_1(command_line):

@@ -197,7 +197,7 @@ def test_a_database_store_gets_a_cell_in_one_transaction_the_same_run_as_through
     monkeypatch.setattr(writer, "write_many", write_then_lose_the_answer)
     with pytest.raises(ConnectionError):
         tracker.log_cell(again, {"journal_entry": "e-again"})
-    first = tracker.log_cell(again, {"journal_entry": "e-again"})  # the uploader's retry
+    tracker.log_cell(again, {"journal_entry": "e-again"})  # the uploader's retry
     assert len(tracker.client.search_runs([tracker.experiment_id], "tags.cell_key = 'key-again'")) == 1
 
 

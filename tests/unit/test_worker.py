@@ -110,8 +110,6 @@ def test_split_phases_false_leaves_the_phases_out(tmp_path):
 
 @pytest.mark.parametrize("phase", ["sample", "schedule", "forward"])
 def test_a_debug_delay_in_a_phase_moves_that_phase_and_the_step_by_it(tmp_path, phase):
-    from hostsweep.engines.fake import FakeEngine
-
     delay_ms = 2.0
     plain_cell = fake_cells("batch=[1]", "ctx=[16]")[0]
     cell = fake_cells("batch=[1]", "ctx=[16]", f"debug.delay_phase={phase}", f"debug.delay_ms={delay_ms}")[0]
