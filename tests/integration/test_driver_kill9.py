@@ -31,7 +31,10 @@ pytestmark = pytest.mark.integration
 
 GONE_WITHIN_S = 15.0
 VLLM_SOCKET = re.compile(r"[0-9a-f]{8}-([0-9a-f]{4}-){3}[0-9a-f]{12}")
-FAKE = ["+sku=cpu", "engine.name=fake", "measure.T=400", "measure.reps=3", "measure.warmups=1", "ctx=[16]",
+# One cell after another (not in interleaved rounds, which hand every cell of the group over
+# at once at the end): the sweep is still measuring when the first cell is journaled.
+FAKE = ["+sku=cpu", "engine.name=fake", "measure.interleave=false", "measure.T=400", "measure.reps=3",
+        "measure.warmups=1", "ctx=[16]",
         "batch=[1,2,3,4,5,6]", "split.enabled=false", "ray.exclusive=false", "measure.remeasure_unstable=0"]
 
 
@@ -61,9 +64,11 @@ def names(procs) -> list[str]:
 
 
 def process_kind(name: str) -> str:
-    """'ray::SweepWorker.measure (123)' -> 'ray::SweepWorker': Ray retitles an actor's process
-    with the method it is running, so the kind is the name up to the method."""
-    return name.split(" (")[0].split(".")[0]
+    """A process's name as the kernel keeps it, 15 characters: 'ray::SweepWorker.measure
+    (123)' and 'ray::SweepWorke (123)' are both 'ray::SweepWorke'. Ray retitles an actor's
+    process with the method it runs, and psutil names a process from its title only when the
+    title is readable at that moment."""
+    return name.split(" (")[0][:15]
 
 
 def marked(marker: str) -> list[psutil.Process]:
@@ -163,8 +168,10 @@ def sweep_under_way(args: list[str], tmp_path: Path, study: str, ready: Callable
 def test_kill_9_of_the_driver_leaves_no_process_and_no_scratch_folder(tmp_path):
     with sweep_under_way(FAKE, tmp_path, "kill9", lambda _, run_dir: measured_one(run_dir)) as sweep:
         driver, marker, tree, scratch = sweep
-        assert {"raylet", "ray::SweepWorker", "ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= \
-            {process_kind(n) for n in names(tree)}, names(tree)
+        expected = {process_kind(n) for n in ("raylet", "ray::SweepWorker", "ray::DashboardAgent",
+                                              "ray::RuntimeEnvAgent")}
+        assert expected <= {process_kind(n) for n in names(tree)}, [(n, command_line(p)[:60])
+                                                                     for n, p in zip(names(tree), tree)]
         time.sleep(1.5)  # the watchdog notes the cluster's processes every second
         unnoted = [p for p in tree if alive(p) and p.pid not in read_ledgers().get(marker, {})
                    and "hostsweep.run.reaper" not in command_line(p)]
