@@ -29,7 +29,7 @@ from hostsweep.record.readback import read_cells
 from hostsweep.stages import sweep
 from tests.conftest import compose_raw
 from tests.fakes import FakeBackend
-from tests.integration.mlflow_server import MlflowServer, free_port
+from tests.integration.mlflow_server import MlflowServer, fake_sweep_into, free_port
 from tests.integration.test_tracking_outage import when_first_cell_is_logged
 
 pytestmark = pytest.mark.integration
@@ -91,10 +91,7 @@ def server(postgres, tmp_path_factory):
 
 
 def args(server: MlflowServer, study: str) -> list[str]:
-    return ["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=3", "measure.warmups=1", "ctx=[16]",
-            f"batch=[{','.join(map(str, range(1, CELLS + 1)))}]", "measure.bootstrap_resamples=200",
-            "split.enabled=false", "ray.exclusive=false", f"tracking.uri={server.uri}", f"study={study}",
-            "tracking.heartbeat_s=1", "tracking.outage_s=120", "tracking.stale_after_s=150",
+    return [*fake_sweep_into(server.uri, CELLS, study), "tracking.outage_s=120", "tracking.stale_after_s=150",
             "tracking.exit_wait_s=120"]  # the restarted server may take a minute on a busy machine
 
 

@@ -20,7 +20,7 @@ from hostsweep.record.journal import JOURNAL_FILE, read_entries, unlogged
 from hostsweep.stages import sweep
 from tests.conftest import compose_raw
 from tests.fakes import FakeBackend
-from tests.integration.mlflow_server import MlflowServer
+from tests.integration.mlflow_server import MlflowServer, fake_sweep_into
 
 pytestmark = pytest.mark.integration
 
@@ -38,10 +38,8 @@ def server(tmp_path_factory, new_store):
 
 
 def args(server: MlflowServer, outage_s: int) -> list[str]:
-    return ["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=3", "measure.warmups=1", "ctx=[16]",
-            f"batch=[{','.join(map(str, range(1, CELLS + 1)))}]", "measure.bootstrap_resamples=200",
-            "split.enabled=false", "ray.exclusive=false", f"tracking.uri={server.uri}", "study=outage",
-            "tracking.heartbeat_s=1", f"tracking.outage_s={outage_s}", f"tracking.stale_after_s={outage_s + 30}"]
+    return [*fake_sweep_into(server.uri, CELLS, "outage"), f"tracking.outage_s={outage_s}",
+            f"tracking.stale_after_s={outage_s + 30}"]
 
 
 def when_first_cell_is_logged(run_dir: Path, action) -> "callable":
