@@ -335,6 +335,11 @@ class TrackingConfig:
     # a server (http/https; benchmarks/RESULTS.md, batched recording), 1 to a database store
     # (sqlite takes one writer at a time; dbwrite.py writes waiting cells in one transaction).
     deliveries: Optional[int] = None
+    # Into a database store (sqlite, PostgreSQL, MySQL URIs): each batch of cell runs written
+    # straight into MLflow's tables in one transaction (record/dbwrite.py). A write the store
+    # refuses while it answers MLflow's API switches the sweep to the API, with a warning;
+    # false: the API from the start (a database another MLflow version laid out).
+    direct_writes: bool = True
     # A RUNNING run whose sweep has not touched it for this long is stale: its cells may be
     # claimed by another sweep, and it is marked KILLED. More than outage_s + heartbeat_s.
     stale_after_s: float = 300.0

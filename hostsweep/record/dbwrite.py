@@ -72,6 +72,11 @@ class RunWriter:
                 if values:
                     session.execute(insert(model.__table__), values)
 
+    def existing(self, run_ids: Sequence[str]) -> set[str]:
+        """Which of these runs are in the store (a write whose answer was lost wrote them)."""
+        with self.store.ManagedSessionMaker() as session:
+            return set(session.scalars(select(SqlRun.run_uuid).where(SqlRun.run_uuid.in_(list(run_ids)))))
+
     def _rows(self, rows: dict[type, list[dict[str, Any]]], run_id: str, name: str, start_ms: int, end_ms: int,
               status: str, tags: Sequence[RunTag], params: Sequence[Param], metrics: Sequence[Metric]) -> None:
         tags = [t for t in tags if t.key != MLFLOW_RUN_NAME] + [RunTag(MLFLOW_RUN_NAME, name)]

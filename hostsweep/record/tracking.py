@@ -29,6 +29,7 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from hostsweep.measure.results import CellResult, cell_metrics, logged_row, split_tags, stability_tags
+from hostsweep.config.redact import error_line, redact
 from hostsweep.record import crashpoints
 from hostsweep.record.artifacts import earlier_timings_table, linearity_table, timings_table, top_ops_table
 from hostsweep.record.dbread import is_database, stored_runs
@@ -97,11 +98,14 @@ class SweepTracker:
     # Read finished runs of a database store with plain SELECTs (dbread.py), not search_runs.
     direct_reads = True
     # Write a cell's run into a database store in one transaction (dbwrite.py), not the four
-    # calls of MLflow's API (a server's clients have only those).
+    # calls of MLflow's API (a server's clients have only those); tracking.direct_writes.
     direct_writes = True
 
-    def __init__(self, tracking_uri: str, experiment: str, description: Optional[str] = None) -> None:
+    def __init__(self, tracking_uri: str, experiment: str, description: Optional[str] = None,
+                 direct_writes: Optional[bool] = None) -> None:
         bounded_requests()
+        if direct_writes is not None:
+            self.direct_writes = direct_writes
         quiet_mlflow()
         prepare_store(tracking_uri)
         self.tracking_uri = tracking_uri
@@ -324,17 +328,16 @@ class SweepTracker:
                     new_id, row = self._prepare_write(writer, result, values, run_tags, entry)
                     planned.append((i, new_id, row, entry, run_id))
                     continue
-                claim, (run_id, created) = run_id, self._cell_run(result, run_tags, run_id)
-                try:
-                    ids[i] = self._log_into(run_id, created, claim, result, values, run_tags)
-                finally:
-                    self._repos.pop(run_id, None)
+                ids[i] = self._log_through_api(result, values, run_tags, run_id)
             if planned:
-                writer.write_many([row for _, _, row, _, _ in planned])
+                for i, run_id in self._write_directly(writer, planned, cells).items():
+                    ids[i] = run_id
         finally:
             for _, new_id, _, _, _ in planned:
                 self._repos.pop(new_id, None)
         for i, new_id, _, entry, claim in planned:
+            if ids[i] is not None:  # logged through MLflow's API after the direct write failed
+                continue
             ids[i] = new_id
             if entry:
                 self.logged_into[entry] = new_id
@@ -342,6 +345,45 @@ class SweepTracker:
             if claim is not None and claim != new_id:
                 self.client.delete_run(claim)  # a claim run of a journal from before batched claims
         return [run_id for run_id in ids if run_id is not None]
+
+    def _write_directly(self, writer: Any, planned: list[tuple[int, str, dict[str, Any], Optional[str], Optional[str]]],
+                        cells: Sequence[tuple[CellResult, dict[str, str], Optional[str]]]) -> dict[int, str]:
+        """Write the planned runs in one transaction. When that fails while the store answers
+        MLflow's API (a database of another MLflow's table layout, a constraint this writer
+        does not know), these cells and every later one go through the API instead, with a
+        warning; when the store does not answer either, the error goes to the uploader, which
+        retries (an outage). Returns the runs logged through the API, by index in `cells`."""
+        try:
+            writer.write_many([row for _, _, row, _, _ in planned])
+            return {}
+        except Exception as exc:  # noqa: BLE001 - sqlalchemy's errors, a driver's, a lost connection
+            failure = exc
+        try:
+            written = writer.existing([new_id for _, new_id, _, _, _ in planned])
+        except Exception:  # noqa: BLE001 - the store does not answer: an outage, retried as one
+            raise failure from None
+        if written:  # one transaction: all of them are there (its answer was lost), or none is
+            return {}
+        self._writer = False
+        log.warning("writing cell runs straight into %s failed (%s); MLflow's API logs them from now on "
+                    "(tracking.direct_writes=false says so from the start)", redact(self.tracking_uri),
+                    error_line(failure))
+        logged = {}
+        for i, _, _, entry, claim in planned:
+            self._planned.pop(entry, None)
+            result, tags, _ = cells[i]
+            logged[i] = self._log_through_api(result, *self._cell_tags(result, tags), claim)
+        return logged
+
+    def _log_through_api(self, result: CellResult, values: dict[str, float], run_tags: list[RunTag],
+                         claim: Optional[str]) -> str:
+        """A cell's run through MLflow's calls (create_run or the run to reuse, log_batch,
+        artifacts, set_terminated); its id."""
+        run_id, created = self._cell_run(result, run_tags, claim)
+        try:
+            return self._log_into(run_id, created, claim, result, values, run_tags)
+        finally:
+            self._repos.pop(run_id, None)
 
     def _cell_tags(self, result: CellResult, tags: dict[str, str]) -> tuple[dict[str, float], list[RunTag]]:
         """A cell's metrics and every tag of its run."""

@@ -193,7 +193,8 @@ def open_study(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Pat
     with tracking_answers(cfg.tracking.uri):
         from hostsweep.record.tracking import SweepTracker
 
-        tracker = SweepTracker(cfg.tracking.uri, experiment_name(study), experiment_description(cfg.study))
+        tracker = SweepTracker(cfg.tracking.uri, experiment_name(study), experiment_description(cfg.study),
+                               cfg.tracking.direct_writes)
         tidy_experiment(tracker, study, journal)
         cells, resumed = skip_finished(grid, tracker, options) if cfg.resume else (grid, [])
         tracker.start_sweep(sweep_run_name(study, grid), redact(OmegaConf.to_yaml(raw_cfg)),

@@ -25,7 +25,6 @@ from mlflow.tracking import MlflowClient
 
 from hostsweep.record.crashpoints import ENV, EXIT_CODE
 from hostsweep.record.journal import JOURNAL_FILE
-from hostsweep.record.tracking import SweepTracker
 from hostsweep.stages import sweep
 from tests.conftest import compose_raw
 from tests.crashes import assert_kept_once, measured_entries
@@ -43,8 +42,6 @@ DRIVER = textwrap.dedent("""
     from tests.conftest import compose_raw
     from tests.fakes import FakeBackend
     from hostsweep.stages import sweep
-    from hostsweep.record.tracking import SweepTracker
-    SweepTracker.direct_writes = os.environ.get("API_WRITES") != "1"  # 1: MLflow's API, as against a server
     run_dir = Path(sys.argv[2])
     sys.exit(sweep.run(compose_raw(sys.argv[3:]), run_dir, FakeBackend(run_dir / "work")))
 """)
@@ -59,8 +56,9 @@ CRASHES = [("journaled", 3, "new"), ("tabled", 3, "new"), ("uploading", 2, "new"
 
 def crash_driver(args: list[str], run_dir: Path, cwd: Path, point: str, nth: int,
                  api: bool = False) -> subprocess.CompletedProcess:
-    env = {**os.environ, ENV: f"{point}:{nth}", "HOSTSWEEP_FAKE_TIME_SCALE": "0.01", "API_WRITES": "1" if api else "0"}
-    return subprocess.run([sys.executable, "-c", DRIVER, str(REPO), str(run_dir), *args], cwd=cwd, env=env,
+    env = {**os.environ, ENV: f"{point}:{nth}", "HOSTSWEEP_FAKE_TIME_SCALE": "0.01"}
+    writes = ["tracking.direct_writes=false"] if api else []  # MLflow's API, as against a server
+    return subprocess.run([sys.executable, "-c", DRIVER, str(REPO), str(run_dir), *args, *writes], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -91,8 +89,8 @@ def test_a_driver_killed_while_recording_loses_no_cell_and_its_rerun_measures_no
 
     again = first if rerun_in == "same" else tmp_path / "again"
     backend = FakeBackend(tmp_path / "work")
-    monkeypatch.setattr(SweepTracker, "direct_writes", rerun_in != "api")
-    assert sweep.run(compose_raw(args), again, backend) == 0
+    writes = ["tracking.direct_writes=false"] if rerun_in == "api" else []
+    assert sweep.run(compose_raw([*args, *writes]), again, backend) == 0
 
     grid = [c.key for c in sweep.build_cells(sweep.resolve_sweep(compose_raw(args)))]
     assert sorted(backend.measured) == sorted(set(grid) - set(kept))  # the rest, each once; nothing kept again

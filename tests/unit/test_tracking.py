@@ -195,10 +195,64 @@ def test_a_database_store_gets_a_cell_in_one_transaction_the_same_run_as_through
         raise ConnectionError("the answer was lost")
 
     monkeypatch.setattr(writer, "write_many", write_then_lose_the_answer)
-    with pytest.raises(ConnectionError):
-        tracker.log_cell(again, {"journal_entry": "e-again"})
-    tracker.log_cell(again, {"journal_entry": "e-again"})  # the uploader's retry
+    first = tracker.log_cell(again, {"journal_entry": "e-again"})  # the write is found there: no error
+    assert tracker.log_cell(again, {"journal_entry": "e-again"}) == first  # a retry anyway writes nothing
     assert len(tracker.client.search_runs([tracker.experiment_id], "tags.cell_key = 'key-again'")) == 1
+    assert tracker._direct_writer() is writer  # still writing directly
+
+
+def measured_cell(key: str) -> CellResult:
+    return CellResult(key, PARAMS, "FINISHED", CellMeasurement(3.0, 2.9, 3.1, 10.5, 106.5, REPS), None, {}, 8.25,
+                      SPLIT, started_at=1_700_000_000.0, ended_at=1_700_000_008.25)
+
+
+def test_a_direct_write_the_database_refuses_falls_back_to_the_api_for_this_and_every_later_cell(
+        tracker, monkeypatch, caplog):
+    """A database laid out by another MLflow: the INSERTs fail while the store answers. The
+    batch is logged through MLflow's API, once, and so is every later cell."""
+    from sqlalchemy.exc import ProgrammingError
+
+    writer = tracker._direct_writer()
+    refused = []
+
+    def another_layout(runs):
+        refused.append(len(runs))
+        raise ProgrammingError("INSERT INTO runs", {}, Exception('column "name" does not exist'))
+
+    monkeypatch.setattr(writer, "write_many", another_layout)
+    cells = [(measured_cell(f"key-{i}"), {"journal_entry": f"e{i}"}, None) for i in range(3)]
+    ids = tracker.log_cells(cells)
+    later = tracker.log_cell(measured_cell("key-later"), {"journal_entry": "e-later"})
+    assert refused == [3]  # tried once, then the API
+    assert "MLflow's API logs them from now on" in caplog.text and 'column "name"' in caplog.text
+    for key, run_id in zip([*(f"key-{i}" for i in range(3)), "key-later"], [*ids, later]):
+        (run,) = tracker.client.search_runs([tracker.experiment_id], f"tags.cell_key = '{key}'")
+        assert run.info.run_id == run_id and run.info.status == "FINISHED"
+        assert run.data.metrics["step_ms"] == 3.0
+        assert "raw_timings.csv" in {a.path for a in tracker.client.list_artifacts(run_id)}
+
+
+def test_a_direct_write_while_the_database_is_down_is_an_outage_the_uploader_retries(tracker):
+    from sqlalchemy.exc import OperationalError
+
+    writer = tracker._direct_writer()
+    down = OperationalError("SELECT", {}, Exception("could not connect to server"))
+    for name in ("write_many", "existing"):  # instance attributes over the class's methods, deleted below
+        setattr(writer, name, lambda *a, _e=down: (_ for _ in ()).throw(_e))
+    with pytest.raises(OperationalError):
+        tracker.log_cell(measured_cell("key-down"), {"journal_entry": "e-down"})
+    del writer.write_many, writer.existing
+    run_id = tracker.log_cell(measured_cell("key-down"), {"journal_entry": "e-down"})  # back: the retry
+    assert tracker._direct_writer() is writer  # an outage does not switch direct writes off
+    assert [r.info.run_id for r in tracker.client.search_runs([tracker.experiment_id],
+                                                               "tags.cell_key = 'key-down'")] == [run_id]
+
+
+def test_direct_writes_false_logs_a_database_store_through_the_api(tmp_path, new_store):
+    tracker = SweepTracker(new_store(tmp_path / "mlflow.db"), "hostsweep-api", direct_writes=False)
+    tracker.start_sweep("api", "", {}, {})
+    assert tracker._direct_writer() is False and tracker.cells_per_write() == 1
+    assert tracker.client.get_run(tracker.log_cell(measured_cell("key-api"), {})).info.status == "FINISHED"
 
 
 def test_claims_are_batched_on_the_parent_run_and_a_second_sweep_skips_them(tmp_path, new_store):
