@@ -15,7 +15,9 @@ import importlib
 import logging
 import os
 import sys
+import threading
 import time
+from concurrent.futures import Future
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -55,6 +57,9 @@ if TYPE_CHECKING:  # MLflow (1.5 s to import) loads only once a sweep records: b
 
 log = logging.getLogger(__name__)
 
+# What opening a study in MLflow gives a sweep: its tracker, the cells still to measure, the
+# resumed cells' rows, and its claims (cell key -> None).
+Opened = tuple["SweepTracker", list[Cell], list[dict[str, object]], dict[str, Optional[str]]]
 # Seconds MLflow gets to take the queued cells at the end: a normal end waits out a short
 # outage (up to tracking.outage_s), an interrupted one does not keep the user waiting.
 INTERRUPTED_DRAIN_S = 10.0
@@ -162,22 +167,32 @@ def run(raw_cfg: DictConfig, run_dir: Path, backend: Optional[WorkerBackend] = N
     try:
         grid = build_cells(study)
         log.info("%d cells on %d engine(s)", len(grid), len(group_by_engine(runnable(grid))))
+        # MLflow's side is planned while Ray starts (seconds each; preflight has checked the store)
+        opening = StudyOpening(study, raw_cfg, grid, run_dir)
         if backend is not None:
-            return _sweep(study, raw_cfg, grid, run_dir, backend)
-        asked = time.monotonic()
-        started_here = cluster.connect(cfg.ray.address, cfg.ray.confine_daemons, cfg.ray.idle_daemons,
-                                       log_to_driver=cfg.verbose)
+            return _sweep(study, grid, run_dir, backend, opening)
+        try:
+            asked = time.monotonic()
+            started_here = cluster.connect(cfg.ray.address, cfg.ray.confine_daemons, cfg.ray.idle_daemons,
+                                           log_to_driver=cfg.verbose)
+        except BaseException as exc:
+            opening.abandon(f"Ray did not start: {error_line(exc)}")
+            raise
         log.info("Ray: %s in %.1f s", "started a local cluster" if started_here else f"joined {cfg.ray.address}",
                  time.monotonic() - asked)
         if started_here:
             record_cluster(machine_lock, descendant_pids(os.getpid()))
         try:
-            cluster.check_feasible(group_by_engine(runnable(grid)), cluster.live_nodes())
+            try:
+                cluster.check_feasible(group_by_engine(runnable(grid)), cluster.live_nodes())
+            except BaseException as exc:
+                opening.abandon(error_line(exc))
+                raise
             from hostsweep.run.backend import RayBackend
 
             backend = RayBackend(worker_log_folder(run_dir, study.config.verbose))
             wind_down = WindDown(backend.finish_closing, partial(cluster.disconnect, started_here))
-            return _sweep(study, raw_cfg, grid, run_dir, backend, wind_down)
+            return _sweep(study, grid, run_dir, backend, opening, wind_down)
         finally:
             cluster.disconnect(started_here)
     finally:
@@ -185,10 +200,61 @@ def run(raw_cfg: DictConfig, run_dir: Path, backend: Optional[WorkerBackend] = N
             machine_lock.close()
 
 
+class StudyOpening:
+    """The study's MLflow side before measuring (open_study), in a thread of its own from
+    the moment the grid is known: a first 10,000-cell sweep claims its cells, and a resumed
+    one reads back its finished cells, while Ray and the engines start. The journal is
+    made here, in the caller's thread: a run directory another sweep uses is refused
+    before anything starts."""
+
+    def __init__(self, study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path) -> None:
+        cfg = study.config
+        self.started = time.time()  # when the sweep began, for the console and summary.json
+        pending = pending_folder(Path(cfg.output.pending_dir), cfg.tracking.uri, experiment_name(study))
+        # Workers keep each cell's timed pairs there until it is reported: a rerun continues them.
+        self.options = dataclasses.replace(MeasureOptions.of(cfg), rounds_dir=str((pending / ROUNDS_FOLDER).resolve()))
+        self.journal = Journal.create(run_dir / JOURNAL_FILE, pending)  # refuses a run dir another sweep uses
+        self._future: Future[Opened] = Future()
+        # a daemon: a driver stopped while Ray starts does not wait on MLflow to exit
+        threading.Thread(target=self._open, args=(study, raw_cfg, grid, run_dir), name="open-study",
+                         daemon=True).start()
+
+    def _open(self, study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path) -> None:
+        try:
+            self._future.set_result(open_study(study, raw_cfg, grid, run_dir, self.options, self.journal,
+                                               self.started))
+        except BaseException as exc:  # noqa: BLE001 - handed to the thread that waits for it
+            self._future.set_exception(exc)
+
+    def result(self) -> Opened:
+        """What open_study returned, once done; its error (the journal closed) if it failed."""
+        try:
+            return self._future.result()
+        except BaseException:
+            self.journal.close()
+            raise
+
+    def abandon(self, reason: str) -> None:
+        """The sweep stops before measuring (Ray or the cluster said no): the opening is
+        waited for and its parent run ended FAILED, its claims released with `reason`."""
+        try:
+            tracker, _, _, claims = self.result()
+        except BaseException:  # noqa: BLE001 - the error the caller raises is the one to show
+            return
+        try:
+            tracker.end()
+            tracker.release(list(claims), f"not measured: {reason}")
+            tracker.finish_sweep("FAILED", {"cells_done": 0.0})
+        except Exception as exc:  # noqa: BLE001 - the next sweep marks a run left RUNNING
+            log.warning("could not end the sweep's MLflow run: %s", error_line(exc))
+        finally:
+            self.journal.close()
+
+
 def open_study(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, options: MeasureOptions,
-               journal: Journal) -> tuple[SweepTracker, list[Cell], list[dict[str, object]], dict[str, Optional[str]]]:
+               journal: Journal, started: float) -> Opened:
     """The study's MLflow side before measuring: the tracker, the cells still to measure,
-    the resumed cells' rows, and this sweep's claims."""
+    the resumed cells' rows, and this sweep's claims. `started`: when the sweep began."""
     cfg = study.config
     with tracking_answers(cfg.tracking.uri):
         from hostsweep.record.tracking import SweepTracker
@@ -201,29 +267,31 @@ def open_study(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Pat
                             sweep_params(study, cells), {**driver_tags(), "run_dir": str(run_dir)},
                             varying_axes([c.params() for c in grid]))
         cells, claims = claim_cells(tracker, cells, cfg.tracking.stale_after_s)
+    # Planned: what is left is claimed; Ray and the engines may still be starting.
+    log.info("planned: %d cell(s) to measure, %d resumed, %.1f s after the sweep began", len(runnable(cells)),
+             len(resumed), time.time() - started)
     return tracker, cells, resumed, claims
 
 
-def _sweep(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, backend: WorkerBackend,
+def _sweep(study: Study, grid: list[Cell], run_dir: Path, backend: WorkerBackend, opening: StudyOpening,
            wind_down: Optional[WindDown] = None) -> int:
     """wind_down: what ends the workers (default: the backend's closes) and, from `run`, the
     local cluster; begun as soon as measuring ends."""
     cfg = study.config
     wind_down = wind_down or WindDown(backend.finish_closing)
-    started = time.time()
-    pending = pending_folder(Path(cfg.output.pending_dir), cfg.tracking.uri, experiment_name(study))
-    # Workers keep each cell's timed pairs there until it is reported: a rerun continues them.
-    options = dataclasses.replace(MeasureOptions.of(cfg), rounds_dir=str((pending / ROUNDS_FOLDER).resolve()))
-    journal = Journal.create(run_dir / JOURNAL_FILE, pending)  # refuses a run dir another sweep uses
+    started, options, journal = opening.started, opening.options, opening.journal
     # Engines start (actor, vLLM import, engine init: tens of seconds) while MLflow is opened,
     # earlier cells are looked up and claims are made; those left with nothing to do go back.
-    prestarted = {spec: (backend.start(spec), backend.now()) for spec in group_by_engine(runnable(grid))}
     try:
-        tracker, cells, resumed, claims = open_study(study, raw_cfg, grid, run_dir, options, journal)
+        prestarted = {spec: (backend.start(spec), backend.now()) for spec in group_by_engine(runnable(grid))}
+    except BaseException as exc:
+        opening.abandon(f"an engine could not be started: {error_line(exc)}")
+        raise
+    try:
+        tracker, cells, resumed, claims = opening.result()
     except BaseException:
         for worker, _ in prestarted.values():
             backend.release(worker)
-        journal.close()
         raise
     needed = group_by_engine(runnable(cells))
     for spec in [s for s in prestarted if s not in needed]:
@@ -241,8 +309,6 @@ def _sweep(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, b
         if cell.skip is not None:
             recorder.on_result(skipped_result(cell.key, cell.params(), cell.skip))
     to_run = runnable(cells)
-    log.info("planned: %d cell(s) to measure, %d resumed, %.1f s after the sweep began", len(to_run),
-             table.resumed_count, time.time() - started)
     if prestarted:  # engines take tens of seconds to start: load matplotlib for the figures meanwhile
         importlib.import_module("hostsweep.report.figures")
     dispatcher = Dispatcher(to_run, options, recorder.on_result, backend, FaultPolicy.of(cfg.faults),

@@ -204,3 +204,32 @@ def test_cells_measured_while_tracking_refuses_them_are_kept_and_uploaded_by_the
     assert tally(experiment_runs(store, study), 4) == (4, 4, 0, 0)
     assert not unlogged(read_entries(tmp_path / "down" / JOURNAL_FILE))
     assert not list((tmp_path / "outputs" / "pending").rglob("*.json"))
+
+
+def test_the_plan_is_made_while_ray_starts_and_a_ray_that_fails_ends_it_failed_with_every_claim_released(
+        study, store, tmp_path, monkeypatch):
+    """MLflow's side is opened in a thread while Ray starts. Ray refusing to start: the
+    error is the sweep's, the parent run ends FAILED with every claimed cell listed as not
+    measured, and the run directory is free for the next sweep."""
+    from hostsweep.config.schema import ConfigError
+    from hostsweep.run import cluster
+
+    opened_while_ray_started = []
+
+    def refuse(*args, **kwargs):
+        deadline = time.monotonic() + 60  # the plan is made meanwhile: wait for its parent run
+        while time.monotonic() < deadline and experiment_runs(store, study).empty:
+            time.sleep(0.05)
+        opened_while_ray_started.append(not experiment_runs(store, study).empty)
+        raise ConfigError("ray.address=auto: nothing answers")
+
+    monkeypatch.setattr(cluster, "connect", refuse)
+    with pytest.raises(ConfigError, match="nothing answers"):
+        sweep.run(compose_raw(study), tmp_path / "run")
+    assert opened_while_ray_started == [True]
+    (parent,) = [row for _, row in experiment_runs(store, study).iterrows()]
+    assert parent["status"] == "FAILED" and parent["tags.not_measured"] == str(len(grid_of(study)))
+    assert "Ray did not start" in parent["tags.not_measured_reason"]
+    backend = FakeBackend(tmp_path / "work")
+    assert sweep.run(compose_raw(study), tmp_path / "run", backend) == 0  # the same run dir: not locked
+    assert sorted(backend.measured) == sorted(c.key for c in grid_of(study))
