@@ -1,16 +1,21 @@
 """`mlflow server` on loopback for the integration tests: started, killed (the server and its
-workers at once, as a crash would) and started again on the same port and store."""
+workers at once, as a crash would) and started again on the same port and store; and a
+throwaway PostgreSQL cluster for it to run on (Debian's postgresql: `make test-postgres`)."""
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
 
+import pytest
 import requests
 
 
@@ -69,3 +74,38 @@ def fake_sweep_into(uri: str, cells: int, study: str) -> list[str]:
             f"batch=[{','.join(map(str, range(1, cells + 1)))}]", "measure.bootstrap_resamples=200",
             "split.enabled=false", "ray.exclusive=false", f"tracking.uri={uri}", f"study={study}",
             "tracking.heartbeat_s=1"]
+
+
+def pg_bin(name: str) -> str:
+    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
+    if not found:
+        pytest.skip("PostgreSQL is not installed: `make test-postgres` installs Debian's postgresql")
+    return found[-1]
+
+
+def as_postgres(command: list[str]) -> list[str]:
+    """PostgreSQL refuses to run as root: root runs it as the postgres user."""
+    return ["runuser", "-u", "postgres", "--", *command] if os.geteuid() == 0 else command
+
+
+class Postgres:
+    """A PostgreSQL cluster in a temporary folder, listening on 127.0.0.1 only, trust auth."""
+
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="hostsweep-pg-"))  # /tmp: the postgres user can reach it
+        self.data, self.port = self.root / "data", free_port()
+        if os.geteuid() == 0:
+            shutil.chown(self.root, "postgres", "postgres")
+        subprocess.run(as_postgres([pg_bin("initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust",
+                                    "--no-sync"]), check=True, capture_output=True)
+        subprocess.run(as_postgres([pg_bin("pg_ctl"), "-D", str(self.data), "-l", str(self.root / "pg.log"), "-w",
+                                    "-o", f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c fsync=off",
+                                    "start"]), check=True, capture_output=True)
+        subprocess.run(as_postgres([pg_bin("createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
+                                    "mlflow"]), check=True, capture_output=True)
+        self.uri = f"postgresql+psycopg2://postgres@127.0.0.1:{self.port}/mlflow"
+
+    def stop(self) -> None:
+        subprocess.run(as_postgres([pg_bin("pg_ctl"), "-D", str(self.data), "-m", "immediate", "stop"]),
+                       capture_output=True)
+        shutil.rmtree(self.root, ignore_errors=True)

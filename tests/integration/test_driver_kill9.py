@@ -165,6 +165,21 @@ def sweep_under_way(args: list[str], tmp_path: Path, study: str, ready: Callable
         kill_all(tree)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def orphan_segment() -> Iterator[tuple[Path, float]]:
+    """What a SIGKILLed engine and its SIGKILLed resource tracker leave (the fake engine has
+    none): a shared-memory segment nobody maps. Planted when the module starts, so it is
+    closer to SEGMENT_MIN_AGE_S old (what the reaper waits for) when its test asks for it."""
+    segment = shared_memory.SharedMemory(create=True, size=1 << 20)
+    resource_tracker.unregister(segment._name, "shared_memory")
+    segment.close()
+    path = Path("/dev/shm") / segment.name
+    try:
+        yield path, path.stat().st_ctime
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def test_kill_9_of_the_driver_leaves_no_process_and_no_scratch_folder(tmp_path):
     with sweep_under_way(FAKE, tmp_path, "kill9", lambda _, run_dir: measured_one(run_dir)) as sweep:
         driver, marker, tree, scratch = sweep
@@ -185,18 +200,11 @@ def test_kill_9_of_the_driver_leaves_no_process_and_no_scratch_folder(tmp_path):
         assert not [f for f in scratch if f.exists()]
 
 
-def test_with_its_watchdog_killed_too_the_next_sweep_reclaims_processes_scratch_and_ray_session(tmp_path):
-    # What a SIGKILLed engine and its SIGKILLed resource tracker leave (the fake engine has none).
-    segment = shared_memory.SharedMemory(create=True, size=1 << 20)
-    resource_tracker.unregister(segment._name, "shared_memory")
-    segment.close()
-    segment = Path("/dev/shm") / segment.name
-    planted = segment.stat().st_ctime
-    try:
-        with sweep_under_way(FAKE, tmp_path, "kill9b", lambda _, run_dir: measured_one(run_dir)) as sweep:
-            reclaimed_by_the_next_sweep(sweep, tmp_path, segment, planted)
-    finally:
-        segment.unlink(missing_ok=True)
+def test_with_its_watchdog_killed_too_the_next_sweep_reclaims_processes_scratch_and_ray_session(
+        tmp_path, orphan_segment):
+    segment, planted = orphan_segment
+    with sweep_under_way(FAKE, tmp_path, "kill9b", lambda _, run_dir: measured_one(run_dir)) as sweep:
+        reclaimed_by_the_next_sweep(sweep, tmp_path, segment, planted)
 
 
 def reclaimed_by_the_next_sweep(sweep: Sweep, tmp_path: Path, segment: Path, planted: float) -> None:
@@ -213,6 +221,7 @@ def reclaimed_by_the_next_sweep(sweep: Sweep, tmp_path: Path, segment: Path, pla
     assert left, "nothing was left to reclaim"  # Ray's agents wait for the dead GCS
     # Old enough to be reclaimed (any other local sweep starting here meanwhile may take it first).
     time.sleep(max(0.0, SEGMENT_MIN_AGE_S + 1 - (time.time() - planted)))
+    assert segment.exists()  # nothing reclaimed it yet: the next sweep's to do
     rerun = run_hostsweep(["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=3", "measure.warmups=1",
                            "ctx=[16]", "batch=[1]", "split.enabled=false", "ray.exclusive=false",
                            f"tracking.uri=sqlite:///{tmp_path}/mlflow2.db", "study=kill9b-rerun",

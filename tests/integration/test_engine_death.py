@@ -5,7 +5,8 @@ timed pairs in its round file. vLLM's client then blocks in generate forever; th
 watch reports the dead process, the driver replaces the worker and retries the cell it had
 asked for, and the new worker continues every cell from the pairs the killed one saved.
 One engine start and one restart. Figure: 3 cells expected, 3 finished once, 0 duplicated,
-0 lost, no timed pair measured twice.
+0 lost, no timed pair measured twice. The sweep records into `mlflow server` on PostgreSQL
+(tests/integration/conftest.py), so the real engine's cells also take the service's path.
 """
 from __future__ import annotations
 
@@ -60,8 +61,10 @@ def saved_pairs(pending: Path) -> list[int]:
 REPS = 8
 
 
-def test_a_killed_engine_core_is_detected_its_cell_retried_and_every_cell_measured_once(tmp_path):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_a_killed_engine_core_is_detected_its_cell_retried_and_every_cell_measured_once(tmp_path, pg_server):
+    # Recorded into the PostgreSQL-backed server (conftest.py): the real-engine sweep into the
+    # service as a cluster runs it, here with a fault on the way.
+    uri = pg_server.uri
     run_dir, pending = tmp_path / "run", tmp_path / "pending"
     # T and reps keep the rounds going for several seconds after the first: on a loaded machine
     # this test must still find the engine alive once every cell has a pair saved.

@@ -7,15 +7,11 @@ it: the server is killed and restarted mid-sweep (figures: 10 expected, 10 finis
 0 duplicated, 0 lost), two drivers of one study run at once (no cell measured twice),
 everything is read back the way the fit stage reads it, through the server and straight
 from the database, and `stage=fit` itself fits a sweep's cells read through the server.
-The server is tests/integration/mlflow_server.py's, as in test_tracking_outage.py.
+The server and PostgreSQL are tests/integration/conftest.py's, one for the session: a real
+vLLM sweep records into it too (test_engine_death.py).
 """
 from __future__ import annotations
 
-import glob
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -29,65 +25,12 @@ from hostsweep.record.readback import read_cells
 from hostsweep.stages import sweep
 from tests.conftest import compose_raw
 from tests.fakes import FakeBackend
-from tests.integration.mlflow_server import MlflowServer, fake_sweep_into, free_port
+from tests.integration.mlflow_server import MlflowServer, fake_sweep_into
 from tests.integration.test_tracking_outage import when_first_cell_is_logged
 
 pytestmark = pytest.mark.integration
 
 CELLS = 10
-
-
-def pg_bin(name: str) -> str:
-    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
-    if not found:
-        pytest.skip("PostgreSQL is not installed: `make test-postgres` installs Debian's postgresql")
-    return found[-1]
-
-
-def as_postgres(command: list[str]) -> list[str]:
-    """PostgreSQL refuses to run as root: root runs it as the postgres user."""
-    return ["runuser", "-u", "postgres", "--", *command] if os.geteuid() == 0 else command
-
-
-class Postgres:
-    """A PostgreSQL cluster in a temporary folder, listening on 127.0.0.1 only, trust auth."""
-
-    def __init__(self) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="hostsweep-pg-"))  # /tmp: the postgres user can reach it
-        self.data, self.port = self.root / "data", free_port()
-        if os.geteuid() == 0:
-            shutil.chown(self.root, "postgres", "postgres")
-        subprocess.run(as_postgres([pg_bin("initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust",
-                                    "--no-sync"]), check=True, capture_output=True)
-        subprocess.run(as_postgres([pg_bin("pg_ctl"), "-D", str(self.data), "-l", str(self.root / "pg.log"), "-w",
-                                    "-o", f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c fsync=off",
-                                    "start"]), check=True, capture_output=True)
-        subprocess.run(as_postgres([pg_bin("createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
-                                    "mlflow"]), check=True, capture_output=True)
-        self.uri = f"postgresql+psycopg2://postgres@127.0.0.1:{self.port}/mlflow"
-
-    def stop(self) -> None:
-        subprocess.run(as_postgres([pg_bin("pg_ctl"), "-D", str(self.data), "-m", "immediate", "stop"]),
-                       capture_output=True)
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def postgres():
-    pytest.importorskip("psycopg2", reason="pip install psycopg2-binary (the PostgreSQL driver MLflow uses)")
-    pg_bin("initdb")
-    db = Postgres()
-    yield db
-    db.stop()
-
-
-@pytest.fixture(scope="module")
-def server(postgres, tmp_path_factory):
-    server = MlflowServer(tmp_path_factory.mktemp("pg-mlflow"), postgres.uri, workers=2, proxied=True,
-                          start_timeout_s=180)
-    server.start()
-    yield server
-    server.stop()
 
 
 def args(server: MlflowServer, study: str) -> list[str]:
@@ -103,7 +46,8 @@ def finished(server: MlflowServer, study: str) -> Counter:
 
 
 def test_a_sweep_into_a_postgresql_backed_server_that_is_killed_and_restarted_loses_and_duplicates_nothing(
-        server, postgres, tmp_path, monkeypatch):
+        pg_server, postgres, tmp_path, monkeypatch):
+    server = pg_server
     monkeypatch.chdir(tmp_path)
     run_dir = tmp_path / "run"
 
@@ -126,7 +70,8 @@ def test_a_sweep_into_a_postgresql_backed_server_that_is_killed_and_restarted_lo
             == from_database.set_index("run_id")["step_ms"].sort_index()).all()
 
 
-def test_two_drivers_of_one_study_at_once_measure_no_cell_twice(server, tmp_path, monkeypatch):
+def test_two_drivers_of_one_study_at_once_measure_no_cell_twice(pg_server, tmp_path, monkeypatch):
+    server = pg_server
     monkeypatch.chdir(tmp_path)
     second: dict[str, object] = {}
 
@@ -144,9 +89,10 @@ def test_two_drivers_of_one_study_at_once_measure_no_cell_twice(server, tmp_path
     assert (len(counts), sum(n > 1 for n in counts.values())) == (CELLS, 0)
 
 
-def test_the_fit_stage_reads_its_cells_back_through_the_server(server, tmp_path, monkeypatch):
+def test_the_fit_stage_reads_its_cells_back_through_the_server(pg_server, tmp_path, monkeypatch):
     """stage=fit on a sweep recorded into the server: the cells come back through the
     server's API (no database URI is given), and the model is logged into the server."""
+    server = pg_server
     import json
 
     import yaml
