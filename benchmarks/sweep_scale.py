@@ -67,11 +67,21 @@ def command(cells: int, uri: str, run_dir: Path, study: str) -> list[str]:
             f"output.pending_dir={run_dir.parent / 'pending'}", f"hydra.run.dir={run_dir}"]
 
 
+def own_config_tree(src: Path) -> None:
+    """Make `pkg://hostsweep.conf` resolve to SRC's conf/ when SRC's package is put first on
+    PYTHONPATH: an editable install maps hostsweep.conf to this checkout's conf/, whose keys
+    an older schema may not know. A link SRC/hostsweep/conf -> SRC/conf is found first."""
+    link = src / "hostsweep" / "conf"
+    if not link.exists():
+        link.symlink_to(src / "conf", target_is_directory=True)
+
+
 def run(cmd: list[str], cwd: Path, log: Path, src: Optional[Path] = None) -> dict[str, float]:
     """Run one sweep process (with the hostsweep of `src` when given); its wall, peak RSS
     (MiB), exit code, and RSS samples."""
     env = {**os.environ, "HOSTSWEEP_FAKE_TIME_SCALE": "0"}
     if src is not None:
+        own_config_tree(src)
         env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     started = time.time()
     with log.open("w") as out:

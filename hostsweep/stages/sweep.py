@@ -6,7 +6,9 @@ then preflight), and the cluster is checked before any actor is created, so bad 
 costs seconds. Before measuring, the study's experiment is put in order: cells an
 earlier sweep measured but never logged are uploaded from its journal, RUNNING runs of
 dead sweeps are marked KILLED, finished cells are skipped (if they measured everything
-this sweep asks for) and the rest are claimed, so a concurrent sweep skips them.
+this sweep asks for) and the rest are claimed, so a concurrent sweep skips them. That is
+done in a thread of its own (StudyOpening) while Ray and the engines start: the plan of a
+10,000-cell study costs no more than Ray's start.
 """
 from __future__ import annotations
 
