@@ -7,8 +7,9 @@ costs seconds. Before measuring, the study's experiment is put in order: cells a
 earlier sweep measured but never logged are uploaded from its journal, RUNNING runs of
 dead sweeps are marked KILLED, finished cells are skipped (if they measured everything
 this sweep asks for) and the rest are claimed, so a concurrent sweep skips them. That is
-done in a thread of its own (StudyOpening) while Ray and the engines start: the plan of a
-10,000-cell study costs no more than Ray's start.
+done in a thread of its own (StudyOpening) while Ray (a local cluster) and the engines
+start: the plan of a 10,000-cell study costs no more than Ray's start. A joined cluster is
+asked whether it can run the grid first, so a grid it refuses leaves nothing in MLflow.
 """
 from __future__ import annotations
 
@@ -169,16 +170,20 @@ def run(raw_cfg: DictConfig, run_dir: Path, backend: Optional[WorkerBackend] = N
     try:
         grid = build_cells(study)
         log.info("%d cells on %d engine(s)", len(grid), len(group_by_engine(runnable(grid))))
-        # MLflow's side is planned while Ray starts (seconds each; preflight has checked the store)
-        opening = StudyOpening(study, raw_cfg, grid, run_dir)
         if backend is not None:
-            return _sweep(study, grid, run_dir, backend, opening)
+            return _sweep(study, grid, run_dir, backend, StudyOpening(study, raw_cfg, grid, run_dir))
+        # A local cluster is this machine, whose SKUs preflight has checked: MLflow's side is
+        # planned while Ray starts. A joined cluster may still refuse the grid (check_feasible):
+        # that is bad input, which must leave nothing in MLflow, so its plan waits for the check
+        # (joining takes about a second; the plan still overlaps the engines' start).
+        opening = None if cfg.ray.address else StudyOpening(study, raw_cfg, grid, run_dir)
         try:
             asked = time.monotonic()
             started_here = cluster.connect(cfg.ray.address, cfg.ray.confine_daemons, cfg.ray.idle_daemons,
                                            log_to_driver=cfg.verbose)
         except BaseException as exc:
-            opening.abandon(f"Ray did not start: {error_line(exc)}")
+            if opening is not None:
+                opening.abandon(f"Ray did not start: {error_line(exc)}")
             raise
         log.info("Ray: %s in %.1f s", "started a local cluster" if started_here else f"joined {cfg.ray.address}",
                  time.monotonic() - asked)
@@ -188,8 +193,10 @@ def run(raw_cfg: DictConfig, run_dir: Path, backend: Optional[WorkerBackend] = N
             try:
                 cluster.check_feasible(group_by_engine(runnable(grid)), cluster.live_nodes())
             except BaseException as exc:
-                opening.abandon(error_line(exc))
+                if opening is not None:
+                    opening.abandon(error_line(exc))
                 raise
+            opening = opening or StudyOpening(study, raw_cfg, grid, run_dir)
             from hostsweep.run.backend import RayBackend
 
             backend = RayBackend(worker_log_folder(run_dir, study.config.verbose))
