@@ -38,6 +38,14 @@ def parse_raw(text: str) -> Counter:
     return counts
 
 
+def label_process(text: str, pid: int, command: str) -> str:
+    """A recording of one process (py-spy without --subprocesses has no process frame) with
+    the frame --subprocesses would have put first, so recordings of several processes parse
+    as one."""
+    name = (command.split() or ["?"])[0].replace(";", "_").replace('"', "")
+    return "".join(f'process {pid}:"{name}";{line}\n' for line in text.splitlines() if line.strip())
+
+
 def thread_states(all_samples: str, active_samples: str) -> pd.DataFrame:
     """One row per (process, thread): samples, active share, and the top idle leaf."""
     every, active = parse_raw(all_samples), parse_raw(active_samples)

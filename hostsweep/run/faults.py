@@ -13,6 +13,7 @@ from typing import Optional, Union
 from hostsweep.config.grid import Cell
 from hostsweep.config.schema import FaultsConfig
 from hostsweep.measure.results import CellResult, MeasureOptions
+from hostsweep.run.pyspy import ATTACH_GRACE_S
 
 
 class EngineDied(RuntimeError):
@@ -99,4 +100,5 @@ class FaultPolicy:
         if self.cell_timeout_s is not None:
             return self.cell_timeout_s * (1 + len(companions))
         steps = decode_steps(cell, options) + sum(decode_steps(c, options) for c in companions)
-        return self.timeout_base_s + self.timeout_per_step_s * steps + 3 * options.pyspy_seconds
+        pyspy_s = 3 * options.pyspy_seconds + ATTACH_GRACE_S if options.pyspy_seconds > 0 else 0.0
+        return self.timeout_base_s + self.timeout_per_step_s * steps + pyspy_s

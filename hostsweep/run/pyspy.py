@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -11,8 +12,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import pandas as pd
+import psutil
 
-from hostsweep.measure.threadstates import thread_states
+from hostsweep.measure.threadstates import label_process, thread_states
 
 log = logging.getLogger(__name__)
 
@@ -24,38 +26,76 @@ def pyspy_binary() -> Optional[str]:
 
 
 def _recorder(binary: str, pid: int, seconds: float, output: Path, idle: bool) -> subprocess.Popen:
-    command = [binary, "record", "--pid", str(pid), "--subprocesses", "--threads", "--format", "raw",
-               "--rate", "100", "--duration", str(max(1, round(seconds))), "--nonblocking",
-               "--output", str(output)]
+    command = [binary, "record", "--pid", str(pid), "--threads", "--format", "raw", "--rate", "100",
+               "--duration", str(max(1, round(seconds))), "--nonblocking", "--output", str(output)]
     if idle:
         command.append("--idle")
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
+def process_tree(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of `pid` and every live process below it."""
+    tree = []
+    for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        try:
+            tree.append((proc.pid, " ".join(proc.cmdline()) or proc.name()))
+        except psutil.Error:  # gone since it was listed
+            continue
+    return tree
+
+
 def record_thread_states(pid: int, seconds: float, workload: Callable[[], None]) -> Optional[pd.DataFrame]:
-    """Thread states of `pid` and its children while `workload` runs repeatedly."""
+    """Thread states of `pid` and its children while `workload` runs repeatedly.
+
+    One py-spy per process and view rather than one `--subprocesses` over the tree: that
+    one starts its clock when the first process is attached and attaches the others in the
+    background, which on a loaded machine took the whole window (the view then held the
+    worker and not its engine). A py-spy of one process samples `seconds` from the moment
+    it is attached, so the workload runs until every one has its window, however long the
+    attaching takes."""
     binary = pyspy_binary()
     if binary is None:
         log.info("py-spy is not installed: skipping the thread-state view")
         return None
+    tree = process_tree(pid)
     with tempfile.TemporaryDirectory() as folder:
-        every, active = Path(folder) / "all.txt", Path(folder) / "active.txt"
-        recorders = [_recorder(binary, pid, seconds, every, idle=True),
-                     _recorder(binary, pid, seconds, active, idle=False)]
+        recorders = {(proc, idle): _recorder(binary, proc, seconds, Path(folder) / f"{proc}-{idle}.txt", idle)
+                     for proc, _ in tree for idle in (True, False)}
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline or any(r.poll() is None for r in recorders):
+        while time.monotonic() < deadline or any(r.poll() is None for r in recorders.values()):
             workload()
-            if time.monotonic() > deadline + 30:
+            if time.monotonic() > deadline + ATTACH_GRACE_S:
                 break
-        for recorder in recorders:
-            _, err = recorder.communicate(timeout=60)
-            if recorder.returncode != 0:
-                log.warning("py-spy failed (%s): %s", recorder.returncode, err.strip()[-500:])
-                return None
-        states = thread_states(every.read_text(), active.read_text())
-        if states["pid"].nunique() < 2:
-            # py-spy attaches to each child in turn; on a loaded machine that can take the
-            # whole window, and the view then holds the worker but not its engine.
-            log.warning("py-spy sampled only process %s in %.0f s, not its engine's: raise split.pyspy_seconds",
-                        pid, seconds)
-        return states
+        views: dict[bool, list[str]] = {True: [], False: []}
+        for proc, command in tree:
+            level = logging.WARNING if proc == pid else logging.INFO
+            texts = {idle: _finish(recorders[(proc, idle)], Path(folder) / f"{proc}-{idle}.txt", level)
+                     for idle in views}
+            if None in texts.values():
+                if proc == pid:
+                    return None
+                continue  # a child that is not Python, or exited: the rest of the tree still tells
+            for idle, text in texts.items():
+                views[idle].append(label_process(text or "", proc, command))
+        return thread_states("".join(views[True]), "".join(views[False]))
+
+
+# How long past its window a py-spy may take to attach and finish before it is stopped
+# (SIGINT: it still writes what it sampled).
+ATTACH_GRACE_S = 30.0
+
+
+def _finish(recorder: subprocess.Popen, output: Path, level: int) -> Optional[str]:
+    """What one py-spy recorded, or None (logged) if it failed."""
+    if recorder.poll() is None:
+        recorder.send_signal(signal.SIGINT)
+    try:
+        _, err = recorder.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        recorder.kill()
+        _, err = recorder.communicate()
+    if recorder.returncode != 0 or not output.is_file():
+        log.log(level, "py-spy of process %s failed (%s): %s", recorder.args[3], recorder.returncode,
+                    (err or "").strip()[-500:])
+        return None
+    return output.read_text()

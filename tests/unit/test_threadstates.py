@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from hostsweep.measure.threadstates import idle_fraction, parse_raw, thread_states
+from hostsweep.measure.threadstates import idle_fraction, label_process, parse_raw, thread_states
 
 ALL = """process 10:"ray::SweepWorker";thread (10): MainThread;generate (llm.py:1);poll (zmq.py:9) 80
 process 10:"ray::SweepWorker";thread (10): MainThread;generate (llm.py:1);step (core.py:5) 20
@@ -33,3 +33,12 @@ def test_thread_states_give_active_share_and_what_idle_threads_wait_in():
 
 def test_empty_recordings_give_an_empty_table():
     assert thread_states("", "").empty
+
+
+def test_recordings_of_single_processes_parse_as_one_tree():
+    worker = "thread (10): MainThread;generate (llm.py:1);poll (zmq.py:9) 80\n"
+    engine = "thread (11): MainThread;busy_loop (core.py:2);schedule (sched.py:4) 40\n"
+    text = label_process(worker, 10, "ray::SweepWorker") + label_process(engine, 11, "VLLM::EngineCore --x")
+    counts = parse_raw(text)
+    assert counts == {("10", "ray::SweepWorker", "MainThread", "poll"): 80,
+                      ("11", "VLLM::EngineCore", "MainThread", "schedule"): 40}
