@@ -12,6 +12,11 @@ from hostsweep.config.schema import ENGINES
 class Engine(Protocol):
     """A started inference engine serving one EngineSpec."""
 
+    # Whether it runs in processes of its own (vLLM's EngineCore and workers), which the
+    # worker watches for deaths. An engine that does not must say so: the processes the
+    # worker's other threads start meanwhile (a `git` for provenance) are not the engine's.
+    starts_processes: bool
+
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
         """Greedy-decode exactly `max_tokens` per prompt; return each output's length."""
         ...

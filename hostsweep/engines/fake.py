@@ -76,6 +76,7 @@ def planted_slowdowns(text: str) -> dict[str, float]:
 
 
 class FakeEngine:
+    starts_processes = False  # it sleeps in the worker's own process
     overhead_s = 0.002
     step_s = 0.0005
     device_share = 0.4

@@ -169,6 +169,8 @@ def phase_environment(spec: EngineSpec, trace_dir: Path, installed: bool) -> dic
 class VllmEngine:
     """One vllm.LLM, started once and reused for every cell of its spec."""
 
+    starts_processes = True  # the EngineCore, and its workers on the CPU build and under TP
+
     def __init__(self, spec: EngineSpec, workdir: Path) -> None:
         if spec.accelerator_type is None:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(spec.cpu_kvcache_gib)

@@ -101,7 +101,7 @@ class SweepWorker:
             self._remove_scratch()
             raise
         engine_start_s = time.perf_counter() - started
-        self.watch = EngineWatch(engine_processes(os.getpid(), before))
+        self.watch = EngineWatch(engine_processes(os.getpid(), before) if self.engine.starts_processes else [])
         self._profile_count = 0
         # Cells measured in a group's rounds that the dispatcher has not asked for yet.
         self._timed_cells: dict[str, TimedCell] = {}
