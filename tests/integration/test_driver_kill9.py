@@ -83,11 +83,17 @@ def start_driver(args: list[str], tmp_path: Path) -> subprocess.Popen:
 
 def wait_for(predicate, driver: subprocess.Popen, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
+    seen: set[str] = set()
     while time.monotonic() < deadline and driver.poll() is None:
+        try:
+            seen |= {process_kind(n) for n in names(psutil.Process(driver.pid).children(recursive=True))}
+        except psutil.Error:
+            pass
         if predicate():
             return
         time.sleep(0.2)
-    raise AssertionError(f"not reached in {timeout_s} s (driver exit {driver.poll()}): "
+    ended = "timed out" if driver.poll() is None else f"the driver exited {driver.poll()} first"
+    raise AssertionError(f"not reached in {timeout_s} s ({ended}; processes seen below it: {sorted(seen)}): "
                          f"{(driver.stderr.read() if driver.poll() is not None else '')[-2000:]}")
 
 

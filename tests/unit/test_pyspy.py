@@ -71,4 +71,5 @@ def test_a_child_py_spy_cannot_record_is_left_out_and_the_rest_kept(stand_in, mo
     finally:
         child.kill()
         child.wait()
-    assert states is not None and set(states["pid"]) == {str(os.getpid())}
+    assert states is not None  # pytest's other children (earlier tests' servers) may be in it too
+    assert str(os.getpid()) in set(states["pid"]) and str(child.pid) not in set(states["pid"])
