@@ -45,15 +45,49 @@ _RAISED = re.compile(r"(?:^|[\s\]])(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Ex
 _WRAPPERS = ("RayTaskError", "RayActorError", "ActorDiedError")
 
 
+# pydantic's "1 validation error for CacheConfig" names the field and what it wants only on
+# the lines below it (vLLM's configs are pydantic dataclasses); those lines end at its link.
+_VALIDATION = re.compile(r"\d+ validation errors? for \w+$")
+_VALIDATION_END = "For further information"
+VALIDATION_DETAIL_CHARS = 400
+
+
 def first_exception(text: str) -> Optional[str]:
     """The first exception line of `text` ('ValueError: ...'): in a chained traceback, and
     in a log where a failing process prints its error before its parent reports it, the
-    root cause comes first."""
-    for line in _ANSI.sub("", text).splitlines():
+    root cause comes first. A pydantic validation error keeps its field and complaint."""
+    lines = _ANSI.sub("", text).splitlines()
+    for at, line in enumerate(lines):
         match = _RAISED.search(line.rstrip())
         if match and not match.group(1).startswith(_WRAPPERS):
-            return f"{match.group(1)}: {match.group(2).strip()}"
+            message = match.group(2).strip()
+            if _VALIDATION.search(message):
+                message = validation_detail(message, lines[at + 1:at + 20])
+            return f"{match.group(1)}: {message}"
     return None
+
+
+def validation_detail(message: str, below: list[str]) -> str:
+    """'1 validation error for CacheConfig: cache_dtype='fp3': Input should be ...': the field
+    and the value given first, since a console line is cut at a few hundred characters and
+    the allowed values can be a long list."""
+    detail: list[str] = []
+    for line in below:
+        text = line.strip()
+        if not text or text.startswith(_VALIDATION_END):
+            break
+        complaint = _PYDANTIC_CONTEXT.search(text)
+        if complaint and detail:  # the complaint of the field named on the line before
+            field = detail.pop()
+            value = _PYDANTIC_INPUT.search(complaint.group(1))
+            detail.append(f"{field}={value.group(1)}" if value else field)
+            text = text[:complaint.start()].strip()
+        detail.append(text)
+    return ": ".join([message, *detail])[:VALIDATION_DETAIL_CHARS]
+
+
+_PYDANTIC_CONTEXT = re.compile(r"\[(type=[^\]]*)\]$")
+_PYDANTIC_INPUT = re.compile(r"input_value=(.*?)(?:, input_type=|$)")
 
 
 def root_cause(text: str) -> str:

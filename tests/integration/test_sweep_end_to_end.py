@@ -193,21 +193,23 @@ def test_engines_run_at_normal_priority_beside_idled_ray_daemons(runs):
 
 
 def test_an_engine_that_cannot_start_is_one_console_line_with_its_cause_and_log(tmp_path):
-    """block_size=7 passes hostsweep's checks (it is a vLLM argument) and fails in vLLM's
-    CPU worker at engine start."""
+    """kv_cache_dtype=fp3 passes hostsweep's checks (it is a vLLM argument, its values are
+    vLLM's) and fails in vLLM's config at engine start, in the worker, before vLLM spawns its
+    EngineCore (half the cost of an engine start: block_size=7 failed in the CPU worker)."""
     proc = run_hostsweep(["+sku=cpu", "batch=[1]", "ctx=[32]", "measure.reps=2", "measure.warmups=0",
-                          "+engine.engine_args.block_size=7", f"tracking.uri=sqlite:///{tmp_path}/m.db",
+                          "+engine.engine_args.kv_cache_dtype=fp3", f"tracking.uri=sqlite:///{tmp_path}/m.db",
                           "study=nostart", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, timeout=900)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     log = tmp_path / "run" / "workers" / "cpu-tiny-llama-eager-tp1.log"
+    cause = "validation error for CacheConfig"
     (line,) = [line for line in proc.stdout.splitlines() if "FAILED:" in line]
-    assert "No common block size for 7" in line and line.endswith(f"(worker log: {log})")
+    assert f"{cause}: cache_dtype='fp3': Input should be" in line and line.endswith(f"(worker log: {log})")
     assert not [line for line in (proc.stdout + proc.stderr).splitlines() if WORKER_LINE.search(line)]
-    assert "No common block size for 7" in log.read_text()
+    assert "input_value='fp3'" in log.read_text()
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/m.db")
     runs = mlflow.search_runs(experiment_names=["hostsweep-nostart"])
     cell = runs[runs["tags.cell_key"].notna()].iloc[0]
-    assert cell["status"] == "FAILED" and "No common block size" in cell["tags.failure_reason"]
+    assert cell["status"] == "FAILED" and cause in cell["tags.failure_reason"]
     tail = mlflow.artifacts.download_artifacts(run_id=cell["run_id"], artifact_path="worker_log_tail.txt",
                                                dst_path=str(tmp_path))
-    assert "No common block size for 7" in Path(tail).read_text()
+    assert "input_value='fp3'" in Path(tail).read_text()

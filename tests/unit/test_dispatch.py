@@ -218,6 +218,18 @@ def test_an_engine_that_did_not_start_is_reported_by_the_error_it_raised_not_ray
         "The actor died unexpectedly before finishing this task."
 
 
+def test_a_pydantic_validation_error_keeps_the_field_and_what_it_wants():
+    from hostsweep.run.faults import root_cause
+
+    log = ("Traceback (most recent call last):\n  File \"/v/arg_utils.py\", line 9, in create_engine_config\n"
+           "pydantic_core._pydantic_core.ValidationError: 1 validation error for CacheConfig\ncache_dtype\n"
+           "  Input should be 'auto' or 'fp8' [type=literal_error, input_value='fp3', input_type=str]\n"
+           "    For further information visit https://errors.pydantic.dev/2.14/v/literal_error\n"
+           "RuntimeError: Engine core initialization failed.\n")
+    assert root_cause(log) == ("ValidationError: 1 validation error for CacheConfig: cache_dtype='fp3': "
+                               "Input should be 'auto' or 'fp8'")
+
+
 def test_an_engine_start_failure_is_reported_by_the_first_error_in_its_workers_log(tmp_path):
     grid = cells("batch=[1,2]")
     label = grid[0].engine.label
