@@ -19,7 +19,7 @@ checkout: `git worktree add OLD_TREE <commit>`) first on PYTHONPATH, in the same
 store, and prints each figure as a ratio old / new.
 
     .venv/bin/python benchmarks/sweep_scale.py --cells 1000 10000 [--keep DIR]
-        [--tracking-uri URI] [--baseline-src DIR]
+        [--tracking-uri URI] [--baseline-src DIR] [--override KEY=VALUE ...]
 """
 from __future__ import annotations
 
@@ -58,13 +58,13 @@ TARGETS = {"plan_s": 10.0, "resume_plan_s": 5.0, "server_cells_per_s": 200.0, "s
 TARGET_CELLS = 10000
 
 
-def command(cells: int, uri: str, run_dir: Path, study: str) -> list[str]:
+def command(cells: int, uri: str, run_dir: Path, study: str, extra: tuple[str, ...] = ()) -> list[str]:
     batch, ctx = grid(cells)
     return [sys.executable, "-m", "hostsweep", "+sku=cpu", "engine.name=fake", f"study={study}",
             f"batch=[{','.join(map(str, batch))}]", f"ctx=[{','.join(map(str, ctx))}]",
             "measure.T=2", "measure.reps=2", "measure.warmups=0", "measure.bootstrap_resamples=100",
             "split.enabled=false", "ray.exclusive=false", f"tracking.uri={uri}",
-            f"output.pending_dir={run_dir.parent / 'pending'}", f"hydra.run.dir={run_dir}"]
+            f"output.pending_dir={run_dir.parent / 'pending'}", f"hydra.run.dir={run_dir}", *extra]
 
 
 def own_config_tree(src: Path) -> None:
@@ -147,12 +147,13 @@ def read_back(uri: str, name: str, src: Optional[Path] = None) -> tuple[float, i
     return frame_s, rows, keyed_s, keys
 
 
-def bench(cells: int, root: Path, uri: Optional[str], src: Optional[Path], tag: str) -> dict[str, float]:
+def bench(cells: int, root: Path, uri: Optional[str], src: Optional[Path], tag: str,
+          extra: tuple[str, ...] = ()) -> dict[str, float]:
     """One N: the first sweep, its resume, the read-back; prints them, returns the figures."""
     study = f"scale-{cells}-{tag}-{datetime.now():%H%M%S}"
     uri = uri or f"sqlite:///{root / f'mlflow-{cells}-{tag}.db'}"
     first_dir, again_dir = root / f"first-{cells}-{tag}", root / f"resume-{cells}-{tag}"
-    first = run(command(cells, uri, first_dir, study), root, root / f"first-{cells}-{tag}.out", src)
+    first = run(command(cells, uri, first_dir, study, extra), root, root / f"first-{cells}-{tag}.out", src)
     times = log_times(first_dir, cells)
     measured = len(open(first_dir / "cells.csv").readlines()) - 1
     figures: dict[str, float] = {"rss_mib": first["rss_mib"], "wall_s": first["wall"]}
@@ -170,7 +171,7 @@ def bench(cells: int, root: Path, uri: Optional[str], src: Optional[Path], tag: 
         figures["cells_per_s"] = cells / end_to_end
         print(f"  plan {figures['plan_s']:.1f} s; cells/s while measuring {(cells - 1) / measuring:.1f}, "
               f"end to end (MLflow drained) {figures['cells_per_s']:.1f}")
-    again = run(command(cells, uri, again_dir, study), root, root / f"resume-{cells}-{tag}.out", src)
+    again = run(command(cells, uri, again_dir, study, extra), root, root / f"resume-{cells}-{tag}.out", src)
     resumed = log_times(again_dir, cells)
     figures["resume_plan_s"] = resumed.get("planned", float("nan")) - again["started"]
     print(f"  resume (all {cells} FINISHED): rc {again['rc']}, plan {figures['resume_plan_s']:.1f} s, "
@@ -220,7 +221,12 @@ def main() -> None:
     parser.add_argument("--baseline-src", type=Path, default=None,
                         help="a checkout of the old code (its hostsweep/ package goes first on PYTHONPATH): "
                              "the same sweeps again with it, printed as ratios old / new")
+    parser.add_argument("--override", action="append", default=[],
+                        help="a Hydra override added to every sweep (repeatable), e.g. "
+                             "measure.remeasure_unstable=0: the instant fake cells are noise, and on a loaded "
+                             "host nearly every one is flagged unstable and measured twice")
     args = parser.parse_args()
+    extra = tuple(args.override)
     root = args.keep or Path(tempfile.mkdtemp(prefix="sweep_scale-"))
     root.mkdir(parents=True, exist_ok=True)
     print(f"work folder {root}; batch x ctx grids: " + ", ".join(
@@ -229,9 +235,9 @@ def main() -> None:
     found: dict[int, dict[str, float]] = {}
     try:
         for cells in args.cells:
-            found[cells] = new = bench(cells, root, args.tracking_uri, None, "new")
+            found[cells] = new = bench(cells, root, args.tracking_uri, None, "new", extra)
             if args.baseline_src is not None:
-                ratios(cells, new, bench(cells, root, args.tracking_uri, args.baseline_src.resolve(), "old"))
+                ratios(cells, new, bench(cells, root, args.tracking_uri, args.baseline_src.resolve(), "old", extra))
             targets(cells, new, server)
         if len(found) > 1:
             low, high = min(found), max(found)
