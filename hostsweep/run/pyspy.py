@@ -15,6 +15,7 @@ import pandas as pd
 import psutil
 
 from hostsweep.measure.threadstates import label_process, thread_states
+from hostsweep.run.hygiene import descendant_pids
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +37,10 @@ def _recorder(binary: str, pid: int, seconds: float, output: Path, idle: bool) -
 def process_tree(pid: int) -> list[tuple[int, str]]:
     """(pid, command line) of `pid` and every live process below it."""
     tree = []
-    for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+    for member in [pid, *descendant_pids(pid)]:
         try:
-            tree.append((proc.pid, " ".join(proc.cmdline()) or proc.name()))
+            proc = psutil.Process(member)
+            tree.append((member, " ".join(proc.cmdline()) or proc.name()))
         except psutil.Error:  # gone since it was listed
             continue
     return tree
@@ -59,8 +61,9 @@ def record_thread_states(pid: int, seconds: float, workload: Callable[[], None])
         return None
     tree = process_tree(pid)
     with tempfile.TemporaryDirectory() as folder:
-        recorders = {(proc, idle): _recorder(binary, proc, seconds, Path(folder) / f"{proc}-{idle}.txt", idle)
-                     for proc, _ in tree for idle in (True, False)}
+        outputs = {(proc, idle): Path(folder) / f"{proc}-{idle}.txt" for proc, _ in tree for idle in (True, False)}
+        recorders = {(proc, idle): _recorder(binary, proc, seconds, output, idle)
+                     for (proc, idle), output in outputs.items()}
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline or any(r.poll() is None for r in recorders.values()):
             workload()
@@ -69,14 +72,13 @@ def record_thread_states(pid: int, seconds: float, workload: Callable[[], None])
         views: dict[bool, list[str]] = {True: [], False: []}
         for proc, command in tree:
             level = logging.WARNING if proc == pid else logging.INFO
-            texts = {idle: _finish(recorders[(proc, idle)], Path(folder) / f"{proc}-{idle}.txt", level)
-                     for idle in views}
+            texts = {idle: _finish(recorders[(proc, idle)], outputs[(proc, idle)], proc, level) for idle in views}
             if None in texts.values():
                 if proc == pid:
                     return None
                 continue  # a child that is not Python, or exited: the rest of the tree still tells
             for idle, text in texts.items():
-                views[idle].append(label_process(text or "", proc, command))
+                views[idle].append(label_process(text, proc, command))
         return thread_states("".join(views[True]), "".join(views[False]))
 
 
@@ -85,7 +87,7 @@ def record_thread_states(pid: int, seconds: float, workload: Callable[[], None])
 ATTACH_GRACE_S = 30.0
 
 
-def _finish(recorder: subprocess.Popen, output: Path, level: int) -> Optional[str]:
+def _finish(recorder: subprocess.Popen, output: Path, pid: int, level: int) -> Optional[str]:
     """What one py-spy recorded, or None (logged) if it failed."""
     if recorder.poll() is None:
         recorder.send_signal(signal.SIGINT)
@@ -95,7 +97,6 @@ def _finish(recorder: subprocess.Popen, output: Path, level: int) -> Optional[st
         recorder.kill()
         _, err = recorder.communicate()
     if recorder.returncode != 0 or not output.is_file():
-        log.log(level, "py-spy of process %s failed (%s): %s", recorder.args[3], recorder.returncode,
-                    (err or "").strip()[-500:])
+        log.log(level, "py-spy of process %s failed (%s): %s", pid, recorder.returncode, (err or "").strip()[-500:])
         return None
     return output.read_text()

@@ -4,9 +4,10 @@ engine and a real MLflow sqlite store, read back with mlflow.search_runs.
 One sweep (one engine start) serves every test in this module but the one whose engine
 cannot start. Its engine spins a known delay in the EngineCore's schedule (debug.delay_phase),
 which the host-phase test finds there: hostsweep's vLLM plugin loads in the EngineCore and
-the model's worker of an engine in a Ray actor, as a sweep runs it. What verbose=true streams instead: tests/integration/test_modes_cpu.py, whose
-sweep runs verbose. A GPU SKU refused by a cluster that lacks it:
-tests/integration/test_cluster_dispatch.py, on its multi-node cluster.
+the model's worker of an engine in a Ray actor, as a sweep runs it. What verbose=true
+streams instead: tests/integration/test_modes_cpu.py, whose sweep runs verbose. A GPU SKU
+refused by a cluster that lacks it: tests/integration/test_cluster_dispatch.py, on its
+multi-node cluster.
 """
 from __future__ import annotations
 
