@@ -35,12 +35,13 @@ def _recorder(binary: str, pid: int, seconds: float, output: Path, idle: bool) -
 
 
 def process_tree(pid: int) -> list[tuple[int, str]]:
-    """(pid, command line) of `pid` and every live process below it."""
+    """(pid, name) of `pid` and every live process below it. The name is psutil's: the title
+    a process gave itself (VLLM::EngineCore), cut to the kernel's 15 characters when the
+    command line does not show it (it did not for vLLM's spawned processes in one CI run)."""
     tree = []
     for member in [pid, *descendant_pids(pid)]:
         try:
-            proc = psutil.Process(member)
-            tree.append((member, " ".join(proc.cmdline()) or proc.name()))
+            tree.append((member, psutil.Process(member).name()))
         except psutil.Error:  # gone since it was listed
             continue
     return tree
@@ -70,7 +71,7 @@ def record_thread_states(pid: int, seconds: float, workload: Callable[[], None])
             if time.monotonic() > deadline + ATTACH_GRACE_S:
                 break
         views: dict[bool, list[str]] = {True: [], False: []}
-        for proc, command in tree:
+        for proc, name in tree:
             level = logging.WARNING if proc == pid else logging.INFO
             texts = {idle: _finish(recorders[(proc, idle)], outputs[(proc, idle)], proc, level) for idle in views}
             if None in texts.values():
@@ -78,7 +79,7 @@ def record_thread_states(pid: int, seconds: float, workload: Callable[[], None])
                     return None
                 continue  # a child that is not Python, or exited: the rest of the tree still tells
             for idle, text in texts.items():
-                views[idle].append(label_process(text, proc, command))
+                views[idle].append(label_process(text, proc, name))
         return thread_states("".join(views[True]), "".join(views[False]))
 
 
