@@ -1,7 +1,9 @@
 """Dispatch cells to workers and stream results back, surviving faults.
 
 One worker per engine spec, fed one cell at a time (so the driver knows what each worker
-is measuring and for how long). Results are handed to `on_result` as each cell ends:
+is measuring and for how long). Results are handed to `on_result` as each cell ends,
+once its worker has been given its next cell (recording a result, a journal write and a
+log line, then overlaps the next measurement instead of leaving the worker idle):
 - a cell that raises inside the worker comes back FAILED with its reason;
 - a worker lost mid-cell (its process killed, its node gone, its engine process dead)
   or a cell past its timeout: the worker is replaced and the cell retried up to
@@ -110,6 +112,9 @@ class Dispatcher:
         # Lost attempts and their reasons, per cell key, for the cells not yet reported.
         self.attempts: Counter = Counter()
         self.reasons: dict[str, list[str]] = defaultdict(list)
+        # Results ready to hand on: a worker's next cell is submitted before its last result
+        # is recorded (_hand_on), so the driver's recording and the worker's measuring overlap.
+        self.outbox: deque[CellResult] = deque()
         self.done = 0
         self.stopped: Optional[str] = None  # why the sweep stopped early, if it did
         # Seconds the finished cells took once their engine was ready (for the ETA, which
@@ -134,7 +139,13 @@ class Dispatcher:
             self.done += self.replicates - 1 - len(self.held.pop(key, []))
         # A reported cell is done with: nothing of it stays here (10,000-cell sweeps).
         attempt = self.attempts.pop(key, 0) + (0 if lost_last else 1)
-        self.on_result(replace(result, attempt=attempt, retry_reasons=tuple(self.reasons.pop(key, ()))))
+        self.outbox.append(replace(result, attempt=attempt, retry_reasons=tuple(self.reasons.pop(key, ()))))
+
+    def _hand_on(self) -> None:
+        """Record the results reported so far; each leaves the outbox before it is handed on,
+        so one that cannot be recorded is not handed on twice."""
+        while self.outbox:
+            self.on_result(self.outbox.popleft())
 
     def _log_file(self, spec: EngineSpec) -> Optional[Path]:
         return worker_log_path(self.log_dir, spec.label) if self.log_dir is not None else None
@@ -162,6 +173,7 @@ class Dispatcher:
 
     def _submit_next(self, spec: EngineSpec) -> None:
         if not self.queues[spec] and not self.stopped:
+            self._hand_on()  # nothing to overlap: recorded before a close can keep it waiting
             if not any(s == spec for s, _, _ in self.inflight.values()):
                 self._next_start(spec)
             self._retire(spec)
@@ -319,7 +331,9 @@ class Dispatcher:
                 for pending in self.backend.wait(list(self.inflight), self.policy.poll_s):
                     if pending in self.inflight:
                         self._collect(pending)
+                        self._hand_on()
                 self._watch()
+                self._hand_on()
             if self.progress:
                 self.progress.update(self.done, {})
         except BaseException:  # interrupted: kill the engines now rather than wait for their cells
@@ -327,7 +341,10 @@ class Dispatcher:
                 self._replace_worker(spec)
             raise
         finally:
-            if self.progress:
-                self.progress.close()
-            self.backend.close(list(self.workers.values()))
-            self.workers.clear()
+            try:
+                self._hand_on()  # what was measured is recorded, whatever ended the loop
+            finally:
+                if self.progress:
+                    self.progress.close()
+                self.backend.close(list(self.workers.values()))
+                self.workers.clear()

@@ -53,6 +53,20 @@ def test_a_clean_sweep_measures_every_cell_once_on_one_worker(tmp_path):
     assert len(backend.workers) == 1 and all(r.attempt == 1 and not r.retry_reasons for r in results)
 
 
+def test_a_worker_gets_its_next_cell_before_its_last_result_is_recorded_and_the_last_before_its_close(tmp_path):
+    grid = cells(*FOUR)
+    backend = FakeBackend(tmp_path)
+    seen = []  # per result handed on: cells submitted by then, and whether the engine was closed
+
+    def record(result):
+        seen.append((result.key, len(backend.pending), any(e.startswith("close") for e in backend.events)))
+
+    Dispatcher(grid, options(), record, backend, POLICY).run()
+    assert [key for key, _, _ in seen] == [c.key for c in grid]
+    assert [submitted for _, submitted, _ in seen] == [2, 3, 4, 4]  # the next was already asked for
+    assert not any(closed for _, _, closed in seen)
+
+
 @pytest.mark.parametrize("fate,reason", [
     ("worker-dies", "actor died"),
     ("engine-dies", f"engine died: {ENGINE_KILLED}"),  # generate blocks forever: only the watch sees it
