@@ -23,6 +23,12 @@ def _engine_died(exc: BaseException) -> Optional[EngineDied]:
     return cause if isinstance(cause, EngineDied) else None
 
 
+# How often a worker's watch thread is asked for its engine's health and its phase. The
+# dispatcher polls after every cell: at a hundred quick cells a second, asking each time was
+# two actor calls per cell, which the measuring worker's process had to answer too.
+WATCH_INTERVAL_S = 0.25
+
+
 class RayBackend:
     """Workers as Ray actors (run/actors.py); pending cells as object refs. `log_dir`: each
     worker logs to log_dir/<spec>.log (None: its output goes where Ray sends it)."""
@@ -33,6 +39,7 @@ class RayBackend:
         self.health_refs: dict[int, object] = {}
         self.phase_refs: dict[int, object] = {}
         self.phases: dict[int, str] = {}
+        self.asked_at: dict[tuple[str, int], float] = {}  # (what, worker) -> when last asked
         self.ready: set[int] = set()
         # Workers whose engines were asked to close, with the answers awaited: the sweep's
         # last close overlaps its recording and figures instead of delaying them.
@@ -94,7 +101,8 @@ class RayBackend:
         key = id(worker)
         ref = self.health_refs.get(key)
         if ref is None:
-            self.health_refs[key] = worker.actor.engine_health.options(concurrency_group=WATCH_GROUP).remote()
+            if self._due("health", key):
+                self.health_refs[key] = worker.actor.engine_health.options(concurrency_group=WATCH_GROUP).remote()
             return None
         if not ray.wait([ref], timeout=0)[0]:
             return None
@@ -116,9 +124,17 @@ class RayBackend:
                 self.phases[key] = ray.get(ref)
             except ray.exceptions.RayError:
                 pass  # the worker died: its cell's ref says so
-        if key not in self.phase_refs:
+        if key not in self.phase_refs and self._due("phase", key):
             self.phase_refs[key] = worker.actor.phase.options(concurrency_group=WATCH_GROUP).remote()
         return self.phases.get(key)
+
+    def _due(self, what: str, key: int) -> bool:
+        """Whether a worker may be asked `what` again (WATCH_INTERVAL_S since last time)."""
+        now = self.now()
+        if now - self.asked_at.get((what, key), -WATCH_INTERVAL_S) < WATCH_INTERVAL_S:
+            return False
+        self.asked_at[(what, key)] = now
+        return True
 
     def _forget(self, worker: WorkerHandle) -> bool:
         key = id(worker)
@@ -126,6 +142,8 @@ class RayBackend:
         self.health_refs.pop(key, None)
         self.phase_refs.pop(key, None)
         self.phases.pop(key, None)
+        self.asked_at.pop(("health", key), None)
+        self.asked_at.pop(("phase", key), None)
         started = key in self.ready
         self.ready.discard(key)
         return started
