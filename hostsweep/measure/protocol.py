@@ -207,7 +207,7 @@ def random_prompts(batch: int, ctx: int, vocab_size: int, seed: int) -> list[lis
     prompts: list[list[int]] = []
     seen: set[tuple[int, ...]] = set()
     while len(prompts) < batch:
-        ids = tuple(int(i) for i in rng.integers(0, vocab_size, size=ctx))
+        ids = tuple(rng.integers(0, vocab_size, size=ctx).tolist())  # one draw per prompt: the same ids as ever
         if ids not in seen:  # distinct prompts: no request can reuse another's KV
             seen.add(ids)
             prompts.append(list(ids))

@@ -3,9 +3,13 @@
 A cell's timed pairs are measured over many rounds shared with its group (measure/
 protocol.interleaved_rounds), and the cell is reported only once all of them are done. So
 that a killed sweep loses at most the pair in progress, the worker appends every timed pair
-to a file of the cell's own (fsynced, between generates), and a rerun's worker on the same
-node continues the cell from there: it times only the pairs still missing. The file is
-removed once the worker hands the cell's result over (the driver journals it at once).
+to a file of the cell's own (written through to the OS between generates), and a rerun's
+worker on the same node continues the cell from there: it times only the pairs still
+missing. The file is removed once the worker hands the cell's result over (the driver
+journals it at once, fsynced). The pairs are not fsynced: a killed process leaves what it
+wrote in the OS's cache, and only a crash of the OS itself loses them, which costs pairs
+measured again, never a wrong result (a cell is reported only with all its pairs). An fsync
+per pair was the largest cost of an instant cell, twice as much as timing it.
 
 Pairs are only resumed by an engine of the same kind: the file starts with the cell's key
 and where its pairs were measured (host, device, vLLM and torch versions); a file that
@@ -16,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
@@ -78,18 +81,17 @@ class RoundJournal:
     def start(self, key: str, pairs: Sequence[RepTiming]) -> None:
         """Begin the cell's file anew with the pairs it continues from."""
         self.close(key)
-        path = self.path(key)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(row) + "\n" for row in
-                               [{"key": key, "where": self.print}, *(asdict(p) for p in pairs)]))
-        os.replace(tmp, path)
-        self._handles[key] = path.open("a")
+        # A kill while the header is written leaves a torn header, which resume ignores.
+        handle = self.path(key).open("w")
+        handle.write("".join(json.dumps(row) + "\n" for row in
+                             [{"key": key, "where": self.print}, *(asdict(p) for p in pairs)]))
+        handle.flush()
+        self._handles[key] = handle
 
     def append(self, key: str, pair: RepTiming) -> None:
         handle = self._handles[key]
         handle.write(json.dumps(asdict(pair)) + "\n")  # type: ignore[attr-defined]
         handle.flush()  # type: ignore[attr-defined]
-        os.fsync(handle.fileno())  # type: ignore[attr-defined]
 
     def close(self, key: str) -> None:
         handle = self._handles.pop(key, None)
