@@ -118,7 +118,7 @@ def step_percentiles(m: CellMeasurement) -> dict[str, float]:
     steps = np.array([r.step_s for r in m.reps]) * 1e3
     if steps.size == 0:
         return {}
-    return {f"step_p{q}_ms": float(np.percentile(steps, q)) for q in STEP_PERCENTILES}
+    return {f"step_p{q}_ms": float(v) for q, v in zip(STEP_PERCENTILES, np.percentile(steps, STEP_PERCENTILES))}
 
 
 def cell_metrics(result: CellResult) -> dict[str, float]:

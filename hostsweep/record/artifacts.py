@@ -1,14 +1,26 @@
 """The tables a cell run carries as artifacts: its raw timings, its top ops, its linearity
-sweep (CSV text, pure pandas)."""
+sweep, as CSV text. Written with the csv module: a cell's tables are a few rows, and
+building a DataFrame to print them cost an instant cell more than recording it."""
 from __future__ import annotations
 
+import csv
+import io
 from dataclasses import asdict
-from typing import Sequence
-
-import pandas as pd
+from typing import Mapping, Sequence
 
 from hostsweep.measure.protocol import RepTiming
 from hostsweep.measure.results import CellResult
+
+
+def csv_text(rows: Sequence[Mapping[str, object]]) -> str:
+    """Rows as CSV with a header: the columns in the order they first appear, a value a row
+    lacks left empty (as pandas' to_csv of the same rows, which read_csv reads back)."""
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    out = io.StringIO()
+    writer = csv.DictWriter(out, columns, restval="", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
 
 
 def _timing_rows(reps: Sequence[RepTiming]) -> list[dict[str, object]]:
@@ -26,27 +38,25 @@ def _timing_rows(reps: Sequence[RepTiming]) -> list[dict[str, object]]:
 def timings_table(result: CellResult) -> str:
     """The raw per-rep timings of a cell as CSV (the reported attempt's)."""
     assert result.measurement is not None
-    return pd.DataFrame(_timing_rows(result.measurement.reps)).to_csv(index=False)
+    return csv_text(_timing_rows(result.measurement.reps))
 
 
 def earlier_timings_table(result: CellResult) -> str:
     """The timed pairs of the attempts a re-measure replaced, with their attempt number."""
-    frames = [pd.DataFrame(_timing_rows(reps)).assign(attempt=n) for n, reps in enumerate(result.earlier_timings, 1)]
-    return pd.concat(frames).to_csv(index=False)
+    return csv_text([{**row, "attempt": n} for n, reps in enumerate(result.earlier_timings, 1)
+                     for row in _timing_rows(reps)])
 
 
 def top_ops_table(result: CellResult) -> str:
     """Ops/kernels by time per decode step, from the differenced profiled pair."""
     assert result.split is not None
-    frame = pd.DataFrame(result.split.top_ops, columns=["op", "ms_per_step"])
-    frame["share_of_device"] = frame["ms_per_step"] / result.split.device_ms
-    return frame.to_csv(index=False)
+    return csv_text([{"op": op, "ms_per_step": ms, "share_of_device": ms / result.split.device_ms}
+                     for op, ms in result.split.top_ops])
 
 
 def linearity_table(result: CellResult) -> str:
     assert result.linearity is not None
     lin = result.linearity
-    frame = pd.DataFrame({"T": lin.tokens, "wall_ms": lin.wall_ms})
-    if lin.kernel_ms:
-        frame["kernel_ms"] = lin.kernel_ms
-    return frame.to_csv(index=False)
+    kernel = lin.kernel_ms or [None] * len(lin.tokens)
+    return csv_text([{"T": t, "wall_ms": wall, **({"kernel_ms": k} if lin.kernel_ms else {})}
+                     for t, wall, k in zip(lin.tokens, lin.wall_ms, kernel)])

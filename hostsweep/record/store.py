@@ -10,6 +10,7 @@ import socket
 import tempfile
 import urllib.error
 import urllib.request
+from urllib.request import url2pathname
 from pathlib import Path
 from typing import Optional
 from urllib.parse import urlsplit, urlunsplit
@@ -125,3 +126,12 @@ def local_artifact_root(tracking_uri: str) -> Optional[Path]:
     if not tracking_uri.startswith(prefix):
         return None
     return Path(tracking_uri[len(prefix):]).resolve().parent / "mlartifacts"
+
+
+def local_folder(artifact_uri: str) -> Optional[Path]:
+    """The folder of an artifact URI on this machine (a path or file://), None for a
+    server's (mlflow-artifacts:, s3:, http:)."""
+    parts = urlsplit(artifact_uri)
+    if parts.scheme == "file":
+        return Path(url2pathname(parts.path))
+    return Path(artifact_uri) if parts.scheme == "" else None

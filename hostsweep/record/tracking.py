@@ -33,7 +33,7 @@ from hostsweep.config.redact import error_line, redact
 from hostsweep.record import crashpoints
 from hostsweep.record.artifacts import earlier_timings_table, linearity_table, timings_table, top_ops_table
 from hostsweep.record.dbread import is_database, stored_runs
-from hostsweep.record.store import local_artifact_root, quiet_mlflow
+from hostsweep.record.store import local_artifact_root, local_folder, quiet_mlflow
 from hostsweep.record.views import JOURNAL_TAG, KIND, KIND_TAG, NOTE_TAG, cell_note, cell_run_name, runs_table_url, ui_base
 from hostsweep.record.claims import (
     CLAIMS_TAG, HEARTBEAT_TAG, KILLED_REASON_TAG, LIVE_HERE, OWNER_TAG, PARENT_TAG, RunView, claim_batches,
@@ -500,14 +500,23 @@ class SweepTracker:
 
     def _text(self, run_id: str, text: str, artifact_file: str) -> None:
         """client.log_text without its get_run per file (MLflow looks the run up to find
-        where its artifacts go): a run created by this tracker names that place already."""
+        where its artifacts go): a run created by this tracker names that place already.
+        Into a folder on this machine the file is written where it belongs; MLflow's
+        repository would write it to a temporary folder and copy it, which cost an instant
+        cell more than its database rows."""
         where = self._repos.get(run_id)
         if where is None:
             self.client.log_text(run_id, text, artifact_file)
             return
+        folder, _, name = artifact_file.rpartition("/")
+        local = local_folder(where)
+        if local is not None:
+            destination = local / folder if folder else local
+            destination.mkdir(parents=True, exist_ok=True)
+            (destination / name).write_text(text, encoding="utf-8")
+            return
         from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
-        folder, _, name = artifact_file.rpartition("/")
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / name
             path.write_text(text, encoding="utf-8")
