@@ -1,6 +1,8 @@
 """Differencing, the interleaved protocol and bootstrap CIs on synthetic timings."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -97,3 +99,16 @@ def test_prompts_are_distinct_sized_and_reproducible():
 def test_prompts_stay_distinct_when_collisions_are_likely():
     prompts = random_prompts(batch=4, ctx=1, vocab_size=4, seed=0)
     assert sorted(p[0] for p in prompts) == [0, 1, 2, 3]
+
+
+def test_linear_percentiles_equal_numpys_percentile_bit_for_bit():
+    from hostsweep.measure.results import linear_percentiles
+
+    rng = np.random.default_rng(11)
+    for i in range(3000):
+        values = rng.normal(size=int(rng.integers(1, 40))) * rng.choice([1e-3, 1.0, 250.0])
+        if i % 3 == 0:
+            values = np.round(values, 1)  # ties
+        percents = [0, 10, 25, 50, 75, 90, 100, *rng.uniform(0, 100, size=4)]
+        assert linear_percentiles(list(values), percents) == list(np.percentile(values, percents)), (values, percents)
+    assert all(math.isnan(v) for v in linear_percentiles([1.0, float("nan"), 2.0], [10, 90]))
