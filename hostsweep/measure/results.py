@@ -6,6 +6,7 @@ metric has one name and one definition.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -98,19 +99,27 @@ STEP_PERCENTILES = (10, 25, 75, 90)
 TIME_DECIMALS = 3
 
 
+@functools.lru_cache(maxsize=1024)
+def _decimals(name: str) -> Optional[int]:
+    """The decimals a metric keeps, None: 6 significant digits (a few dozen names, each
+    looked up once: a resume rounds every metric of 10,000 runs read back)."""
+    if name.endswith(("_ms", "_s")):
+        return TIME_DECIMALS
+    if name.startswith("r2_"):
+        return 6
+    if name.endswith("_frac"):
+        return 3
+    if name.endswith(("_overhead", "_rate", "_disagreement")):
+        return 4
+    return None
+
+
 def round_metric(name: str, value: float) -> float:
     """A metric rounded to what the measurement resolves, so tables read at a glance."""
     if not math.isfinite(value):
         return value
-    if name.endswith(("_ms", "_s")):
-        return round(value, TIME_DECIMALS)
-    if name.startswith("r2_"):
-        return round(value, 6)
-    if name.endswith("_frac"):
-        return round(value, 3)
-    if name.endswith(("_overhead", "_rate", "_disagreement")):
-        return round(value, 4)
-    return float(f"{value:.6g}")
+    decimals = _decimals(name)
+    return float(f"{value:.6g}") if decimals is None else round(value, decimals)
 
 
 def linear_percentiles(values: Sequence[float], percents: Sequence[float]) -> list[float]:
