@@ -49,9 +49,15 @@ def ngram_draft(tokens: list[int], k: int, n_max: int = 4, n_min: int = 2) -> li
 def decode(prompt: list[int], max_tokens: int, k: int) -> tuple[list[int], int, dict[str, int]]:
     """The fake model's greedy text, its engine steps (prefill included) and, with k drafted
     tokens per cycle, the per-request counts vLLM reports (RequestSpecDecodeMetrics)."""
+    stats = {"num_spec_steps": 0, "num_draft_tokens": 0, "num_accepted_draft_tokens": 0, "num_spec_tokens": k}
+    if not k:  # a token a step from the last one: no copy of the prompt (a batch of long ones is most of a fake cell)
+        last, out = prompt[-1], []
+        for _ in range(max(1, max_tokens)):
+            last = next_token(last)
+            out.append(last)
+        return out[:max_tokens], max(1, max_tokens), stats
     text = list(prompt) + [next_token(prompt[-1])]  # the prefill emits the first token
-    steps, stats = 1, {"num_spec_steps": 0, "num_draft_tokens": 0, "num_accepted_draft_tokens": 0,
-                       "num_spec_tokens": k}
+    steps = 1
     while len(text) - len(prompt) < max_tokens:
         draft = ngram_draft(text, k) if k else []
         accepted = 0
