@@ -8,6 +8,7 @@ Given a log file, the worker sends its output, and its engine's, there (run/work
 from __future__ import annotations
 
 import dataclasses
+import gc
 import gzip
 import logging
 import os
@@ -120,6 +121,9 @@ class SweepWorker:
         }
         if self.log_path is not None:
             self.host["worker_log"] = str(self.log_path)
+        # What the engine's start made lives as long as this worker: frozen, a full garbage
+        # collection (which may fall inside a timed generate) walks only what cells allocate.
+        gc.freeze()
         self._phase = "ready"
 
     def host_info(self) -> dict[str, str]:

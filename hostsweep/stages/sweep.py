@@ -14,6 +14,7 @@ asked whether it can run the grid first, so a grid it refuses leaves nothing in 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib
 import logging
 import os
@@ -320,6 +321,10 @@ def _sweep(study: Study, grid: list[Cell], run_dir: Path, backend: WorkerBackend
     to_run = runnable(cells)
     if prestarted:  # engines take tens of seconds to start: load matplotlib for the figures meanwhile
         importlib.import_module("hostsweep.report.figures")
+    # The libraries, the plan and the claims stay until the sweep ends: frozen, the full
+    # collections while measuring walk only what the cells allocate (at 10,000 instant cells
+    # they were about 3 % of the driver's time).
+    gc.freeze()
     dispatcher = Dispatcher(to_run, options, recorder.on_result, backend, FaultPolicy.of(cfg.faults),
                             ProgressReporter(len(to_run) * cfg.measure.replicates), should_stop,
                             worker_log_folder(run_dir, cfg.verbose), prestarted)
