@@ -215,19 +215,28 @@ def step_times(cells: pd.DataFrame) -> Figure:
     for ax, (sku, rows) in zip(axes, groups):
         keys = ["model", "mode", "tp", "ctx"]
         palette = colors(tuple(k) for k in rows[keys].drop_duplicates().itertuples(index=False))
-        for key, line in rows.sort_values("batch").groupby(keys):
+        lines = rows.sort_values("batch").groupby(keys)
+        for key, line in lines:
             ax.errorbar(line["batch"], line["step_ms"], yerr=_ci_yerr(line), marker="o", ms=4, capsize=3,
                         color=palette[tuple(key)], label=f"{key[0]} {key[1]} TP-{key[2]} ctx {key[3]}")
             _hollow_unstable(ax, line["batch"], line["step_ms"], line, palette[tuple(key)])
         ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted(rows["batch"].unique()), [str(b) for b in sorted(rows["batch"].unique())])
+        batches = sorted(rows["batch"].unique())
+        if len(batches) <= MAX_LABELS:  # every batch named; more would overlap (log2 ticks then)
+            ax.set_xticks(batches, [str(b) for b in batches])
         ax.set_xlabel("batch N")
         ax.set_ylabel("ms per decode step (95% CI)")
-        ax.set_title(f"{sku}: step time per cell", fontsize=10)
-        ax.legend(fontsize=7)
+        title = f"{sku}: step time per cell"
+        if lines.ngroups <= MAX_LABELS:
+            ax.legend(fontsize=7)
+        else:  # a legend of every line would be taller than the figure (and take seconds to place)
+            title += f"\n{lines.ngroups} lines, one per model/mode/TP/ctx (cells.csv names them); hollow: unstable"
+        ax.set_title(title, fontsize=10)
     return fig
 
 
+# The most legend entries or tick labels a panel names; a big grid's panel names none.
+MAX_LABELS = 16
 # How the sweep's figures are written, to its run directory and to MLflow alike.
 SAVE_KWARGS = {"dpi": 110, "bbox_inches": "tight"}
 # The sweep's split, in the comparison figures' host red; device time a muted blue.

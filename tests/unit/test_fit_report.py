@@ -167,6 +167,21 @@ def test_figures_for_nothing_say_so_instead_of_failing(tmp_path):
         assert F.save(fig, tmp_path / "x.png").stat().st_size > 1000
 
 
+def _step_cells(n_ctx: int, n_batch: int) -> pd.DataFrame:
+    return pd.DataFrame([{"sku": "cpu", "model": "m", "mode": "eager", "tp": 1, "ctx": c, "batch": b,
+                          "step_ms": 1.0 + 0.01 * b, "step_ci_low_ms": 0.9, "step_ci_high_ms": 1.2 + 0.01 * b}
+                         for c in range(8, 8 + n_ctx) for b in range(1, n_batch + 1)])
+
+
+def test_step_times_names_a_few_lines_in_a_legend_and_a_big_grids_lines_by_count():
+    small = F.step_times(_step_cells(3, 4)).axes[0]
+    assert small.get_legend() is not None and len(small.get_legend().get_texts()) == 3
+    assert [t.get_text() for t in small.get_xticklabels()] == ["1", "2", "3", "4"]
+    big = F.step_times(_step_cells(100, 100)).axes[0]  # a 10,000-cell study
+    assert big.get_legend() is None and "100 lines" in big.get_title()
+    assert len(big.get_xticks()) < 20  # not a label per batch
+
+
 def test_markdown_and_html_escape_table_text_and_keep_inline_markup(tmp_path):
     png = F.save(F.empty("x"), tmp_path / "f.png")
     doc = Document("T").add(Text("a **bold** `code` <tag>"), Table(pd.DataFrame({"a|b": ["<x>"], "v": [1.23456]}), digits=2),
