@@ -31,9 +31,11 @@ class CellTable:
     (`resumed` true, their own MLflow run ids) and the ones measured now. A table an
     earlier sweep left in the same run directory is replaced, never appended to, so each
     cell has one row. A row names the
-    MLflow run that claimed its cell as soon as it is measured, and the run the cell was
-    logged into once MLflow has it (`set_run_id`, from the uploader's thread): those
-    corrections are applied in batches and always before the table is read (`flush`).
+    MLflow run its cell is written into as soon as it is measured (a database store: the
+    run id is chosen then, SweepTracker.planned_run_id), else the run that claimed it, and
+    the run the cell was logged into once MLflow has it (`set_run_id`, from the uploader's
+    thread): those corrections are applied in batches and always before the table is read
+    (`flush`).
     The rows themselves are not kept in memory; only each new cell's key and status are."""
 
     def __init__(self, path: Path, resumed: list[dict[str, object]] | None = None) -> None:

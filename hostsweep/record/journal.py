@@ -184,10 +184,13 @@ class Journal:
             if durable:
                 os.fsync(self.handle.fileno())  # measured means kept: on disk before MLflow is asked
 
-    def measured(self, result: CellResult, run_id: Optional[str], tags: dict[str, str]) -> str:
+    def measured(self, result: CellResult, run_id: Optional[str], tags: dict[str, str],
+                 planned_run_id: Optional[str] = None) -> str:
+        """The cell's entry id. `planned_run_id`: the run it will be written into (a
+        database store), which an upload after a crash writes it into too."""
         entry = uuid.uuid4().hex
         self._append({"event": "measured", "entry": entry, "run_id": run_id, "tags": tags,
-                      "result": encode_result(result)})
+                      "result": encode_result(result), "planned_run_id": planned_run_id})
         return entry
 
     def logged(self, entry: str, run_id: str) -> None:

@@ -111,9 +111,11 @@ class SweepRecorder:
 
     def on_result(self, result: CellResult) -> None:
         run_id = self.claims.get(result.key)
-        entry = self.journal.measured(result, run_id, self.tags)
+        planned = self.tracker.planned_run_id(result, run_id)
+        entry = self.journal.measured(result, run_id, self.tags, planned)
+        self.tracker.plan(entry, planned)
         crashpoints.reached("journaled")
-        self.table.append(cell_row(result, run_id or "", self.tags))
+        self.table.append(cell_row(result, planned or run_id or "", self.tags))
         crashpoints.reached("tabled")
         self.uploader.submit(Measured(entry, result, run_id, self.tags))
         level = logging.WARNING if result.status == "FAILED" else logging.INFO
@@ -164,7 +166,7 @@ def _upload_unlogged(tracker: SweepTracker, journal: Journal) -> int:
     entries = journal.unlogged()
     for entry in entries:
         result = decode_result(entry["result"])
-        run_id = tracker.upload(result, entry["tags"], entry["run_id"], entry["entry"])
+        run_id = tracker.upload(result, entry["tags"], entry["run_id"], entry["entry"], entry.get("planned_run_id"))
         journal.logged(entry["entry"], run_id)
         tracker.delivered(entry["entry"])
         log.info("uploaded %s from %s (measured by an earlier sweep, never logged)", result.key, journal.path)

@@ -166,12 +166,28 @@ class SweepTracker:
         """The newest FINISHED run of each cell key (what a resumed sweep may skip)."""
         return {key: runs[0] for key, runs in self.finished_runs().items()}
 
-    def upload(self, result: CellResult, tags: dict[str, str], run_id: Optional[str], entry: str) -> str:
+    def planned_run_id(self, result: CellResult, claim: Optional[str]) -> Optional[str]:
+        """The id of the run a measured cell will be written into, chosen now (a database
+        store: its cells.csv row names the run from the start, no correction later), None
+        where MLflow's API chooses it. Hand it to `plan` with the cell's journal entry."""
+        if not self._writer or (claim is not None and not result.started_at):
+            return None
+        return uuid.uuid4().hex
+
+    def plan(self, entry: str, run_id: Optional[str]) -> None:
+        """Journal entry `entry`'s cell goes into `run_id` (planned_run_id) when written."""
+        if run_id is not None:
+            self._planned.setdefault(entry, run_id)
+
+    def upload(self, result: CellResult, tags: dict[str, str], run_id: Optional[str], entry: str,
+               planned_run_id: Optional[str] = None) -> str:
         """Log a journal entry an earlier sweep could not: into the run that claimed it
-        unless that run is gone, and only once (the entry id is tagged on the run that has it)."""
+        unless that run is gone, and only once (the entry id is tagged on the run that has it);
+        written straight into a database, into the run id the earlier sweep planned for it."""
         done = [r for r in self._search(f"tags.{JOURNAL_TAG} = '{entry}'") if r.info.status != "RUNNING"]
         if done:
             return done[0].info.run_id
+        self.plan(entry, planned_run_id)
         if run_id is not None:
             try:
                 run = self.client.get_run(run_id)

@@ -86,6 +86,7 @@ def test_a_driver_killed_while_recording_loses_no_cell_and_its_rerun_measures_no
     assert rows.is_unique and set(rows) <= set(kept)
     if point == "journaled":  # the n-th cell died between its journal line and its row
         assert len(rows) == len(kept) - 1
+    dead_rows = pd.read_csv(first / "cells.csv") if (first / "cells.csv").is_file() else pd.DataFrame()
 
     again = first if rerun_in == "same" else tmp_path / "again"
     backend = FakeBackend(tmp_path / "work")
@@ -97,3 +98,10 @@ def test_a_driver_killed_while_recording_loses_no_cell_and_its_rerun_measures_no
     assert_kept_once(store, study, grid, kept, first, again / "cells.csv",
                      half_logged=point == "uploading" and rerun_in == "api")
     assert not list((tmp_path / "outputs" / "pending").rglob("*.json"))
+    if rerun_in == "new" and len(dead_rows):  # written straight into the store: a row names its run from the start
+        client = MlflowClient(store)
+        experiment = client.get_experiment_by_name(f"hostsweep-{study}")
+        logged = {r.data.tags["cell_key"]: r.info.run_id
+                  for r in client.search_runs([experiment.experiment_id], "attributes.status = 'FINISHED'")
+                  if "cell_key" in r.data.tags}
+        assert dict(zip(dead_rows["cell_key"], dead_rows["mlflow_run_id"])) == {k: logged[k] for k in dead_rows["cell_key"]}
