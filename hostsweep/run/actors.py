@@ -80,10 +80,11 @@ def new_worker(spec: EngineSpec, log_file: Optional[str] = None) -> WorkerHandle
         group = placement_group(placement_bundles(spec.tp, spec.accelerator_type), strategy="STRICT_PACK")
         strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0,
                                                     placement_group_capture_child_tasks=True)
-        actor = remote_worker.options(num_cpus=1, num_gpus=0, scheduling_strategy=strategy).remote(spec, None, log_file)
+        actor = remote_worker.options(num_cpus=1, num_gpus=0, scheduling_strategy=strategy).remote(
+            spec, None, log_file, own_process=True)
         return WorkerHandle(actor, group)
     options = actor_options(spec, cpu_engine_cpus(live_nodes()))
-    return WorkerHandle(remote_worker.options(**options).remote(spec, None, log_file))
+    return WorkerHandle(remote_worker.options(**options).remote(spec, None, log_file, own_process=True))
 
 
 def ask_engines_to_close(workers: list[WorkerHandle]) -> object:

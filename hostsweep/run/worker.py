@@ -8,7 +8,6 @@ Given a log file, the worker sends its output, and its engine's, there (run/work
 from __future__ import annotations
 
 import dataclasses
-import gc
 import gzip
 import logging
 import os
@@ -35,8 +34,8 @@ from hostsweep.run.contention import ContentionProbe, sweep_root_pid
 from hostsweep.run.rounds import RoundJournal, round_journal
 from hostsweep.run.faults import EngineDied
 from hostsweep.run.hygiene import (
-    descendant_pids, engine_temp_folder, new_scratch_folder, release_ray_thread_limits, release_shared_memory,
-    remove_stale_scratch, restore_affinity, restore_priority, restore_scheduler,
+    descendant_pids, engine_temp_folder, freeze_long_lived, new_scratch_folder, release_ray_thread_limits,
+    release_shared_memory, remove_stale_scratch, restore_affinity, restore_priority, restore_scheduler,
 )
 from hostsweep.run.liveness import EngineWatch, engine_processes
 from hostsweep.run.placement import hand_gpus_to_ranks
@@ -74,7 +73,8 @@ def prompt_seed(cell: Cell) -> int:
 
 
 class SweepWorker:
-    def __init__(self, spec: EngineSpec, workdir: Optional[str] = None, log_file: Optional[str] = None) -> None:
+    def __init__(self, spec: EngineSpec, workdir: Optional[str] = None, log_file: Optional[str] = None,
+                 own_process: bool = False) -> None:
         # First, so the engine's processes inherit the redirected fds.
         self.log_path = redirect_output(Path(log_file), f"worker for {spec.label}") if log_file else None
         self._phase = "starting engine"
@@ -121,9 +121,8 @@ class SweepWorker:
         }
         if self.log_path is not None:
             self.host["worker_log"] = str(self.log_path)
-        # What the engine's start made lives as long as this worker: frozen, a full garbage
-        # collection (which may fall inside a timed generate) walks only what cells allocate.
-        gc.freeze()
+        if own_process:  # a Ray actor: what the engine's start made lives as long as this worker
+            freeze_long_lived()
         self._phase = "ready"
 
     def host_info(self) -> dict[str, str]:

@@ -14,7 +14,6 @@ asked whether it can run the grid first, so a grid it refuses leaves nothing in 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import importlib
 import logging
 import os
@@ -52,7 +51,7 @@ from hostsweep.run.dispatch import Dispatcher, WorkerBackend
 from hostsweep.run.faults import FaultPolicy
 from hostsweep.run.progress import ProgressReporter
 from hostsweep.run.rounds import ROUNDS_FOLDER
-from hostsweep.run.hygiene import descendant_pids
+from hostsweep.run.hygiene import descendant_pids, freeze_long_lived
 from hostsweep.run.winddown import WindDown
 from hostsweep.run.worklog import worker_log_folder
 
@@ -324,7 +323,7 @@ def _sweep(study: Study, grid: list[Cell], run_dir: Path, backend: WorkerBackend
     # The libraries, the plan and the claims stay until the sweep ends: frozen, the full
     # collections while measuring walk only what the cells allocate (at 10,000 instant cells
     # they were about 3 % of the driver's time).
-    gc.freeze()
+    freeze_long_lived()
     dispatcher = Dispatcher(to_run, options, recorder.on_result, backend, FaultPolicy.of(cfg.faults),
                             ProgressReporter(len(to_run) * cfg.measure.replicates), should_stop,
                             worker_log_folder(run_dir, cfg.verbose), prestarted)

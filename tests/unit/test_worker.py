@@ -36,6 +36,20 @@ def test_worker_measures_a_cell_with_a_finite_step_and_bracketing_ci(tmp_path):
     assert result.host["vllm_version"] == "fake" and result.host["hostname"]
 
 
+def test_a_worker_in_its_own_process_freezes_what_its_start_made_and_one_in_a_test_does_not(tmp_path):
+    import gc
+
+    cell = fake_cells("batch=[1]", "ctx=[16]")[0]
+    before = gc.get_freeze_count()
+    SweepWorker(cell.engine, str(tmp_path / "here"))
+    assert gc.get_freeze_count() == before  # in this process: nothing of the test's frozen
+    try:
+        SweepWorker(cell.engine, str(tmp_path / "own"), own_process=True)  # as a Ray actor is made
+        assert gc.get_freeze_count() > before
+    finally:
+        gc.unfreeze()
+
+
 def test_a_short_generate_fails_the_cell_instead_of_corrupting_it(tmp_path):
     cell = fake_cells("batch=[2]", "ctx=[8]")[0]
     worker = SweepWorker(cell.engine, str(tmp_path))
