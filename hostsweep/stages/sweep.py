@@ -201,7 +201,7 @@ def run(raw_cfg: DictConfig, run_dir: Path, backend: Optional[WorkerBackend] = N
 
             backend = RayBackend(worker_log_folder(run_dir, study.config.verbose))
             wind_down = WindDown(backend.finish_closing, partial(cluster.disconnect, started_here))
-            return _sweep(study, grid, run_dir, backend, opening, wind_down)
+            return _sweep(study, grid, run_dir, backend, opening, wind_down, own_process=True)
         finally:
             cluster.disconnect(started_here)
     finally:
@@ -283,9 +283,11 @@ def open_study(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Pat
 
 
 def _sweep(study: Study, grid: list[Cell], run_dir: Path, backend: WorkerBackend, opening: StudyOpening,
-           wind_down: Optional[WindDown] = None) -> int:
+           wind_down: Optional[WindDown] = None, own_process: bool = False) -> int:
     """wind_down: what ends the workers (default: the backend's closes) and, from `run`, the
-    local cluster; begun as soon as measuring ends."""
+    local cluster; begun as soon as measuring ends. own_process: the driver is this process's
+    only sweep (Ray's path), so what lives before measuring is frozen (freeze_long_lived);
+    an in-process backend's sweep, a test's, is not."""
     cfg = study.config
     wind_down = wind_down or WindDown(backend.finish_closing)
     started, options, journal = opening.started, opening.options, opening.journal
@@ -320,10 +322,10 @@ def _sweep(study: Study, grid: list[Cell], run_dir: Path, backend: WorkerBackend
     to_run = runnable(cells)
     if prestarted:  # engines take tens of seconds to start: load matplotlib for the figures meanwhile
         importlib.import_module("hostsweep.report.figures")
-    # The libraries, the plan and the claims stay until the sweep ends: frozen, the full
-    # collections while measuring walk only what the cells allocate (at 10,000 instant cells
-    # they were about 3 % of the driver's time).
-    freeze_long_lived()
+    if own_process:  # the libraries, the plan and the claims stay until the sweep ends: frozen,
+        # the full collections while measuring walk only what the cells allocate (at 10,000
+        # instant cells they were about 3 % of the driver's time)
+        freeze_long_lived()
     dispatcher = Dispatcher(to_run, options, recorder.on_result, backend, FaultPolicy.of(cfg.faults),
                             ProgressReporter(len(to_run) * cfg.measure.replicates), should_stop,
                             worker_log_folder(run_dir, cfg.verbose), prestarted)
