@@ -81,7 +81,9 @@ def test_a_killed_engine_core_is_detected_its_cell_retried_and_every_cell_measur
                 break
             time.sleep(0.1)
         tree = descendants(driver.pid)
-        (core,) = named(tree, "VLLM::EngineCore")  # ...and the next rounds are being timed: kill its engine
+        # ...and the next rounds are being timed: kill its engine. The kernel's name is cut at 15
+        # characters, and psutil gives the full title only once it reads the retitled command line.
+        (core,) = named(tree, "VLLM::EngineCor")
         before = saved_pairs(pending)
         workers = named(tree, "ray::Sweep")  # the worker actor (process names are cut at 15 characters)
         core.send_signal(signal.SIGKILL)
