@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -249,8 +249,9 @@ def requested_parts(options: MeasureOptions) -> set[str]:
     return {part for part, on in asked.items() if on}
 
 
-def missing_parts(options: MeasureOptions, metrics: dict[str, float]) -> list[str]:
-    """What a finished cell (its logged metrics) lacks of what these options ask for."""
+def missing_parts(options: MeasureOptions, metrics: Collection[str]) -> list[str]:
+    """What a finished cell lacks of what these options ask for; `metrics`: the names of
+    the metrics it logged (or its metrics by name)."""
     return sorted(part for part in requested_parts(options) if PART_METRICS[part] not in metrics)
 
 

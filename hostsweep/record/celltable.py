@@ -2,13 +2,19 @@
 from __future__ import annotations
 
 import csv
+import logging
 import math
 import threading
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
 from hostsweep.config.grid import Cell
+from hostsweep.config.redact import error_line
+
+log = logging.getLogger(__name__)
 
 # Run-id corrections wait until they are this share of the rows (or the table is read), so
 # a sweep rewrites the file O(log n) times instead of once per cell.
@@ -23,12 +29,34 @@ def csv_value(value: object) -> object:
     return value
 
 
+@dataclass(frozen=True)
+class ResumedRows:
+    """The cells earlier runs FINISHED that a resumed sweep skips: their runs are known
+    when the sweep is planned, their rows (every param, metric and tag, read from MLflow)
+    may come later, while measuring starts (StudyOpening)."""
+
+    run_ids: tuple[str, ...]
+    rows: Future[list[dict[str, object]]] = field(default_factory=Future)
+
+    @classmethod
+    def of(cls, rows: list[dict[str, object]]) -> "ResumedRows":
+        """Rows already read."""
+        resumed = cls(tuple(str(row["mlflow_run_id"]) for row in rows))
+        resumed.rows.set_result(rows)
+        return resumed
+
+    @property
+    def count(self) -> int:
+        return len(self.run_ids)
+
+
 class CellTable:
     """The cell table in the run directory; every cell's row is appended (and flushed) as
     soon as it is measured, so none is lost and a 10,000-cell sweep writes O(n), not O(n²).
 
     A resumed sweep's table holds the whole study: the cells FINISHED by earlier runs
-    (`resumed` true, their own MLflow run ids) and the ones measured now. A table an
+    (`resumed` true, their own MLflow run ids), written in as soon as their rows are read
+    and always before the table is read, and the ones measured now. A table an
     earlier sweep left in the same run directory is replaced, never appended to, so each
     cell has one row. A row names the
     MLflow run its cell is written into as soon as it is measured (a database store: the
@@ -38,19 +66,19 @@ class CellTable:
     (`flush`).
     The rows themselves are not kept in memory; only each new cell's key and status are."""
 
-    def __init__(self, path: Path, resumed: list[dict[str, object]] | None = None) -> None:
+    def __init__(self, path: Path, resumed: ResumedRows | None = None) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.resumed_count = len(resumed or [])
+        self.resumed = resumed or ResumedRows.of([])
+        self.resumed_count = self.resumed.count
+        self._resumed_written = False
         self.columns: list[str] = []
         self.run_ids: dict[str, str] = {}  # cell key -> run id, for the cells measured now
         self.statuses: dict[str, str] = {}  # cell key -> status, for the cells measured now
         self._pending: dict[str, str] = {}  # run-id corrections not yet in the file
         self.lock = threading.Lock()
-        if resumed:
-            self._rewrite(pd.DataFrame([{**row, "resumed": True} for row in resumed]))
-        else:  # an earlier sweep's table in this run directory: its cells are in MLflow by now
-            path.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)  # an earlier sweep's table in this run directory: its cells are in MLflow by now
+        self.resumed.rows.add_done_callback(lambda _: self._write_resumed())
 
     @property
     def count(self) -> int:
@@ -69,6 +97,7 @@ class CellTable:
     def append(self, row: dict[str, object]) -> None:
         row = {**row, "resumed": False}
         with self.lock:
+            self._take_resumed()
             key = str(row["cell_key"])
             self.run_ids[key], self.statuses[key] = str(row["mlflow_run_id"]), str(row["status"])
             if not self.columns or any(column not in self.columns for column in row):
@@ -87,8 +116,10 @@ class CellTable:
                 self._apply_pending()
 
     def flush(self) -> None:
-        """Write the run-id corrections still pending."""
+        """Write the resumed rows (waiting for them) and the run-id corrections still pending."""
+        wait([self.resumed.rows])
         with self.lock:
+            self._take_resumed()
             self._apply_pending()
 
     def study_frame(self, cells: list[Cell]) -> pd.DataFrame:
@@ -105,6 +136,25 @@ class CellTable:
     def study_rows(self, cells: list[Cell]) -> list[dict[str, object]]:
         """study_frame as one dict per row."""
         return self.study_frame(cells).to_dict("records")
+
+    def _write_resumed(self) -> None:
+        with self.lock:
+            self._take_resumed()
+
+    def _take_resumed(self) -> None:
+        """Write the resumed rows in once they are read (under the lock; once)."""
+        if self._resumed_written or not self.resumed.rows.done():
+            return
+        self._resumed_written = True
+        try:
+            rows = self.resumed.rows.result()
+        except Exception as exc:  # noqa: BLE001 - they are in MLflow; only this table lacks them
+            log.error("cells.csv lacks the %d cell(s) resumed from earlier runs: reading their runs failed: %s",
+                      self.resumed_count, error_line(exc))
+            return
+        if rows:
+            self._rewrite(pd.concat([pd.DataFrame([{**row, "resumed": True} for row in rows]), self._read_all_text()],
+                                    ignore_index=True))
 
     def _apply_pending(self) -> None:
         if not self._pending or not self.path.is_file():

@@ -21,6 +21,7 @@ import os
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
@@ -32,7 +33,7 @@ from hostsweep.measure.results import CellResult, cell_metrics, logged_row, spli
 from hostsweep.config.redact import error_line, redact
 from hostsweep.record import crashpoints
 from hostsweep.record.artifacts import earlier_timings_table, linearity_table, timings_table, top_ops_table
-from hostsweep.record.dbread import is_database, stored_runs
+from hostsweep.record.dbread import finished_index, is_database, runs_by_id, stored_runs
 from hostsweep.record.store import local_artifact_root, local_folder, quiet_mlflow
 from hostsweep.record.views import JOURNAL_TAG, KIND, KIND_TAG, NOTE_TAG, cell_note, cell_run_name, runs_table_url, ui_base
 from hostsweep.record.claims import (
@@ -92,6 +93,15 @@ def run_view(run: Any) -> RunView:
     return RunView(run.info.run_id, run.info.status, kept, run.info.start_time)
 
 
+@dataclass(frozen=True)
+class FinishedRun:
+    """A FINISHED cell run, as a resumed sweep weighs it: its id and the metrics it logged
+    of those asked about."""
+
+    run_id: str
+    metric_keys: frozenset[str]
+
+
 class SweepTracker:
     """Records one sweep: the parent run, then a child run per cell as it arrives."""
 
@@ -121,6 +131,7 @@ class SweepTracker:
         self._planned: dict[str, str] = {}  # journal entry -> the run id a direct write uses, until written
         self._repos: dict[str, str] = {}  # run id -> its artifact URI, while its cell is logged
         self._writer: Any = None  # a database store's writer (dbwrite.py), made at the first cell; False: none
+        self._rows_read: dict[str, dict[str, object]] = {}  # run id -> row, where finished_index read every row
 
     def _experiment_id(self, name: str, description: Optional[str]) -> str:
         found = self.client.get_experiment_by_name(name)
@@ -158,13 +169,51 @@ class SweepTracker:
         return self._newest_first(found)
 
     @staticmethod
-    def _newest_first(found: dict[str, list[tuple[int, dict[str, object]]]]) -> dict[str, list[dict[str, object]]]:
+    def _newest_first(found: dict[str, list[tuple[int, Any]]]) -> dict[str, list[Any]]:
         # newest first; runs that started together keep MLflow's order (a stable sort)
         return {key: [row for _, row in sorted(runs, key=lambda r: -r[0])] for key, runs in found.items()}
 
     def finished_cells(self) -> dict[str, dict[str, object]]:
         """The newest FINISHED run of each cell key (what a resumed sweep may skip)."""
         return {key: runs[0] for key, runs in self.finished_runs().items()}
+
+    def finished_index(self, metric_keys: Sequence[str]) -> dict[str, list[FinishedRun]]:
+        """FINISHED cell runs of this experiment by cell key, newest first, each with which
+        of `metric_keys` it logged: what a resumed sweep decides on. From a database, two
+        narrow SELECTs (a few columns per run, no params); elsewhere (a server), the full
+        read, whose rows resumed_rows then returns without reading them again."""
+        found: dict[str, list[tuple[int, FinishedRun]]] = {}
+        if self.direct_reads and is_database(self.tracking_uri):
+            try:
+                for run_id, start, key, logged in finished_index(self.tracking_uri, self.experiment_id, metric_keys):
+                    found.setdefault(key, []).append((start, FinishedRun(run_id, logged)))
+                return self._newest_first(found)
+            except Exception as exc:  # noqa: BLE001 - another schema, a driver missing: the full read
+                log.debug("reading the finished runs' index from the database failed (%s)", exc)
+        self._rows_read = {}
+        index: dict[str, list[FinishedRun]] = {}
+        for key, rows in self.finished_runs().items():
+            for row in rows:
+                run_id = str(row["mlflow_run_id"])
+                self._rows_read[run_id] = row
+                index.setdefault(key, []).append(FinishedRun(run_id, frozenset(k for k in metric_keys if k in row)))
+        return index
+
+    def resumed_rows(self, run_ids: Sequence[str]) -> list[dict[str, object]]:
+        """The cell-table rows (finished_runs' rows) of these FINISHED runs."""
+        if not run_ids:
+            return []
+        wanted = set(run_ids)
+        if self._rows_read:  # finished_index read them all; held no longer than until now
+            read, self._rows_read = self._rows_read, {}
+            return [row for run_id, row in read.items() if run_id in wanted]
+        if self.direct_reads and is_database(self.tracking_uri):
+            try:
+                return [logged_row(run.params, run.metrics, run.tags, run.run_id)
+                        for page in runs_by_id(self.tracking_uri, list(run_ids)) for run in page]
+            except Exception as exc:  # noqa: BLE001 - as finished_runs: MLflow's search instead
+                log.debug("reading runs from the database failed (%s); using MLflow's search", exc)
+        return [row for rows in self.finished_runs().values() for row in rows if row["mlflow_run_id"] in wanted]
 
     def planned_run_id(self, result: CellResult, claim: Optional[str]) -> Optional[str]:
         """The id of the run a measured cell will be written into, chosen now (a database

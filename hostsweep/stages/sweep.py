@@ -36,8 +36,8 @@ from hostsweep.config.resolve import Study, resolve
 from hostsweep.config.schema import ConfigError
 from hostsweep.config.vllm_fields import ENGINE_ARG_FIELDS
 from hostsweep.engines.vllm_engine import engine_arg_fields
-from hostsweep.measure.results import MeasureOptions, missing_parts, skipped_result
-from hostsweep.record.celltable import CellTable
+from hostsweep.measure.results import PART_METRICS, MeasureOptions, missing_parts, requested_parts, skipped_result
+from hostsweep.record.celltable import CellTable, ResumedRows
 from hostsweep.record.claims import PARENT_TAG
 from hostsweep.record.journal import JOURNAL_FILE, Journal, pending_folder
 from hostsweep.record.preflight import preflight, record_cluster
@@ -61,8 +61,8 @@ if TYPE_CHECKING:  # MLflow (1.5 s to import) loads only once a sweep records: b
 log = logging.getLogger(__name__)
 
 # What opening a study in MLflow gives a sweep: its tracker, the cells still to measure, the
-# resumed cells' rows, and its claims (cell key -> None).
-Opened = tuple["SweepTracker", list[Cell], list[dict[str, object]], dict[str, Optional[str]]]
+# resumed cells (their rows read after the plan), and its claims (cell key -> None).
+Opened = tuple["SweepTracker", list[Cell], ResumedRows, dict[str, Optional[str]]]
 # Seconds MLflow gets to take the queued cells at the end: a normal end waits out a short
 # outage (up to tracking.outage_s), an interrupted one does not keep the user waiting.
 INTERRUPTED_DRAIN_S = 10.0
@@ -100,27 +100,28 @@ def record_study_summary(study: Study, rows: pd.DataFrame, tracker: SweepTracker
         log.warning("study summary skipped: %s", error_line(exc))
 
 
-def skip_finished(cells: list[Cell], tracker: SweepTracker,
-                  options: MeasureOptions) -> tuple[list[Cell], list[dict[str, object]]]:
-    """The cells still to measure, and the table rows of those an earlier run FINISHED with
-    everything this sweep asks for (split, linearity, py-spy); the others are measured again."""
-    finished = tracker.finished_runs()
+def skip_finished(cells: list[Cell], tracker: SweepTracker, options: MeasureOptions) -> tuple[list[Cell], ResumedRows]:
+    """The cells still to measure, and the runs of those an earlier run FINISHED with
+    everything this sweep asks for (split, linearity, py-spy); the others are measured
+    again. Decided on each run's cell key and the names of its metrics alone: the rows of
+    the resumed cells are read afterwards (ResumedRows), while measuring starts."""
+    finished = tracker.finished_index([PART_METRICS[part] for part in sorted(requested_parts(options))])
     remaining, resumed = [], []
     for cell in cells:
         runs = finished.get(cell.key, [])
-        complete = [row for row in runs if not missing_parts(options, row)]  # type: ignore[arg-type]
+        complete = [run for run in runs if not missing_parts(options, run.metric_keys)]
         if complete:
-            resumed.append(complete[0])
+            resumed.append(complete[0].run_id)
             continue
         if runs:
-            lacks = ", ".join(missing_parts(options, runs[0]))  # type: ignore[arg-type]
+            lacks = ", ".join(missing_parts(options, runs[0].metric_keys))
             log.info("%s: its FINISHED run %s has no %s, which this sweep asks for: measuring it again",
-                     cell.key, runs[0]["mlflow_run_id"], lacks)
+                     cell.key, runs[0].run_id, lacks)
         remaining.append(cell)
     if resumed:
         log.info("resuming: %d of %d cells already FINISHED in experiment %s are skipped "
                  "(resume=false measures them again)", len(resumed), len(cells), tracker.experiment_id)
-    return remaining, resumed
+    return remaining, ResumedRows(tuple(resumed))
 
 
 def tidy_experiment(tracker: SweepTracker, study: Study, journal: Journal) -> None:
@@ -212,8 +213,9 @@ def run(raw_cfg: DictConfig, run_dir: Path, backend: Optional[WorkerBackend] = N
 class StudyOpening:
     """The study's MLflow side before measuring (open_study), in a thread of its own from
     the moment the grid is known: a first 10,000-cell sweep claims its cells, and a resumed
-    one reads back its finished cells, while Ray and the engines start. The journal is
-    made here, in the caller's thread: a run directory another sweep uses is refused
+    one finds its finished cells, while Ray and the engines start. Once planned, the same
+    thread reads the resumed cells' rows for the cell table while measuring begins. The
+    journal is made here, in the caller's thread: a run directory another sweep uses is refused
     before anything starts."""
 
     def __init__(self, study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path) -> None:
@@ -230,10 +232,16 @@ class StudyOpening:
 
     def _open(self, study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path) -> None:
         try:
-            self._future.set_result(open_study(study, raw_cfg, grid, run_dir, self.options, self.journal,
-                                               self.started))
+            opened = open_study(study, raw_cfg, grid, run_dir, self.options, self.journal, self.started)
         except BaseException as exc:  # noqa: BLE001 - handed to the thread that waits for it
             self._future.set_exception(exc)
+            return
+        self._future.set_result(opened)
+        tracker, _, resumed, _ = opened
+        try:  # measuring starts meanwhile; the cell table waits for these rows before it is read
+            resumed.rows.set_result(tracker.resumed_rows(resumed.run_ids))
+        except BaseException as exc:  # noqa: BLE001 - the table says what it lacks
+            resumed.rows.set_exception(exc)
 
     def result(self) -> Opened:
         """What open_study returned, once done; its error (the journal closed) if it failed."""
@@ -263,7 +271,7 @@ class StudyOpening:
 def open_study(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Path, options: MeasureOptions,
                journal: Journal, started: float) -> Opened:
     """The study's MLflow side before measuring: the tracker, the cells still to measure,
-    the resumed cells' rows, and this sweep's claims. `started`: when the sweep began."""
+    the resumed cells (their rows not yet read), and this sweep's claims. `started`: when the sweep began."""
     cfg = study.config
     with tracking_answers(cfg.tracking.uri):
         from hostsweep.record.tracking import SweepTracker
@@ -271,14 +279,14 @@ def open_study(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Pat
         tracker = SweepTracker(cfg.tracking.uri, experiment_name(study), experiment_description(cfg.study),
                                cfg.tracking.direct_writes)
         tidy_experiment(tracker, study, journal)
-        cells, resumed = skip_finished(grid, tracker, options) if cfg.resume else (grid, [])
+        cells, resumed = skip_finished(grid, tracker, options) if cfg.resume else (grid, ResumedRows.of([]))
         tracker.start_sweep(sweep_run_name(study, grid), redact(OmegaConf.to_yaml(raw_cfg)),
                             sweep_params(study, cells), {**driver_tags(), "run_dir": str(run_dir)},
                             varying_axes([c.params() for c in grid]))
         cells, claims = claim_cells(tracker, cells, cfg.tracking.stale_after_s)
     # Planned: what is left is claimed; Ray and the engines may still be starting.
     log.info("planned: %d cell(s) to measure, %d resumed, %.1f s after the sweep began", len(runnable(cells)),
-             len(resumed), time.time() - started)
+             resumed.count, time.time() - started)
     return tracker, cells, resumed, claims
 
 

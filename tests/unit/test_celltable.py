@@ -7,7 +7,7 @@ import math
 import pandas as pd
 
 from hostsweep.record import celltable
-from hostsweep.record.celltable import CellTable
+from hostsweep.record.celltable import CellTable, ResumedRows
 
 
 def row(i: int, status: str = "FINISHED", **extra: object) -> dict[str, object]:
@@ -30,7 +30,7 @@ def test_appended_rows_read_back_as_a_one_shot_pandas_write_would(tmp_path):
 
 def test_run_id_corrections_are_batched_and_all_applied_by_flush(tmp_path, monkeypatch):
     monkeypatch.setattr(celltable, "REWRITE_MIN", 3)
-    table = CellTable(tmp_path / "cells.csv", resumed=[row(100, mlflow_run_id="old")])
+    table = CellTable(tmp_path / "cells.csv", resumed=ResumedRows.of([row(100, mlflow_run_id="old")]))
     for i in range(10):
         table.append(row(i))
     table.set_run_id("k0", "run0")
@@ -75,10 +75,40 @@ def test_a_table_left_in_the_run_dir_by_an_earlier_sweep_is_replaced_not_appende
     earlier = CellTable(tmp_path / "cells.csv")
     earlier.append(row(1))
     earlier.append(row(2, "FAILED"))
-    resumed = CellTable(tmp_path / "cells.csv", resumed=[row(1, mlflow_run_id="logged1")])
+    resumed = CellTable(tmp_path / "cells.csv", resumed=ResumedRows.of([row(1, mlflow_run_id="logged1")]))
     resumed.append(row(2))
     frame = pd.read_csv(resumed.path)
     assert list(frame["cell_key"]) == ["k1", "k2"] and list(frame["status"]) == ["FINISHED", "FINISHED"]
     again = CellTable(tmp_path / "cells.csv")  # resume=false: everything measured again
     again.append(row(1))
     assert list(pd.read_csv(again.path)["cell_key"]) == ["k1"]
+
+
+def test_resumed_rows_read_while_cells_are_measured_are_written_in_once_and_waited_for_before_a_read(tmp_path):
+    import threading
+
+    resumed = ResumedRows(("old1", "old2"))
+    table = CellTable(tmp_path / "cells.csv", resumed)
+    table.append(row(1))
+    table.append(row(2, extra_metric=3.0))  # a column the resumed rows lack
+    assert list(pd.read_csv(table.path)["cell_key"]) == ["k1", "k2"] and table.resumed_count == 2
+    late = threading.Timer(0.2, resumed.rows.set_result,
+                           [[row(10, mlflow_run_id="old1"), row(11, mlflow_run_id="old2", pyspy_idle_frac=0.1)]])
+    late.start()
+    frame = table.study_frame([])  # waits for the rows being read
+    assert sorted(frame["cell_key"]) == ["k1", "k10", "k11", "k2"]
+    assert dict(zip(frame["cell_key"], frame["resumed"])) == {"k1": False, "k2": False, "k10": True, "k11": True}
+    table.append(row(3))
+    frame = pd.read_csv(table.path)
+    assert sorted(frame["cell_key"]) == ["k1", "k10", "k11", "k2", "k3"]  # each once
+    assert frame.set_index("cell_key").loc["k2", "extra_metric"] == 3.0
+
+
+def test_resumed_rows_that_could_not_be_read_leave_the_sweeps_own_rows_and_say_so(tmp_path, caplog):
+    resumed = ResumedRows(("old1",))
+    table = CellTable(tmp_path / "cells.csv", resumed)
+    table.append(row(1))
+    resumed.rows.set_exception(ConnectionError("MLflow went away"))
+    table.append(row(2))
+    assert list(table.study_frame([])["cell_key"]) == ["k1", "k2"]
+    assert "lacks the 1 cell(s) resumed" in caplog.text and "MLflow went away" in caplog.text

@@ -436,3 +436,28 @@ def test_claims_read_across_pages_keep_only_the_tags_liveness_reads(tracker, mon
     views, known = tracker.running_runs()
     assert len(views) == 4 and all(set(v.tags) <= set(LIVENESS_TAGS) for v in views if v.run_id != tracker.parent_run_id)
     assert set(tracker.live_claims(300)) == set(mine)
+
+
+def test_resume_decides_on_a_narrow_read_that_agrees_with_the_full_one_and_reads_the_rows_it_keeps(
+        tracker, monkeypatch):
+    _measured_twice(tracker)
+    with_split = CellResult("e", PARAMS, "FINISHED", CellMeasurement(3.0, 2.9, 3.1, 10.5, 106.5, REPS), None, {},
+                            1.5, SPLIT)
+    tracker.log_cell(with_split, {})
+    tracker.log_cell(CellResult("d", PARAMS, "FAILED", None, "boom", {}, 1.0), {})  # not FINISHED: not read
+    full = tracker.finished_runs()
+    monkeypatch.setattr(tracker.client, "search_runs", None)  # a database store: never MLflow's search
+    index = tracker.finished_index(["device_ms", "pyspy_idle_frac"])
+    assert {key: [run.run_id for run in runs] for key, runs in index.items()} == {
+        key: [row["mlflow_run_id"] for row in rows] for key, rows in full.items()}  # newest first, alike
+    assert index["e"][0].metric_keys == {"device_ms"} and index["a"][0].metric_keys == frozenset()
+    kept = [index["a"][0].run_id, index["e"][0].run_id]
+    rows = sorted(tracker.resumed_rows(kept), key=lambda row: str(row["cell_key"]))
+    assert rows == [full["a"][0], full["e"][0]]
+    monkeypatch.undo()
+
+    monkeypatch.setattr(tracker, "direct_reads", False)  # a server: one full read, its rows kept for resumed_rows
+    searched = tracker.finished_index(["device_ms", "pyspy_idle_frac"])
+    assert searched == index
+    monkeypatch.setattr(tracker.client, "search_runs", None)
+    assert sorted(tracker.resumed_rows(kept), key=lambda row: str(row["cell_key"])) == rows
