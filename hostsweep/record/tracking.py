@@ -200,17 +200,20 @@ class SweepTracker:
         return index
 
     def resumed_rows(self, run_ids: Sequence[str]) -> list[dict[str, object]]:
-        """The cell-table rows (finished_runs' rows) of these FINISHED runs."""
+        """The cell-table rows (finished_runs' rows) of these FINISHED runs, in their order."""
         if not run_ids:
             return []
-        wanted = set(run_ids)
+        order = {run_id: i for i, run_id in enumerate(run_ids)}
+        return sorted(self._rows_of(order), key=lambda row: order[str(row["mlflow_run_id"])])
+
+    def _rows_of(self, wanted: Mapping[str, int]) -> list[dict[str, object]]:
         if self._rows_read:  # finished_index read them all; held no longer than until now
             read, self._rows_read = self._rows_read, {}
             return [row for run_id, row in read.items() if run_id in wanted]
         if self.direct_reads and is_database(self.tracking_uri):
             try:
                 return [logged_row(run.params, run.metrics, run.tags, run.run_id)
-                        for page in runs_by_id(self.tracking_uri, list(run_ids)) for run in page]
+                        for page in runs_by_id(self.tracking_uri, list(wanted)) for run in page]
             except Exception as exc:  # noqa: BLE001 - as finished_runs: MLflow's search instead
                 log.debug("reading runs from the database failed (%s); using MLflow's search", exc)
         return [row for rows in self.finished_runs().values() for row in rows if row["mlflow_run_id"] in wanted]
