@@ -5,9 +5,12 @@ harness alone.
 
 For each N it prints: the sweep's wall time; cells per second while measuring (first to
 last cell recorded) and end to end (first cell to the process's exit, MLflow's queue
-drained); the driver's peak RSS (psutil, polled every 0.1 s); the time to plan (process
-start to the "planned:" log line); then the same command again, which resumes every cell
-(its plan time and wall); and the time to read every cell back into one DataFrame the two
+drained); the driver's peak RSS (psutil, polled every 0.1 s); the CPU each part of the
+machine spent per cell (the driver, its Ray daemons and worker, a local tracking server and
+PostgreSQL, the rest; psutil, every 0.5 s), and so the most cells per second this
+machine's cores allow at that cost; the time to plan (process start to the "planned:" log
+line); then the same command again (--resumes times), which resumes every cell (its plan
+time and wall); and the time to read every cell back into one DataFrame the two
 ways hostsweep does (the model stage's read_cells, resume's finished_runs). Then the
 issue-23 targets, each as measured / target, judged at 10,000 cells (a smaller N shows the
 figures unjudged: a plan is mostly fixed costs and does not scale linearly).
@@ -19,7 +22,7 @@ checkout: `git worktree add OLD_TREE <commit>`) first on PYTHONPATH, in the same
 store, and prints each figure as a ratio old / new.
 
     .venv/bin/python benchmarks/sweep_scale.py --cells 1000 10000 [--keep DIR]
-        [--tracking-uri URI] [--baseline-src DIR] [--override KEY=VALUE ...]
+        [--tracking-uri URI] [--baseline-src DIR] [--resumes K] [--override KEY=VALUE ...]
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 from typing import Optional
+from urllib.parse import urlsplit
 
 import psutil
 
@@ -76,25 +80,93 @@ def own_config_tree(src: Path) -> None:
         link.symlink_to(src / "conf", target_is_directory=True)
 
 
-def run(cmd: list[str], cwd: Path, log: Path, src: Optional[Path] = None) -> dict[str, float]:
+def listening_tree(uri: Optional[str]) -> Optional[psutil.Process]:
+    """The top of the process tree serving a local tracking server's URI (mlflow server and
+    its workers), found by the port it listens on; None for other stores."""
+    if not uri or not uri.startswith("http://"):
+        return None
+    port = urlsplit(uri).port or 80
+    for conn in psutil.net_connections("tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            top = psutil.Process(conn.pid)
+            while top.parent() is not None and "mlflow" in " ".join(top.parent().cmdline()):
+                top = top.parent()
+            return top
+    return None
+
+
+def tree_cpu(top: psutil.Process) -> float:
+    """CPU seconds (user + system) of a process and its living descendants."""
+    total = 0.0
+    for proc in [top, *top.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+            total += times.user + times.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def cpu_parts(driver: psutil.Process, server: Optional[psutil.Process]) -> dict[str, float]:
+    """Cumulative CPU seconds of the driver alone, its descendants (a local Ray cluster's
+    daemons and the worker), the tracking server's tree, PostgreSQL's processes, and the
+    whole machine (every core's busy time)."""
+    parts = {"driver": 0.0, "ray_and_worker": 0.0, "server": 0.0, "postgres": 0.0}
+    try:
+        times = driver.cpu_times()
+        parts["driver"] = times.user + times.system
+        parts["ray_and_worker"] = tree_cpu(driver) - parts["driver"]
+    except psutil.Error:
+        pass
+    if server is not None:
+        parts["server"] = tree_cpu(server)
+    for proc in psutil.process_iter(["name", "cpu_times"]):
+        if proc.info["name"] == "postgres" and proc.info["cpu_times"] is not None:
+            parts["postgres"] += proc.info["cpu_times"].user + proc.info["cpu_times"].system
+    machine = psutil.cpu_times()
+    parts["machine"] = machine.user + machine.nice + machine.system + getattr(machine, "irq", 0.0) + getattr(
+        machine, "softirq", 0.0)
+    return parts
+
+
+def run(cmd: list[str], cwd: Path, log: Path, src: Optional[Path] = None, uri: Optional[str] = None) -> dict[str, object]:
     """Run one sweep process (with the hostsweep of `src` when given); its wall, peak RSS
-    (MiB), exit code, and RSS samples."""
+    (MiB), exit code, RSS samples (every 0.1 s) and CPU samples (cpu_parts, every 0.5 s)."""
     env = {**os.environ, "HOSTSWEEP_FAKE_TIME_SCALE": "0"}
     if src is not None:
         own_config_tree(src)
         env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    server = listening_tree(uri)
     started = time.time()
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
-        watched, samples = psutil.Process(proc.pid), []
+        watched, samples, cpu = psutil.Process(proc.pid), [], []
+        polls = 0
         while proc.poll() is None:
             try:
                 samples.append((time.time(), watched.memory_info().rss / 2**20))
+                if polls % 5 == 0:
+                    cpu.append((time.time(), cpu_parts(watched, server)))
             except psutil.Error:
                 pass
+            polls += 1
             time.sleep(0.1)
     return {"started": started, "wall": time.time() - started, "rss_mib": max(r for _, r in samples),
-            "rc": proc.returncode, "samples": samples}
+            "rc": proc.returncode, "samples": samples, "cpu": cpu}
+
+
+def cpu_per_cell(cpu: list[tuple[float, dict[str, float]]], start: float, end: float,
+                 cells: int) -> dict[str, float]:
+    """CPU milliseconds per cell of each part between the samples nearest `start` and `end`,
+    and the share of the machine's cores busy meanwhile."""
+    first = min(cpu, key=lambda sample: abs(sample[0] - start))
+    last = min(cpu, key=lambda sample: abs(sample[0] - end))
+    if last[0] <= first[0]:
+        return {}
+    spent = {part: 1000 * (last[1][part] - first[1][part]) / cells for part in first[1]}
+    spent["rest"] = spent["machine"] - sum(spent[p] for p in ("driver", "ray_and_worker", "server", "postgres"))
+    spent["busy_share"] = (last[1]["machine"] - first[1]["machine"]) / ((last[0] - first[0]) * psutil.cpu_count())
+    return spent
 
 
 def peak_between(samples: list[tuple[float, float]], start: float, end: float) -> float:
@@ -148,12 +220,12 @@ def read_back(uri: str, name: str, src: Optional[Path] = None) -> tuple[float, i
 
 
 def bench(cells: int, root: Path, uri: Optional[str], src: Optional[Path], tag: str,
-          extra: tuple[str, ...] = ()) -> dict[str, float]:
+          extra: tuple[str, ...] = (), resumes: int = 1) -> dict[str, float]:
     """One N: the first sweep, its resume, the read-back; prints them, returns the figures."""
     study = f"scale-{cells}-{tag}-{datetime.now():%H%M%S}"
     uri = uri or f"sqlite:///{root / f'mlflow-{cells}-{tag}.db'}"
-    first_dir, again_dir = root / f"first-{cells}-{tag}", root / f"resume-{cells}-{tag}"
-    first = run(command(cells, uri, first_dir, study, extra), root, root / f"first-{cells}-{tag}.out", src)
+    first_dir = root / f"first-{cells}-{tag}"
+    first = run(command(cells, uri, first_dir, study, extra), root, root / f"first-{cells}-{tag}.out", src, uri)
     times = log_times(first_dir, cells)
     measured = len(open(first_dir / "cells.csv").readlines()) - 1
     figures: dict[str, float] = {"rss_mib": first["rss_mib"], "wall_s": first["wall"]}
@@ -171,11 +243,27 @@ def bench(cells: int, root: Path, uri: Optional[str], src: Optional[Path], tag: 
         figures["cells_per_s"] = cells / end_to_end
         print(f"  plan {figures['plan_s']:.1f} s; cells/s while measuring {(cells - 1) / measuring:.1f}, "
               f"end to end (MLflow drained) {figures['cells_per_s']:.1f}")
-    again = run(command(cells, uri, again_dir, study, extra), root, root / f"resume-{cells}-{tag}.out", src)
-    resumed = log_times(again_dir, cells)
-    figures["resume_plan_s"] = resumed.get("planned", float("nan")) - again["started"]
-    print(f"  resume (all {cells} FINISHED): rc {again['rc']}, plan {figures['resume_plan_s']:.1f} s, "
-          f"wall {again['wall']:.1f} s, driver peak RSS {again['rss_mib']:.0f} MiB")
+        spent = cpu_per_cell(first["cpu"], times["first"], times["last"], cells)
+        if spent:  # while measuring: Ray's daemons and the worker end with the sweep, so not to its exit
+            figures["cpu_ms_per_cell"] = spent["machine"]
+            cores = psutil.cpu_count()
+            print("  CPU ms per cell while measuring: " + ", ".join(
+                f"{part} {spent[part]:.2f}" for part in ("driver", "ray_and_worker", "server", "postgres", "rest")
+                if part not in ("server", "postgres") or spent[part] > 0.005)
+                  + f"; machine {spent['machine']:.2f} ({spent['busy_share']:.0%} of {cores} cores busy; at this "
+                  f"CPU per cell its cores allow {1000 * cores / spent['machine']:.0f} cells/s, the driver's one "
+                  f"core {1000 / spent['driver']:.0f})")
+    plans = []
+    for attempt in range(resumes):  # a plan is mostly fixed costs beside Ray's start: its spread shows
+        again_dir = root / f"resume-{cells}-{tag}-{attempt}"
+        again = run(command(cells, uri, again_dir, study, extra), root, root / f"resume-{cells}-{tag}-{attempt}.out", src)
+        plans.append(log_times(again_dir, cells).get("planned", float("nan")) - again["started"])
+        print(f"  resume (all {cells} FINISHED): rc {again['rc']}, plan {plans[-1]:.1f} s, "
+              f"wall {again['wall']:.1f} s, driver peak RSS {again['rss_mib']:.0f} MiB")
+    figures["resume_plan_s"] = sorted(plans)[len(plans) // 2]
+    if resumes > 1:
+        print(f"  resume plan, median of {resumes}: {figures['resume_plan_s']:.1f} s "
+              f"(min {min(plans):.1f}, max {max(plans):.1f})")
     frame_s, rows, keyed_s, keys = read_back(uri, f"hostsweep-{study}", src)
     figures["read_cells_s"], figures["finished_runs_s"] = frame_s, keyed_s
     print(f"  read back: read_cells {frame_s:.1f} s ({rows} rows), finished_runs {keyed_s:.1f} s ({keys} keys)")
@@ -221,6 +309,8 @@ def main() -> None:
     parser.add_argument("--baseline-src", type=Path, default=None,
                         help="a checkout of the old code (its hostsweep/ package goes first on PYTHONPATH): "
                              "the same sweeps again with it, printed as ratios old / new")
+    parser.add_argument("--resumes", type=int, default=1,
+                        help="resume each study this many times (its plan time: the median is judged)")
     parser.add_argument("--override", action="append", default=[],
                         help="a Hydra override added to every sweep (repeatable), e.g. "
                              "measure.remeasure_unstable=0: the instant fake cells are noise, and on a loaded "
@@ -235,9 +325,10 @@ def main() -> None:
     found: dict[int, dict[str, float]] = {}
     try:
         for cells in args.cells:
-            found[cells] = new = bench(cells, root, args.tracking_uri, None, "new", extra)
+            found[cells] = new = bench(cells, root, args.tracking_uri, None, "new", extra, args.resumes)
             if args.baseline_src is not None:
-                ratios(cells, new, bench(cells, root, args.tracking_uri, args.baseline_src.resolve(), "old", extra))
+                ratios(cells, new, bench(cells, root, args.tracking_uri, args.baseline_src.resolve(), "old", extra,
+                                         args.resumes))
             targets(cells, new, server)
         if len(found) > 1:
             low, high = min(found), max(found)
