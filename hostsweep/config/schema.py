@@ -324,6 +324,11 @@ class TrackingConfig:
     # head exports it for the drivers it runs (ray_cluster.yaml, docs/cluster.md).
     uri: str = f"${{oc.env:{TRACKING_URI_ENV},{DEFAULT_TRACKING_URI}}}"
     experiment: Optional[str] = None
+    # With tracking.uri the database of a tracking server that proxies artifacts (its
+    # --artifacts-destination): that destination, so the runs written straight into the
+    # database put their files where the server serves them (docs/cluster.md, "A driver on
+    # the head"). null: a database store keeps artifacts its own way (sqlite: beside it).
+    artifacts: Optional[str] = None
     # Measuring goes on while MLflow is down for up to outage_s; then the sweep stops and
     # the run directory's journal keeps what was measured for the next run to upload.
     outage_s: float = 120.0

@@ -6,7 +6,7 @@ what is allowed, so the CLI can print it as one line.
 from __future__ import annotations
 
 import re
-from typing import Any, Collection, Iterable
+from typing import Any, Collection, Iterable, Optional
 from urllib.parse import urlsplit
 
 from hostsweep.config.engine_args import check_engine_args, unsupported_reason, user_engine_args
@@ -198,6 +198,24 @@ def check_tracking_uri(uri: str) -> None:
                           f"use sqlite:///path/mlflow.db or http://host:port (allowed schemes: {', '.join(TRACKING_SCHEMES)})")
 
 
+# Where a tracking server's --artifacts-destination may be: what MLflow's repositories write
+# to directly (tracking.artifacts), never through a server.
+ARTIFACT_SCHEMES = ("file", "s3", "gs", "wasbs", "abfss", "hdfs", "sftp", "ftp")
+
+
+def check_artifacts_destination(destination: Optional[str], uri: str) -> None:
+    """tracking.artifacts: an absolute folder or an artifact store's URI, for a database store."""
+    if destination is None:
+        return
+    scheme = urlsplit(destination).scheme.lower()
+    if not (scheme in ARTIFACT_SCHEMES or (scheme == "" and destination.startswith("/"))):
+        raise ConfigError(f"tracking.artifacts={destination!r} must be the tracking server's --artifacts-destination: an "
+                          f"absolute folder or a URI ({', '.join(f'{s}://' for s in ARTIFACT_SCHEMES)})")
+    if urlsplit(uri).scheme.split("+")[0].lower() in ("http", "https"):
+        raise ConfigError(f"tracking.artifacts is for a database tracking.uri (the server's own store); through "
+                          f"tracking.uri={redact(uri)} the server keeps the artifacts itself: drop tracking.artifacts")
+
+
 def check_faults_and_tracking(cfg: SweepConfig) -> None:
     f, t = cfg.faults, cfg.tracking
     if f.max_retries < 0:
@@ -249,6 +267,7 @@ def validate(cfg: SweepConfig, skus: Iterable[SkuConfig], models: Iterable[Model
     if cfg.tracking.experiment is not None:
         check_name("tracking.experiment", cfg.tracking.experiment)
     check_tracking_uri(cfg.tracking.uri)
+    check_artifacts_destination(cfg.tracking.artifacts, cfg.tracking.uri)
     check_measure(cfg)
     check_split(cfg)
     check_modes(cfg, modes, engine_fields)

@@ -135,3 +135,35 @@ def local_folder(artifact_uri: str) -> Optional[Path]:
     if parts.scheme == "file":
         return Path(url2pathname(parts.path))
     return Path(artifact_uri) if parts.scheme == "" else None
+
+
+# The artifact store behind a tracking server (its --artifacts-destination), for a driver
+# that writes straight into the server's database (tracking.artifacts): set by the stages.
+_served_artifacts: Optional[str] = None
+SERVED_SCHEME = "mlflow-artifacts"
+
+
+def serve_artifacts_from(destination: Optional[str]) -> None:
+    """A tracking server proxies its runs' artifacts (mlflow-artifacts:/PATH is
+    DESTINATION/PATH on its side). MLflow's client can reach them only through the server
+    (an http tracking URI); a database tracking URI of that server's store reads and writes
+    them in `destination` directly. None: through a server only."""
+    global _served_artifacts
+    _served_artifacts = destination.rstrip("/") if destination else None
+
+
+def served_artifacts() -> Optional[str]:
+    return _served_artifacts
+
+
+def served_location(artifact_uri: str) -> Optional[str]:
+    """Where a server-proxied artifact URI (mlflow-artifacts:[//host]/PATH) lives in the
+    destination given to serve_artifacts_from; None for any other URI."""
+    parts = urlsplit(artifact_uri)
+    if parts.scheme != SERVED_SCHEME:
+        return None
+    if _served_artifacts is None:
+        raise ConfigError(f"the experiment keeps its artifacts behind a tracking server ({artifact_uri}); a database "
+                          "tracking.uri reaches them only with tracking.artifacts set to that server's "
+                          "--artifacts-destination")
+    return f"{_served_artifacts}/{parts.path.lstrip('/')}"

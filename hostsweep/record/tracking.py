@@ -34,7 +34,9 @@ from hostsweep.config.redact import error_line, redact
 from hostsweep.record import crashpoints
 from hostsweep.record.artifacts import earlier_timings_table, linearity_table, timings_table, top_ops_table
 from hostsweep.record.dbread import finished_index, is_database, runs_by_id, stored_runs
-from hostsweep.record.store import local_artifact_root, local_folder, quiet_mlflow
+from hostsweep.record.store import (
+    SERVED_SCHEME, local_artifact_root, local_folder, quiet_mlflow, served_artifacts, served_location,
+)
 from hostsweep.record.views import JOURNAL_TAG, KIND, KIND_TAG, NOTE_TAG, cell_note, cell_run_name, runs_table_url, ui_base
 from hostsweep.record.claims import (
     CLAIMS_TAG, HEARTBEAT_TAG, KILLED_REASON_TAG, LIVE_HERE, OWNER_TAG, PARENT_TAG, RunView, claim_batches,
@@ -68,6 +70,27 @@ BATCH_TAGS = 100
 TAG_VALUE_LIMIT = 8000
 # On a sweep's parent run: how many claimed cells it did not measure, and which.
 NOT_MEASURED_TAG, NOT_MEASURED_FILE = "not_measured", "not_measured.txt"
+
+
+def served_repository(artifact_uri: str, tracking_uri: Optional[str] = None, registry_uri: Optional[str] = None) -> Any:
+    """MLflow's repository for a server-proxied artifact URI (mlflow-artifacts:/...), or,
+    for a database tracking URI (the server's own store, which MLflow's repository cannot
+    reach them through), the repository of the same place in the server's destination
+    (store.serve_artifacts_from)."""
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+    from mlflow.store.artifact.mlflow_artifacts_repo import MlflowArtifactsRepository
+
+    if tracking_uri is not None and is_database(tracking_uri):
+        return get_artifact_repository(served_location(artifact_uri), tracking_uri=tracking_uri)
+    return MlflowArtifactsRepository(artifact_uri, tracking_uri=tracking_uri, registry_uri=registry_uri)
+
+
+def _route_served_artifacts() -> None:
+    # MLflow's registry of artifact schemes (the one its plugins' entry points fill):
+    # every client of this process, the stages' too, finds mlflow-artifacts: through it.
+    from mlflow.store.artifact.artifact_repository_registry import _artifact_repository_registry
+
+    _artifact_repository_registry.register(SERVED_SCHEME, served_repository)
 
 
 def bounded_requests() -> None:
@@ -114,6 +137,7 @@ class SweepTracker:
     def __init__(self, tracking_uri: str, experiment: str, description: Optional[str] = None,
                  direct_writes: Optional[bool] = None) -> None:
         bounded_requests()
+        _route_served_artifacts()
         if direct_writes is not None:
             self.direct_writes = direct_writes
         quiet_mlflow()
@@ -136,11 +160,15 @@ class SweepTracker:
     def _experiment_id(self, name: str, description: Optional[str]) -> str:
         found = self.client.get_experiment_by_name(name)
         if found is not None:
+            if is_database(self.tracking_uri):  # its artifacts behind a server: reachable here? (else a one-line error)
+                served_location(found.artifact_location)
             if description and NOTE_TAG not in found.tags:  # experiments made before descriptions were
                 self.client.set_experiment_tag(found.experiment_id, NOTE_TAG, description)
             return found.experiment_id
         root = local_artifact_root(self.tracking_uri)
         location = (root / name).as_uri() if root is not None else None
+        if served_artifacts() and is_database(self.tracking_uri):
+            location = f"{SERVED_SCHEME}:/{name}"  # laid out as the server would: its UI serves them
         tags = {KIND_TAG: KIND, **({NOTE_TAG: description} if description else {})}
         return self.client.create_experiment(name, artifact_location=location, tags=tags)
 
@@ -576,6 +604,8 @@ class SweepTracker:
         if where is None:
             self.client.log_text(run_id, text, artifact_file)
             return
+        if is_database(self.tracking_uri):
+            where = served_location(where) or where
         folder, _, name = artifact_file.rpartition("/")
         local = local_folder(where)
         if local is not None:

@@ -28,7 +28,7 @@ from hostsweep.model.unstable import Exclusion, exclude_unstable
 from hostsweep.record.reports import ReportRun, load_fit_json
 from hostsweep.record.views import runs_table_url, ui_command
 from hostsweep.record.selection import Selection, select_cells
-from hostsweep.record.store import quiet_mlflow
+from hostsweep.record.store import quiet_mlflow, serve_artifacts_from
 from hostsweep.report.document import to_html, to_markdown
 from hostsweep.report.fit_report import Context, build
 from hostsweep.stages.fit import fit_selection
@@ -131,4 +131,6 @@ def _summary(fit: dict[str, Any], groups: pd.DataFrame, folder: Path, report_run
 
 def run(raw_cfg: DictConfig, run_dir: Path) -> int:
     quiet_mlflow()
-    return compare_study(resolve(raw_cfg), run_dir)
+    study = resolve(raw_cfg)
+    serve_artifacts_from(study.config.tracking.artifacts)
+    return compare_study(study, run_dir)

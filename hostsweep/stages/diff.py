@@ -26,7 +26,7 @@ from hostsweep.config.schema import ConfigError, DiffConfig
 from hostsweep.record.readback import FilterRefused
 from hostsweep.record.reports import ReportRun
 from hostsweep.record.sides import Side, check_store, locate, read_cells, with_pairs
-from hostsweep.record.store import quiet_mlflow
+from hostsweep.record.store import quiet_mlflow, serve_artifacts_from
 from hostsweep.record.views import runs_table_url, ui_command
 from hostsweep.report.diff import DiffOptions, DiffResult, diff
 from hostsweep.report.diff_report import DiffContext, SideInfo, build, console, headline, to_json
@@ -134,6 +134,7 @@ def _closing(result: DiffResult, run: ReportRun, folder: Path, uri: str, port: i
 def run(raw_cfg: DictConfig, run_dir: Path) -> int:
     quiet_mlflow()
     study = resolve(raw_cfg)
+    serve_artifacts_from(study.config.tracking.artifacts)
     cfg, uri = study.config.diff, study.config.tracking.uri
     options = diff_options(cfg)
     base, head = read_sides(uri, cfg)

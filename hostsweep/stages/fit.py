@@ -27,7 +27,7 @@ from hostsweep.model.fit_console import render
 from hostsweep.model.study_fit import FitOptions
 from hostsweep.model.unstable import Exclusion, exclude_unstable
 from hostsweep.record.selection import Selection, fit_cells, select_cells, train_selection
-from hostsweep.record.store import quiet_mlflow
+from hostsweep.record.store import quiet_mlflow, serve_artifacts_from
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,7 @@ def fit_selection(study: Study, selection: Selection, run_dir: Path) -> StudyFit
 def run(raw_cfg: DictConfig, run_dir: Path) -> int:
     quiet_mlflow()
     study = resolve(raw_cfg)
+    serve_artifacts_from(study.config.tracking.artifacts)
     result = fit_selection(study, select_cells(study), run_dir)
     print(render(result.data))
     for warning in result.fixed.warnings:

@@ -43,6 +43,7 @@ from hostsweep.record.journal import JOURNAL_FILE, Journal, pending_folder
 from hostsweep.record.preflight import preflight, record_cluster
 from hostsweep.record.provenance import driver_tags
 from hostsweep.record.recorder import SweepRecorder, deliveries, upload_orphans
+from hostsweep.record.store import serve_artifacts_from
 from hostsweep.record.views import experiment_description, varying_axes
 from hostsweep.report.modes import finished_cells, mode_pairs, study_summary
 from hostsweep.report.sweep_outputs import engines_label, print_results, write_results
@@ -167,6 +168,7 @@ def run(raw_cfg: DictConfig, run_dir: Path, backend: Optional[WorkerBackend] = N
     workers run (default: Ray, a local cluster unless ray.address is set)."""
     study = resolve_sweep(raw_cfg)
     cfg = study.config
+    serve_artifacts_from(cfg.tracking.artifacts)
     machine_lock = preflight(study, run_dir)  # ConfigError if the world says no, still before Ray
     try:
         grid = build_cells(study)

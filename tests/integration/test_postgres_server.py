@@ -6,7 +6,9 @@ it) in a temporary folder, `mlflow server --backend-store-uri postgresql://...` 
 it: the server is killed and restarted mid-sweep (figures: 10 expected, 10 finished once,
 0 duplicated, 0 lost), two drivers of one study run at once (no cell measured twice),
 everything is read back the way the fit stage reads it, through the server and straight
-from the database, and `stage=fit` itself fits a sweep's cells read through the server.
+from the database, `stage=fit` itself fits a sweep's cells read through the server, and a
+driver writing straight into the server's database (a driver on the head) leaves runs and
+files the server serves.
 The server and PostgreSQL are tests/integration/conftest.py's, one for the session: a real
 vLLM sweep records into it too (test_engine_death.py).
 """
@@ -121,3 +123,39 @@ def test_the_fit_stage_reads_its_cells_back_through_the_server(pg_server, tmp_pa
     client = MlflowClient(server.uri)
     models = client.get_experiment_by_name(fit.resolve(compose_raw(fit_args)).config.fit.models_experiment)
     assert client.search_runs([models.experiment_id])  # the model went to the server too
+
+
+def test_a_driver_writing_into_the_servers_database_leaves_what_the_server_serves(
+        pg_server, postgres, tmp_path, monkeypatch):
+    """A driver on the head: tracking.uri the server's PostgreSQL, tracking.artifacts its
+    --artifacts-destination. A study the server made (a remote driver's first sweep) goes
+    on from the database, and what it measures there (runs, files) the server serves like
+    its own."""
+    import pandas as pd
+
+    server = pg_server
+    monkeypatch.chdir(tmp_path)
+    study = "pg-direct"
+    first = FakeBackend(tmp_path / "work1")
+    assert sweep.run(compose_raw(fake_sweep_into(server.uri, 3, study)), tmp_path / "remote", first) == 0
+    direct = [*fake_sweep_into(postgres.uri, 6, study), f"tracking.artifacts={(server.root / 'artifacts').as_uri()}"]
+    second = FakeBackend(tmp_path / "work2")
+    assert sweep.run(compose_raw(direct), tmp_path / "head", second) == 0
+    assert len(second.measured) == 3  # the three the server has are resumed
+    counts = finished(server, study)
+    assert (len(counts), max(counts.values())) == (6, 1)
+    rows = pd.read_csv(tmp_path / "head" / "cells.csv")
+    client = MlflowClient(server.uri)
+    for run_id in rows.loc[~rows["resumed"], "mlflow_run_id"]:
+        assert "raw_timings.csv" in {a.path for a in client.list_artifacts(run_id)}
+        timings = Path(client.download_artifacts(run_id, "raw_timings.csv", str(tmp_path)))
+        assert timings.read_text().startswith("rep,") and len(timings.read_text().splitlines()) > 1
+    parent = client.get_run(rows.loc[~rows["resumed"], "mlflow_run_id"].iloc[0]).data.tags["mlflow.parentRunId"]
+    assert "cells.csv" in {a.path for a in client.list_artifacts(parent)}
+    # a study the driver on the head begins itself is laid out as the server would lay it out
+    made_here = [*fake_sweep_into(postgres.uri, 2, "pg-direct-new"),
+                 f"tracking.artifacts={(server.root / 'artifacts').as_uri()}"]
+    assert sweep.run(compose_raw(made_here), tmp_path / "head-new", FakeBackend(tmp_path / "work3")) == 0
+    new_rows = pd.read_csv(tmp_path / "head-new" / "cells.csv")
+    assert all("raw_timings.csv" in {a.path for a in client.list_artifacts(run_id)}
+               for run_id in new_rows["mlflow_run_id"])

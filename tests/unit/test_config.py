@@ -130,3 +130,16 @@ def test_a_clusters_tracking_server_is_the_default_when_its_head_exports_it(monk
     monkeypatch.setenv("HOSTSWEEP_TRACKING_URI", "http://10.0.0.5:5000")
     assert compose_typed(["+sku=cpu"]).config.tracking.uri == "http://10.0.0.5:5000"
     assert compose_typed(["+sku=cpu", "tracking.uri=sqlite:///x.db"]).config.tracking.uri == "sqlite:///x.db"
+
+
+def test_a_servers_artifact_destination_is_a_folder_or_store_uri_and_only_beside_its_database(monkeypatch):
+    monkeypatch.delenv("HOSTSWEEP_TRACKING_URI", raising=False)
+    db = "tracking.uri=postgresql+psycopg2://mlflow:secret@127.0.0.1:5432/mlflow"
+    assert compose_typed(["+sku=cpu", db, "tracking.artifacts=s3://bucket/hostsweep"]).config.tracking.artifacts == (
+        "s3://bucket/hostsweep")
+    compose_typed(["+sku=cpu", db, "tracking.artifacts=/srv/mlartifacts"])
+    with pytest.raises(ConfigError, match="an absolute folder or a URI") as err:
+        compose_typed(["+sku=cpu", db, "tracking.artifacts=mlartifacts"])
+    assert "secret" not in str(err.value)
+    with pytest.raises(ConfigError, match="the server keeps the artifacts itself"):
+        compose_typed(["+sku=cpu", "tracking.uri=http://10.0.0.5:5000", "tracking.artifacts=s3://bucket/x"])

@@ -461,3 +461,44 @@ def test_resume_decides_on_a_narrow_read_that_agrees_with_the_full_one_and_reads
     assert searched == index
     monkeypatch.setattr(tracker.client, "search_runs", None)
     assert tracker.resumed_rows(kept) == rows
+
+
+def test_a_server_proxied_artifact_uri_maps_into_the_servers_destination(monkeypatch):
+    from hostsweep.config.schema import ConfigError
+    from hostsweep.record import store
+
+    monkeypatch.setattr(store, "_served_artifacts", None)
+    with pytest.raises(ConfigError, match="tracking.artifacts"):
+        store.served_location("mlflow-artifacts:/3/abc/artifacts")
+    assert store.served_location("file:///srv/a/3") is None  # not the server's: unchanged
+    store.serve_artifacts_from("s3://bucket/hostsweep/")
+    assert store.served_location("mlflow-artifacts:/3/abc/artifacts") == "s3://bucket/hostsweep/3/abc/artifacts"
+    assert store.served_location("mlflow-artifacts://head:5000/3/abc") == "s3://bucket/hostsweep/3/abc"
+
+
+def test_into_a_servers_database_cell_files_go_where_the_server_serves_them(tmp_path, new_store, monkeypatch):
+    """A driver writing straight into a tracking server's database: an experiment the server
+    made (artifacts proxied, mlflow-artifacts:/...) gets its cells' files in the server's
+    destination, and MLflow's client of the same URI lists them; without the destination
+    the tracker refuses at once, before a cell is measured."""
+    from hostsweep.config.schema import ConfigError
+    from hostsweep.record import store
+
+    uri = new_store(tmp_path / "store" / "mlflow.db")
+    MlflowClient = mlflow.tracking.MlflowClient
+    MlflowClient(uri).create_experiment("hostsweep-served", artifact_location="mlflow-artifacts:/7")
+    monkeypatch.setattr(store, "_served_artifacts", None)
+    with pytest.raises(ConfigError, match="--artifacts-destination"):
+        SweepTracker(uri, "hostsweep-served")
+    destination = tmp_path / "served"
+    store.serve_artifacts_from(destination.as_uri())
+    tracker = SweepTracker(uri, "hostsweep-served")
+    tracker.start_sweep("unit sweep", "study: unit\n", {"n_cells": 1}, {})
+    result = CellResult("key-ok", PARAMS, "FINISHED", CellMeasurement(3.0, 2.9, 3.1, 10.5, 106.5, REPS), None, {},
+                        1.5, SPLIT)
+    run_id = tracker.log_cell(result, {})
+    assert tracker.client.get_run(run_id).info.artifact_uri == f"mlflow-artifacts:/7/{run_id}/artifacts"
+    assert (destination / "7" / run_id / "artifacts" / "raw_timings.csv").is_file()
+    assert {"raw_timings.csv", "top_ops.csv"} <= {a.path for a in tracker.client.list_artifacts(run_id)}
+    new = SweepTracker(uri, "hostsweep-made-here")  # an experiment made here is laid out as the server would
+    assert new.client.get_experiment(new.experiment_id).artifact_location == "mlflow-artifacts:/hostsweep-made-here"
