@@ -95,38 +95,36 @@ def listening_tree(uri: Optional[str]) -> Optional[psutil.Process]:
     return None
 
 
-def tree_cpu(top: psutil.Process) -> float:
-    """CPU seconds (user + system) of a process and its living descendants."""
-    total = 0.0
-    for proc in [top, *top.children(recursive=True)]:
+def cpu_parts(driver: psutil.Process, server: Optional[psutil.Process]) -> dict[str, object]:
+    """Each process's cumulative CPU seconds (user + system) by pid, with its part: the
+    driver alone, its descendants (a local Ray cluster's daemons and the worker), the
+    tracking server's tree, PostgreSQL's processes; and the whole machine's busy time."""
+    found: dict[int, tuple[str, float]] = {}
+
+    def add(proc: psutil.Process, part: str) -> None:
         try:
             times = proc.cpu_times()
-            total += times.user + times.system
+            found.setdefault(proc.pid, (part, times.user + times.system))
         except psutil.Error:
             pass
-    return total
 
-
-def cpu_parts(driver: psutil.Process, server: Optional[psutil.Process]) -> dict[str, float]:
-    """Cumulative CPU seconds of the driver alone, its descendants (a local Ray cluster's
-    daemons and the worker), the tracking server's tree, PostgreSQL's processes, and the
-    whole machine (every core's busy time)."""
-    parts = {"driver": 0.0, "ray_and_worker": 0.0, "server": 0.0, "postgres": 0.0}
-    try:
-        times = driver.cpu_times()
-        parts["driver"] = times.user + times.system
-        parts["ray_and_worker"] = tree_cpu(driver) - parts["driver"]
-    except psutil.Error:
-        pass
-    if server is not None:
-        parts["server"] = tree_cpu(server)
-    for proc in psutil.process_iter(["name", "cpu_times"]):
-        if proc.info["name"] == "postgres" and proc.info["cpu_times"] is not None:
-            parts["postgres"] += proc.info["cpu_times"].user + proc.info["cpu_times"].system
+    add(driver, "driver")
+    for tree, part in ((driver, "ray_and_worker"), (server, "server")):
+        if tree is None:
+            continue
+        if part == "server":
+            add(tree, part)
+        try:
+            for child in tree.children(recursive=True):
+                add(child, part)
+        except psutil.Error:
+            pass
+    for proc in psutil.process_iter(["name"]):
+        if proc.info["name"] == "postgres":
+            add(proc, "postgres")
     machine = psutil.cpu_times()
-    parts["machine"] = machine.user + machine.nice + machine.system + getattr(machine, "irq", 0.0) + getattr(
-        machine, "softirq", 0.0)
-    return parts
+    busy = machine.user + machine.nice + machine.system + getattr(machine, "irq", 0.0) + getattr(machine, "softirq", 0.0)
+    return {"pids": found, "machine": busy}
 
 
 def run(cmd: list[str], cwd: Path, log: Path, src: Optional[Path] = None, uri: Optional[str] = None) -> dict[str, object]:
@@ -155,17 +153,27 @@ def run(cmd: list[str], cwd: Path, log: Path, src: Optional[Path] = None, uri: O
             "rc": proc.returncode, "samples": samples, "cpu": cpu}
 
 
-def cpu_per_cell(cpu: list[tuple[float, dict[str, float]]], start: float, end: float,
+def cpu_per_cell(cpu: list[tuple[float, dict[str, object]]], start: float, end: float,
                  cells: int) -> dict[str, float]:
-    """CPU milliseconds per cell of each part between the samples nearest `start` and `end`,
-    and the share of the machine's cores busy meanwhile."""
-    first = min(cpu, key=lambda sample: abs(sample[0] - start))
-    last = min(cpu, key=lambda sample: abs(sample[0] - end))
-    if last[0] <= first[0]:
+    """CPU milliseconds per cell of each part between the samples nearest `start` and `end`
+    (each process counted from its first sample in the window, or from 0 if it started
+    within it, to its last), and the share of the machine's cores busy meanwhile."""
+    window = [sample for sample in cpu if start - 0.5 <= sample[0] <= end + 0.5]
+    if len(window) < 2:
         return {}
-    spent = {part: 1000 * (last[1][part] - first[1][part]) / cells for part in first[1]}
+    first: dict[int, float] = {}
+    last: dict[int, tuple[str, float]] = {}
+    for index, (_, sample) in enumerate(window):
+        for pid, (part, seconds) in sample["pids"].items():  # type: ignore[union-attr]
+            first.setdefault(pid, seconds if index == 0 else 0.0)
+            last[pid] = (part, seconds)
+    spent = {part: 0.0 for part in ("driver", "ray_and_worker", "server", "postgres")}
+    for pid, (part, seconds) in last.items():
+        spent[part] += 1000 * (seconds - first[pid]) / cells
+    busy = float(window[-1][1]["machine"]) - float(window[0][1]["machine"])  # type: ignore[arg-type]
+    spent["machine"] = 1000 * busy / cells
     spent["rest"] = spent["machine"] - sum(spent[p] for p in ("driver", "ray_and_worker", "server", "postgres"))
-    spent["busy_share"] = (last[1]["machine"] - first[1]["machine"]) / ((last[0] - first[0]) * psutil.cpu_count())
+    spent["busy_share"] = busy / ((window[-1][0] - window[0][0]) * psutil.cpu_count())
     return spent
 
 
@@ -270,16 +278,23 @@ def bench(cells: int, root: Path, uri: Optional[str], src: Optional[Path], tag: 
     return figures
 
 
-def targets(cells: int, new: dict[str, float], server: bool) -> None:
+def store_kind(uri: Optional[str]) -> str:
+    """sqlite (the default), a server (http), or a server's database (written straight into)."""
+    if not uri or uri.startswith("sqlite:"):
+        return "sqlite"
+    return "server" if uri.startswith(("http://", "https://")) else "server's database"
+
+
+def targets(cells: int, new: dict[str, float], kind: str) -> None:
     """issue 23's targets against this N's figures: judged at 10,000 cells only (a plan is
     mostly fixed costs, imports and Ray's start, so smaller N do not project linearly)."""
     judged = cells == TARGET_CELLS
-    rate_target = TARGETS["server_cells_per_s" if server else "sqlite_cells_per_s"]
+    rate_target = TARGETS["sqlite_cells_per_s" if kind == "sqlite" else "server_cells_per_s"]
     rows = [("plan, first sweep", new.get("plan_s", float("nan")), TARGETS["plan_s"]),
             ("plan, resume", new.get("resume_plan_s", float("nan")), TARGETS["resume_plan_s"]),
             ("read back (read_cells)", new.get("read_cells_s", float("nan")), TARGETS["read_back_s"]),
             ("read back (finished_runs)", new.get("finished_runs_s", float("nan")), TARGETS["read_back_s"])]
-    print(f"  targets ({'server' if server else 'sqlite'}; "
+    print(f"  targets ({kind}; "
           f"{'judged' if judged else f'judged at {TARGET_CELLS} cells only, shown for {cells}'}):")
     for name, value, target in rows:
         verdict = ("met" if value < target else "NOT met") if judged else "not judged"
@@ -321,7 +336,7 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     print(f"work folder {root}; batch x ctx grids: " + ", ".join(
         f"{n} = {len(grid(n)[0])} x {len(grid(n)[1])}" for n in args.cells))
-    server = bool(args.tracking_uri) and args.tracking_uri.startswith(("http://", "https://"))
+    kind = store_kind(args.tracking_uri)
     found: dict[int, dict[str, float]] = {}
     try:
         for cells in args.cells:
@@ -329,7 +344,7 @@ def main() -> None:
             if args.baseline_src is not None:
                 ratios(cells, new, bench(cells, root, args.tracking_uri, args.baseline_src.resolve(), "old", extra,
                                          args.resumes))
-            targets(cells, new, server)
+            targets(cells, new, kind)
         if len(found) > 1:
             low, high = min(found), max(found)
             growth = found[high]["rss_measuring_mib"] / found[low]["rss_measuring_mib"] - 1

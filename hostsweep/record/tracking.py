@@ -145,6 +145,7 @@ class SweepTracker:
         self.tracking_uri = tracking_uri
         self.experiment = experiment
         self.client = MlflowClient(tracking_uri)
+        self.artifact_location: Optional[str] = None  # the experiment's, where its runs' files go
         self.experiment_id = self._experiment_id(experiment, description)
         self.parent_run_id: Optional[str] = None
         self.varying: Optional[tuple[str, ...]] = None  # the axes cell run names show
@@ -160,8 +161,7 @@ class SweepTracker:
     def _experiment_id(self, name: str, description: Optional[str]) -> str:
         found = self.client.get_experiment_by_name(name)
         if found is not None:
-            if is_database(self.tracking_uri):  # its artifacts behind a server: reachable here? (else a one-line error)
-                served_location(found.artifact_location)
+            self.artifact_location = found.artifact_location
             if description and NOTE_TAG not in found.tags:  # experiments made before descriptions were
                 self.client.set_experiment_tag(found.experiment_id, NOTE_TAG, description)
             return found.experiment_id
@@ -169,6 +169,7 @@ class SweepTracker:
         location = (root / name).as_uri() if root is not None else None
         if served_artifacts() and is_database(self.tracking_uri):
             location = f"{SERVED_SCHEME}:/{name}"  # laid out as the server would: its UI serves them
+        self.artifact_location = location
         tags = {KIND_TAG: KIND, **({NOTE_TAG: description} if description else {})}
         return self.client.create_experiment(name, artifact_location=location, tags=tags)
 
@@ -381,6 +382,13 @@ class SweepTracker:
     def heartbeat(self) -> None:
         if self.parent_run_id is not None:
             self.client.set_tag(self.parent_run_id, HEARTBEAT_TAG, f"{time.time():.0f}")
+
+    def check_artifacts(self) -> None:
+        """ConfigError, before anything is written, where this experiment's files are behind
+        a tracking server (mlflow-artifacts:) that a database tracking URI reaches only with
+        the server's destination (tracking.artifacts); reading its runs needs none."""
+        if is_database(self.tracking_uri) and self.artifact_location:
+            served_location(self.artifact_location)
 
     def start_sweep(self, run_name: str, config_yaml: str, params: dict[str, object],
                     tags: dict[str, str], varying: Optional[Sequence[str]] = None) -> str:

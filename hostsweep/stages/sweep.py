@@ -280,6 +280,7 @@ def open_study(study: Study, raw_cfg: DictConfig, grid: list[Cell], run_dir: Pat
 
         tracker = SweepTracker(cfg.tracking.uri, experiment_name(study), experiment_description(cfg.study),
                                cfg.tracking.direct_writes)
+        tracker.check_artifacts()
         tidy_experiment(tracker, study, journal)
         cells, resumed = skip_finished(grid, tracker, options) if cfg.resume else (grid, ResumedRows.of([]))
         tracker.start_sweep(sweep_run_name(study, grid), redact(OmegaConf.to_yaml(raw_cfg)),

@@ -488,8 +488,9 @@ def test_into_a_servers_database_cell_files_go_where_the_server_serves_them(tmp_
     MlflowClient = mlflow.tracking.MlflowClient
     MlflowClient(uri).create_experiment("hostsweep-served", artifact_location="mlflow-artifacts:/7")
     monkeypatch.setattr(store, "_served_artifacts", None)
+    assert SweepTracker(uri, "hostsweep-served").finished_runs() == {}  # reading needs no destination
     with pytest.raises(ConfigError, match="--artifacts-destination"):
-        SweepTracker(uri, "hostsweep-served")
+        SweepTracker(uri, "hostsweep-served").check_artifacts()
     destination = tmp_path / "served"
     store.serve_artifacts_from(destination.as_uri())
     tracker = SweepTracker(uri, "hostsweep-served")
