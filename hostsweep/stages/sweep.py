@@ -240,6 +240,8 @@ class StudyOpening:
             return
         self._future.set_result(opened)
         tracker, _, resumed, _ = opened
+        if resumed.rows.done():  # resume=false: nothing to read
+            return
         try:  # measuring starts meanwhile; the cell table waits for these rows before it is read
             resumed.rows.set_result(tracker.resumed_rows(resumed.run_ids))
         except BaseException as exc:  # noqa: BLE001 - the table says what it lacks

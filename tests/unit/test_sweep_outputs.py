@@ -186,3 +186,21 @@ def test_a_study_logged_before_these_outputs_still_resumes(study, tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert [c["resumed"] for c in summary["cells"]] == [True, True, True, False]
     assert summary["cells"][0]["step_ms"]["p90"] is None  # not measured then: null, not invented
+
+
+def test_a_rerun_with_resume_false_measures_everything_again_and_its_opening_thread_ends_cleanly(
+        study, tmp_path, monkeypatch):
+    import threading
+
+    args, _ = study
+    assert sweep.run(compose_raw(args), tmp_path / "first", FakeBackend(tmp_path / "w1")) == 0
+    failures = []
+    monkeypatch.setattr(threading, "excepthook", failures.append)
+    again = FakeBackend(tmp_path / "w2")
+    assert sweep.run(compose_raw([*args, "resume=false"]), tmp_path / "again", again) == 0
+    assert len(again.measured) == 4 and not failures
+    resumed = FakeBackend(tmp_path / "w3")
+    assert sweep.run(compose_raw(args), tmp_path / "resumed", resumed) == 0
+    assert resumed.measured == [] and not failures
+    table = pd.read_csv(tmp_path / "resumed" / "cells.csv")
+    assert len(table) == 4 and table["resumed"].all()
