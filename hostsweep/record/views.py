@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 from urllib.parse import urlsplit
 
 from hostsweep.config.redact import redact
+from hostsweep.record.store import served_artifacts
 
 JOURNAL_TAG = "journal_entry"  # the run-directory journal entry a cell run was logged from
 NOTE_TAG = "mlflow.note.content"  # a run's or experiment's Markdown description
@@ -71,9 +72,13 @@ def absolute_store_uri(tracking_uri: str) -> str:
 
 def ui_command(tracking_uri: str, port: int = 5000) -> str:
     """The stock MLflow UI on this store, bound to loopback (the interpreter that ran the
-    stage has mlflow, whether or not its venv is activated); None-like for a server."""
-    return (f"{sys.executable} -m mlflow ui --backend-store-uri {redact(absolute_store_uri(tracking_uri))} "
-            f"--host 127.0.0.1 --port {port}")
+    stage has mlflow, whether or not its venv is activated); None-like for a server. On a
+    tracking server's database, with the server's artifact destination (tracking.artifacts)
+    so its files show too."""
+    served = served_artifacts()
+    artifacts = f" --artifacts-destination {served}" if served else ""
+    return (f"{sys.executable} -m mlflow ui --backend-store-uri {redact(absolute_store_uri(tracking_uri))}"
+            f"{artifacts} --host 127.0.0.1 --port {port}")
 
 
 def experiment_description(study: str) -> str:

@@ -97,6 +97,16 @@ def test_the_ui_command_quotes_an_absolute_store_path(tmp_path, monkeypatch):
     assert "sqlite:////abs/m.db" in ui_command("sqlite:////abs/m.db")
 
 
+def test_the_ui_command_of_a_servers_database_shows_the_servers_files_and_no_password(monkeypatch):
+    from hostsweep.record import store
+    from hostsweep.record.views import ui_command
+
+    monkeypatch.setattr(store, "_served_artifacts", None)
+    store.serve_artifacts_from("s3://bucket/hostsweep")
+    command = ui_command("postgresql+psycopg2://mlflow:s3cret@127.0.0.1:5432/mlflow")
+    assert "--artifacts-destination s3://bucket/hostsweep --host 127.0.0.1" in command and "s3cret" not in command
+
+
 def test_the_experiment_says_what_it_holds_and_how_to_open_its_runs_table(tracker):
     experiment = tracker.client.get_experiment(tracker.experiment_id)
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
