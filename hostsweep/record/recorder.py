@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from urllib.parse import urlsplit
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from hostsweep.measure.results import CellResult, cell_metrics, cell_row
 from hostsweep.measure.phases import phase_metrics
@@ -102,9 +102,12 @@ class SweepRecorder:
     """Receives each cell's final result from the dispatcher and records it."""
 
     def __init__(self, tracker: SweepTracker, journal: Journal, table: CellTable, claims: dict[str, Optional[str]],
-                 tags: dict[str, str], total: int, outage_s: float, heartbeat_s: float, deliveries: int = 1) -> None:
+                 tags: dict[str, str], total: int, outage_s: float, heartbeat_s: float, deliveries: int = 1,
+                 stopping: Callable[[], bool] = lambda: False) -> None:
+        """stopping: whether the sweep is being stopped (a stop signal came), so a result
+        waiting for room in MLflow's full backlog stays in the journal instead."""
         self.tracker, self.journal, self.table, self.claims = tracker, journal, table, claims
-        self.tags, self.total = tags, total
+        self.tags, self.total, self.stopping = tags, total, stopping
         self.uploader: BackgroundLogger[Measured] = BackgroundLogger(
             self._deliver, tracker.heartbeat, outage_s, heartbeat_s, deliveries=deliveries,
             deliver_many=self._deliver_many, batch=tracker.cells_per_write())
@@ -117,7 +120,7 @@ class SweepRecorder:
         crashpoints.reached("journaled")
         self.table.append(cell_row(result, planned or run_id or "", self.tags))
         crashpoints.reached("tabled")
-        self.uploader.submit(Measured(entry, result, run_id, self.tags))
+        self.uploader.submit(Measured(entry, result, run_id, self.tags), self.stopping)
         level = logging.WARNING if result.status == "FAILED" else logging.INFO
         log.log(level, "[%d/%d] %s: %s", self.table.count, self.total, cell_label(result.params),
                 describe(result))

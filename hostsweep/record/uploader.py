@@ -48,6 +48,10 @@ def short_reason(exc: BaseException) -> str:
     return errno.group(0) if errno else (text if len(text) <= 160 else text[:157] + "...")
 
 
+# How often a submit waiting for room in a full backlog asks whether the sweep is stopping.
+SUBMIT_SLICE_S = 0.25
+
+
 class BackgroundLogger(Generic[Item]):
     def __init__(self, deliver: Callable[[Item], None], heartbeat: Callable[[], None], outage_s: float,
                  heartbeat_s: float, clock: Callable[[], float] = time.monotonic,
@@ -74,10 +78,20 @@ class BackgroundLogger(Generic[Item]):
         for thread in self.threads:
             thread.start()
 
-    def submit(self, item: Item) -> None:
+    def submit(self, item: Item, stopping: Callable[[], bool] = lambda: False) -> None:
+        """Queue an item; with the backlog full, wait for room, unless `stopping` says the
+        sweep is being stopped (then KeyboardInterrupt: the item stays in the journal)."""
         with self.lock:
             self.submitted += 1
-        self.items.put(item)
+        while True:
+            try:
+                self.items.put(item, timeout=SUBMIT_SLICE_S)
+                return
+            except queue.Full:
+                if stopping():
+                    with self.lock:
+                        self.submitted -= 1
+                    raise KeyboardInterrupt from None
 
     def failure(self) -> Optional[str]:
         """Why logging gave up (tracking down longer than outage_s), or None."""

@@ -28,6 +28,7 @@ from typing import Callable, Optional, Protocol
 from hostsweep.config.grid import Cell, EngineSpec, group_by_engine
 from hostsweep.measure.replicates import merge_starts
 from hostsweep.measure.results import CellResult, MeasureOptions, stability_rules_of
+from hostsweep.run import signals
 from hostsweep.run.faults import CallFailed, FaultPolicy, Outcome, WorkerLost, first_exception
 from hostsweep.run.progress import ProgressReporter
 from hostsweep.run.worklog import last_start, log_tail, worker_log_path
@@ -145,7 +146,8 @@ class Dispatcher:
         """Record the results reported so far; each leaves the outbox before it is handed on,
         so one that cannot be recorded is not handed on twice."""
         while self.outbox:
-            self.on_result(self.outbox.popleft())
+            with signals.deferred():  # a stop waits until the result is journaled, tabled and queued
+                self.on_result(self.outbox.popleft())
 
     def _log_file(self, spec: EngineSpec) -> Optional[Path]:
         return worker_log_path(self.log_dir, spec.label) if self.log_dir is not None else None

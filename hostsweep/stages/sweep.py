@@ -323,7 +323,8 @@ def _sweep(study: Study, grid: list[Cell], run_dir: Path, backend: WorkerBackend
     table = CellTable(run_dir / cfg.output.cells_file, resumed)
     tags = {**driver_tags(), PARENT_TAG: tracker.parent_run_id or ""}
     recorder = SweepRecorder(tracker, journal, table, claims, tags, len(cells), cfg.tracking.outage_s,
-                             cfg.tracking.heartbeat_s, deliveries(cfg.tracking.uri, cfg.tracking.deliveries))
+                             cfg.tracking.heartbeat_s, deliveries(cfg.tracking.uri, cfg.tracking.deliveries),
+                             stopping=lambda: signals.received() is not None)
 
     def should_stop() -> Optional[str]:
         signals.check()  # a stop signal whose KeyboardInterrupt was swallowed on the way
