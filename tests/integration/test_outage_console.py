@@ -13,9 +13,9 @@ import sys
 import threading
 import time
 from datetime import datetime
+from pathlib import Path
 
 import pytest
-from mlflow.tracking import MlflowClient
 
 from tests.integration.mlflow_server import MlflowServer as Server
 
@@ -36,32 +36,26 @@ def server(tmp_path, new_store):
         server.kill()
 
 
-def kill_once_every_cell_is_claimed(server: Server, killed: list[float]) -> None:
-    """Measuring starts once the sweep has claimed its cells (claims.<n> tags on its parent
-    run): the outage then falls while the cells are measured."""
-    client = MlflowClient(server.uri)
+def kill_once_every_cell_is_claimed(server: Server, run_dir: Path, killed: list[float]) -> None:
+    """Measuring starts once the sweep has claimed its cells and checked its claims against
+    other sweeps': it logs "planned:" then. The outage falls after that, while the cells are
+    measured (killed between the claims and their check, the sweep would stop before
+    measuring, as it should)."""
+    log = run_dir / "hostsweep.log"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        try:
-            experiment = client.get_experiment_by_name("hostsweep-outage-cli")
-            if experiment is not None:
-                runs = client.search_runs([experiment.experiment_id], max_results=100)
-                claimed = sum(len(v.split("\n")) - 1 for r in runs for k, v in r.data.tags.items()
-                              if k.startswith("claims."))
-                if claimed >= CELLS:
-                    server.kill()
-                    killed.append(time.monotonic())
-                    return
-        except Exception:  # noqa: BLE001 - the store is still being made
-            pass
-        time.sleep(0.2)
+        if log.is_file() and "planned:" in log.read_text():
+            server.kill()
+            killed.append(time.monotonic())
+            return
+        time.sleep(0.1)
 
 
 def test_an_outage_is_said_at_once_kept_off_the_console_and_ends_within_the_exit_wait(server, tmp_path):
     killed: list[float] = []
-    watcher = threading.Thread(target=kill_once_every_cell_is_claimed, args=(server, killed), daemon=True)
-    watcher.start()
     run_dir = tmp_path / "run"
+    watcher = threading.Thread(target=kill_once_every_cell_is_claimed, args=(server, run_dir, killed), daemon=True)
+    watcher.start()
     # the kill falls once the cells are claimed, before the first is measured (the engine
     # takes seconds to start; the fake engine slowed 20 times keeps the cells in flight)
     command = [sys.executable, "-m", "hostsweep", "+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=3",
