@@ -70,7 +70,6 @@ class CellTable:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self.resumed = resumed or ResumedRows.of([])
-        self.resumed_count = self.resumed.count
         self._resumed_written = False
         self.columns: list[str] = []
         self.run_ids: dict[str, str] = {}  # cell key -> run id, for the cells measured now
@@ -79,6 +78,11 @@ class CellTable:
         self.lock = threading.Lock()
         path.unlink(missing_ok=True)  # an earlier sweep's table in this run directory: its cells are in MLflow by now
         self.resumed.rows.add_done_callback(lambda _: self._write_resumed())
+
+    @property
+    def resumed_count(self) -> int:
+        """Rows of cells earlier runs FINISHED (known from the plan, before their rows are read)."""
+        return self.resumed.count
 
     @property
     def count(self) -> int:
