@@ -6,7 +6,7 @@ flush, no atexit, no finally, which is what a kill -9, an OOM kill or a power cu
 tests/unit/test_crash_recording.py uses it to prove that a finished cell is never lost
 nor measured twice whatever the moment the driver dies. The points, in a cell's order:
 
-    journaled   its journal line is fsynced; cells.csv has no row yet
+    journaled   its journal line is written through to the OS; cells.csv has no row yet
     tabled      cells.csv has its row; MLflow has not been asked
     uploading   MLflow has its run with metrics, params and tags, still RUNNING (the
                 background logger's thread dies mid-upload)

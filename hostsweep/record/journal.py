@@ -138,6 +138,9 @@ class Journal:
     def __init__(self, path: Path, handle: IO[str], pointer: Path) -> None:
         self.path, self.handle, self.pointer = path, handle, pointer
         self.lock = threading.Lock()  # measured (driver loop) and logged (uploader) interleave
+        # Measured entries written, and how many of them the last fsync covered (sync).
+        self.sync_lock = threading.Lock()
+        self.written = self.synced = 0
 
     @classmethod
     def create(cls, path: Path, pending: Path) -> "Journal":
@@ -177,12 +180,25 @@ class Journal:
                 continue
             yield cls(path, handle, pointer)
 
-    def _append(self, entry: dict, durable: bool = True) -> None:
+    def _append(self, entry: dict, measured: bool) -> None:
+        """Written through to the OS at once (a killed process loses nothing); on disk, for an
+        OS crash, only at the next sync()."""
         with self.lock:
             self.handle.write(json.dumps(entry) + "\n")
             self.handle.flush()
-            if durable:
-                os.fsync(self.handle.fileno())  # measured means kept: on disk before MLflow is asked
+            if measured:
+                self.written += 1
+
+    def sync(self) -> None:
+        """Put every measured entry written so far on disk (one fsync for all of them). Called
+        before MLflow is asked for a batch of cells, so MLflow never has a cell its journal
+        could lose; an fsync per cell on the driver's loop paced a sweep of fast cells."""
+        with self.sync_lock:
+            written = self.written  # each of these entries is flushed: the fsync covers it
+            if self.synced >= written:
+                return
+            os.fsync(self.handle.fileno())
+            self.synced = written
 
     def measured(self, result: CellResult, run_id: Optional[str], tags: dict[str, str],
                  planned_run_id: Optional[str] = None) -> str:
@@ -190,20 +206,21 @@ class Journal:
         database store), which an upload after a crash writes it into too."""
         entry = uuid.uuid4().hex
         self._append({"event": "measured", "entry": entry, "run_id": run_id, "tags": tags,
-                      "result": encode_result(result), "planned_run_id": planned_run_id})
+                      "result": encode_result(result), "planned_run_id": planned_run_id}, measured=True)
         return entry
 
     def logged(self, entry: str, run_id: str) -> None:
-        """MLflow has the entry's cell. Not fsynced: it was an fsync per cell beside the
-        measured entry's, and an OS crash that loses it only makes the next sweep find the
-        cell's run by its entry tag (SweepTracker.upload) instead of skipping it."""
-        self._append({"event": "logged", "entry": entry, "run_id": run_id}, durable=False)
+        """MLflow has the entry's cell. Never fsynced: an OS crash that loses it only makes
+        the next sweep find the cell's run by its entry tag (SweepTracker.upload) instead of
+        skipping it."""
+        self._append({"event": "logged", "entry": entry, "run_id": run_id}, measured=False)
 
     def unlogged(self) -> list[dict]:
         return unlogged(read_entries(self.path))
 
     def close(self) -> int:
         """Unlock; drop the pointer when MLflow has every cell. Returns the unlogged count."""
+        self.sync()
         left = len(self.unlogged())
         if left == 0:
             self.pointer.unlink(missing_ok=True)

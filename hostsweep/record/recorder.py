@@ -1,6 +1,7 @@
-"""Where a measured cell goes, in order: the journal (fsynced), cells.csv, then MLflow from a
-background thread. Measured means kept: a cell MLflow never hears of is in the journal
-and the table, and the next sweep of the study uploads it (`upload_orphans`)."""
+"""Where a measured cell goes, in order: the journal, cells.csv, then MLflow from a
+background thread, which fsyncs the journal before each batch it logs. Measured means kept:
+a cell MLflow never hears of is in the journal and the table, and the next sweep of the
+study uploads it (`upload_orphans`)."""
 from __future__ import annotations
 
 import logging
@@ -129,7 +130,9 @@ class SweepRecorder:
         self._deliver_many([item])
 
     def _deliver_many(self, items: list[Measured]) -> None:
-        """Cells waiting together, logged together (one transaction into a database store)."""
+        """Cells waiting together, logged together (one transaction into a database store),
+        once their journal entries are on disk."""
+        self.journal.sync()
         run_ids = self.tracker.log_cells([(item.result, {**item.tags, JOURNAL_TAG: item.entry}, item.run_id)
                                           for item in items])
         for item, run_id in zip(items, run_ids):

@@ -90,6 +90,78 @@ def test_a_completely_logged_journal_leaves_no_pointer(tmp_path):
     assert journal.close() == 0 and not journal.pointer.exists()
 
 
+def test_one_fsync_puts_every_measured_entry_written_so_far_on_disk(tmp_path, monkeypatch):
+    fsyncs = []
+    monkeypatch.setattr("hostsweep.record.journal.os.fsync", fsyncs.append)
+    journal = Journal.create(tmp_path / "run" / "journal.jsonl", tmp_path / "pending")
+    entries = [journal.measured(RESULT, None, {}) for _ in range(3)]
+    assert fsyncs == []  # written through to the OS, not yet on disk
+    journal.sync()
+    journal.sync()  # nothing new since: no second fsync
+    assert len(fsyncs) == 1 and journal.synced == 3
+    journal.logged(entries[0], "run-1")
+    journal.sync()  # a logged entry is never worth an fsync
+    assert len(fsyncs) == 1
+    journal.measured(RESULT, None, {})
+    assert journal.close() == 3 and len(fsyncs) == 2  # closing puts the last one on disk
+
+
+class RecordingTracker:
+    """What SweepRecorder asks of a tracker, noting how far the journal was on disk each
+    time MLflow was given cells."""
+
+    def __init__(self) -> None:
+        self.journal: Journal | None = None
+        self.on_disk_when_logged: list[tuple[int, int]] = []  # (entries synced, cells in the call)
+        self.logged: list[str] = []
+
+    def planned_run_id(self, result, run_id):
+        return None
+
+    def plan(self, entry, run_id):
+        pass
+
+    def heartbeat(self):
+        pass
+
+    def cells_per_write(self):
+        return 50
+
+    def delivered(self, entry):
+        pass
+
+    def log_cells(self, cells):
+        time.sleep(0.01)  # a store slower than the cells arrive: batches form
+        self.on_disk_when_logged.append((self.journal.synced, len(cells)))
+        self.logged += [result.key for result, _, _ in cells]
+        return [f"run-{result.key}" for result, _, _ in cells]
+
+
+def test_mlflow_gets_a_cell_only_once_its_journal_entry_is_on_disk(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from hostsweep.record.celltable import CellTable
+    from hostsweep.record.recorder import SweepRecorder
+
+    monkeypatch.setattr("hostsweep.record.journal.os.fsync", lambda fd: None)
+    journal = Journal.create(tmp_path / "run" / "journal.jsonl", tmp_path / "pending")
+    tracker = RecordingTracker()
+    tracker.journal = journal
+    recorder = SweepRecorder(tracker, journal, CellTable(tmp_path / "run" / "cells.csv"), {}, {}, 40,
+                             outage_s=60, heartbeat_s=60)
+    keys = [f"cell-{n}" for n in range(40)]
+    for key in keys:
+        recorder.on_result(replace(RESULT, key=key, params={**RESULT.params, "model": "tiny", "mode": "eager", "tp": 1}))
+    assert recorder.close(timeout_s=10) == 0
+    assert tracker.logged == keys  # each once, in order
+    given = 0
+    for synced, count in tracker.on_disk_when_logged:
+        given += count
+        assert synced >= given  # every cell MLflow has so far was fsynced first
+    assert len(tracker.on_disk_when_logged) < len(keys)  # and the fsyncs were shared by batches
+    journal.close()
+
+
 class FlakyStore:
     """Refuses the first `failures` calls, then takes everything."""
 
