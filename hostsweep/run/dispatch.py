@@ -102,6 +102,10 @@ class Dispatcher:
         self.options, self.on_result, self.policy = options, on_result, policy
         self.backend, self.progress, self.should_stop = backend, progress, should_stop
         self.workers: dict[EngineSpec, object] = {}
+        # Per spec: the keys of cells its current worker was sent as companions and has not
+        # been asked for yet. Such a cell was timed in an earlier cell's rounds, which the
+        # worker keeps: it is sent alone, not with its own 63 companions pickled again.
+        self.given: dict[EngineSpec, set[str]] = defaultdict(set)
         self.started_at: dict[EngineSpec, float] = {}
         # When each worker's engine was ready: cell timeouts count from then, so a slow
         # engine start is not charged to its first cell.
@@ -185,19 +189,28 @@ class Dispatcher:
             self.workers[spec] = self.backend.start(spec)
             self.started_at[spec] = self.backend.now()
             self.ready_at.pop(spec, None)
+            self.given[spec].clear()  # a new worker keeps nothing
         cell = self.queues[spec].popleft()
-        companions = self._companions(spec)
+        companions = self._companions(spec, cell)
         pending = self.backend.submit(self.workers[spec], cell, self.options, companions)
         self.inflight[pending] = (spec, cell, self.backend.now())
         self.limits[pending] = (self.policy.timeout_for(cell, self.options, companions), 1 + len(companions))
 
-    def _companions(self, spec: EngineSpec) -> tuple[Cell, ...]:
+    def _companions(self, spec: EngineSpec, cell: Cell) -> tuple[Cell, ...]:
         """The cells this spec's worker will be asked for next, which it times together with
-        the one submitted (measure.interleave); those it already timed it keeps, not redoes."""
+        `cell` (measure.interleave); none when `cell` was itself a companion of an earlier
+        cell, whose rounds timed it (the worker uses them, whatever companions came)."""
         m = self.options.measure
+        given = self.given[spec]
         if not m.interleave:
             return ()
-        return tuple(islice(self.queues[spec], m.interleave_max_cells - 1))
+        if cell.key in given:
+            given.discard(cell.key)
+            return ()
+        companions = tuple(islice(self.queues[spec], m.interleave_max_cells - 1))
+        given.clear()
+        given.update(c.key for c in companions)
+        return companions
 
     def _retire(self, spec: EngineSpec) -> None:
         """Close the engine of a spec with no cells left, so its resources go to the next
@@ -261,6 +274,9 @@ class Dispatcher:
                 self._report(self._failed(cell, outcome.reason))
             else:
                 self._report(outcome)
+            if isinstance(outcome, CallFailed) or outcome.status != "FINISHED":
+                # its rounds may have failed with it: the next cell brings its companions again
+                self.given[spec].clear()
         self._submit_next(spec)
 
     def _note_measured(self, spec: EngineSpec, submitted: float) -> None:

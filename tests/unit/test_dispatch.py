@@ -71,7 +71,8 @@ def test_a_worker_gets_its_next_cell_before_its_last_result_is_recorded_and_the_
     ("worker-dies", "actor died"),
     ("engine-dies", f"engine died: {ENGINE_KILLED}"),  # generate blocks forever: only the watch sees it
     ("engine-raises", f"engine died: {ENGINE_KILLED}"),
-    ("hangs", "timed out after 180 s for 3 cells timed together"),  # b2 with b3, b4 (interleaved)
+    # b2 was timed in b1's rounds (interleaved): its own call has one cell's work left
+    ("hangs", "timed out after 60 s (faults.cell_timeout_s)"),
 ])
 def test_a_cell_lost_mid_measurement_is_retried_on_a_new_worker_and_measured_once(tmp_path, fate, reason):
     grid = cells(*FOUR)
@@ -82,6 +83,53 @@ def test_a_cell_lost_mid_measurement_is_retried_on_a_new_worker_and_measured_onc
     (retried,) = [r for r in results if r.key == grid[1].key]
     assert retried.attempt == 2 and len(retried.retry_reasons) == 1 and reason in retried.retry_reasons[0]
     assert all(r.attempt == 1 for r in results if r.key != grid[1].key)
+
+
+def test_a_hang_in_a_groups_rounds_times_out_at_the_whole_groups_limit(tmp_path):
+    grid = cells(*FOUR)
+    backend = FakeBackend(tmp_path, fates={grid[0].key: ["hangs"]})
+    results, _ = dispatch(backend, grid)
+    assert tally(grid, results, backend) == (4, 4, 0, 0)
+    (retried,) = [r for r in results if r.key == grid[0].key]
+    assert retried.retry_reasons == ("timed out after 240 s for 4 cells timed together (faults.cell_timeout_s)",)
+
+
+def submitted_groups(backend: FakeBackend) -> list[tuple[int, list[int]]]:
+    """Per cell submitted, in order: its batch and its companions' batches (wraps submit)."""
+    groups, submit = [], backend.submit
+
+    def noting(worker, cell, options, companions=()):
+        groups.append((cell.batch, [c.batch for c in companions]))
+        return submit(worker, cell, options, companions)
+
+    backend.submit = noting
+    return groups
+
+
+def test_a_cell_timed_in_an_earlier_cells_rounds_is_sent_without_companions(tmp_path, monkeypatch):
+    from hostsweep.run.worker import SweepWorker
+
+    rounds, measure_group = [], SweepWorker._measure_group
+    monkeypatch.setattr(SweepWorker, "_measure_group",
+                        lambda self, group, opts: rounds.append([c.batch for c in group]) or measure_group(self, group, opts))
+    grid = cells("batch=[1,2,3,4,5,6]")
+    backend = FakeBackend(tmp_path)
+    groups, results = submitted_groups(backend), []
+    Dispatcher(grid, options("measure.interleave_max_cells=3"), results.append, backend, POLICY).run()
+    assert groups == [(1, [2, 3]), (2, []), (3, []), (4, [5, 6]), (5, []), (6, [])]
+    assert rounds == [[1, 2, 3], [4, 5, 6]]  # still timed in groups, each cell once
+    assert tally(grid, results, backend) == (6, 6, 0, 0)
+
+
+def test_after_a_failed_cell_or_a_new_worker_the_next_cell_brings_its_companions_again(tmp_path):
+    grid = cells("batch=[1,2,3,4,5,6]")
+    # b1 fails (its rounds may have failed with it); b4, timed in b2's rounds, loses its
+    # worker: the new worker keeps nothing, so b4 goes to it with companions
+    backend = FakeBackend(tmp_path, fates={grid[0].key: ["raises"], grid[3].key: ["worker-dies"]})
+    groups, results = submitted_groups(backend), []
+    Dispatcher(grid, options("measure.interleave_max_cells=3"), results.append, backend, POLICY).run()
+    assert groups == [(1, [2, 3]), (2, [3, 4]), (3, []), (4, []), (4, [5, 6]), (5, []), (6, [])]
+    assert tally(grid, results, backend)[1:] == (5, 0, 0)
 
 
 def test_a_dead_engine_is_noticed_within_two_polls_not_at_the_timeout(tmp_path):
