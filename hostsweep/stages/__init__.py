@@ -15,6 +15,7 @@ from typing import Protocol
 
 from omegaconf import DictConfig
 
+from hostsweep.config.resolve import Study, resolve
 from hostsweep.config.schema import STAGES, ConfigError
 
 
@@ -29,3 +30,15 @@ def stage_module(raw_cfg: DictConfig) -> Stage:
     if stage not in STAGES:
         raise ConfigError(f"stage={stage!r} is not allowed; allowed: {', '.join(STAGES)}")
     return importlib.import_module(f"hostsweep.stages.{stage}")  # type: ignore[return-value]
+
+
+def resolve_for_reading(raw_cfg: DictConfig) -> Study:
+    """The study of a stage that reads the store (fit, compare, diff): MLflow's chatter kept
+    off the console, the config resolved (bad input refused), and the server's artifact
+    destination mapped when one is set (tracking.artifacts)."""
+    from hostsweep.record.store import quiet_mlflow, serve_artifacts_from
+
+    quiet_mlflow()
+    study = resolve(raw_cfg)
+    serve_artifacts_from(study.config.tracking.artifacts)
+    return study

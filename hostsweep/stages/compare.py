@@ -23,15 +23,15 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from hostsweep.config.redact import redact
-from hostsweep.config.resolve import Study, resolve
+from hostsweep.config.resolve import Study
 from hostsweep.model.unstable import Exclusion, exclude_unstable
 from hostsweep.record.reports import ReportRun, load_fit_json
 from hostsweep.record.views import runs_table_url, ui_command
 from hostsweep.record.selection import Selection, select_cells
-from hostsweep.record.store import quiet_mlflow, serve_artifacts_from
 from hostsweep.report.document import to_html, to_markdown
 from hostsweep.report.fit_report import Context, build
 from hostsweep.stages.fit import fit_selection
+from hostsweep.stages import resolve_for_reading
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,5 @@ def _summary(fit: dict[str, Any], groups: pd.DataFrame, folder: Path, report_run
 
 
 def run(raw_cfg: DictConfig, run_dir: Path) -> int:
-    quiet_mlflow()
-    study = resolve(raw_cfg)
-    serve_artifacts_from(study.config.tracking.artifacts)
+    study = resolve_for_reading(raw_cfg)
     return compare_study(study, run_dir)

@@ -21,17 +21,16 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from hostsweep.config.redact import redact
-from hostsweep.config.resolve import resolve
 from hostsweep.config.schema import ConfigError, DiffConfig
 from hostsweep.record.readback import FilterRefused
 from hostsweep.record.reports import ReportRun
 from hostsweep.record.sides import Side, check_store, locate, read_cells, with_pairs
-from hostsweep.record.store import quiet_mlflow, serve_artifacts_from
 from hostsweep.record.views import runs_table_url, ui_command
 from hostsweep.report.diff import DiffOptions, DiffResult, diff
 from hostsweep.report.diff_report import DiffContext, SideInfo, build, console, headline, to_json
 from hostsweep.report.document import to_html, to_markdown
 from hostsweep.stages.compare import command_line
+from hostsweep.stages import resolve_for_reading
 
 log = logging.getLogger(__name__)
 GATE_FAILED = 1  # fail_on tripped (2 is bad input, as everywhere)
@@ -132,9 +131,7 @@ def _closing(result: DiffResult, run: ReportRun, folder: Path, uri: str, port: i
 
 
 def run(raw_cfg: DictConfig, run_dir: Path) -> int:
-    quiet_mlflow()
-    study = resolve(raw_cfg)
-    serve_artifacts_from(study.config.tracking.artifacts)
+    study = resolve_for_reading(raw_cfg)
     cfg, uri = study.config.diff, study.config.tracking.uri
     options = diff_options(cfg)
     base, head = read_sides(uri, cfg)

@@ -21,13 +21,13 @@ from omegaconf import DictConfig
 from hostsweep.calibrate.fit_command import FitOutcome, fit_and_log
 from hostsweep.calibrate.terms import FixedTerms, check_fit_sources, fixed_terms
 from hostsweep.config.redact import redact
-from hostsweep.config.resolve import Study, resolve
+from hostsweep.config.resolve import Study
 from hostsweep.config.schema import ConfigError, FitConfig
 from hostsweep.model.fit_console import render
 from hostsweep.model.study_fit import FitOptions
 from hostsweep.model.unstable import Exclusion, exclude_unstable
 from hostsweep.record.selection import Selection, fit_cells, select_cells, train_selection
-from hostsweep.record.store import quiet_mlflow, serve_artifacts_from
+from hostsweep.stages import resolve_for_reading
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +99,7 @@ def fit_selection(study: Study, selection: Selection, run_dir: Path) -> StudyFit
 
 
 def run(raw_cfg: DictConfig, run_dir: Path) -> int:
-    quiet_mlflow()
-    study = resolve(raw_cfg)
-    serve_artifacts_from(study.config.tracking.artifacts)
+    study = resolve_for_reading(raw_cfg)
     result = fit_selection(study, select_cells(study), run_dir)
     print(render(result.data))
     for warning in result.fixed.warnings:
