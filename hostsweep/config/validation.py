@@ -189,9 +189,20 @@ def check_name(field_name: str, value: str) -> None:
                           "(one folder name: it names the MLflow experiment and its artifact folder)")
 
 
+def store_scheme(uri: str) -> str:
+    """The kind of store a tracking URI names: 'http', 'sqlite', 'postgresql' (the driver
+    after '+' dropped: postgresql+psycopg2), '' for a bare path."""
+    return urlsplit(uri).scheme.split("+")[0].lower()
+
+
+def is_server(uri: str) -> bool:
+    """Whether the tracking URI is a tracking server (its REST API), not a database."""
+    return store_scheme(uri) in ("http", "https")
+
+
 def check_tracking_uri(uri: str) -> None:
     """A store MLflow serves: a database URI or a server, never the refused file store."""
-    scheme = urlsplit(uri).scheme.split("+")[0].lower()  # e.g. postgresql+psycopg2
+    scheme = store_scheme(uri)
     if scheme not in TRACKING_SCHEMES:
         hint = " (MLflow >= 3.13 refuses the file store)" if scheme in ("", "file") else ""
         raise ConfigError(f"tracking.uri={redact(uri)} is not a supported store{hint}; "
@@ -211,7 +222,7 @@ def check_artifacts_destination(destination: Optional[str], uri: str) -> None:
     if not (scheme in ARTIFACT_SCHEMES or (scheme == "" and destination.startswith("/"))):
         raise ConfigError(f"tracking.artifacts={destination!r} must be the tracking server's --artifacts-destination: an "
                           f"absolute folder or a URI ({', '.join(f'{s}://' for s in ARTIFACT_SCHEMES)})")
-    if urlsplit(uri).scheme.split("+")[0].lower() in ("http", "https"):
+    if is_server(uri):
         raise ConfigError(f"tracking.artifacts is for a database tracking.uri (the server's own store); through "
                           f"tracking.uri={redact(uri)} the server keeps the artifacts itself: drop tracking.artifacts")
 

@@ -15,7 +15,8 @@ import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
-from urllib.parse import urlsplit
+
+from hostsweep.config.validation import store_scheme
 
 PAGE = 1000
 DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
@@ -36,7 +37,7 @@ class StoredRun:
 
 
 def is_database(uri: str) -> bool:
-    return urlsplit(uri).scheme.split("+")[0].lower() in DATABASE_SCHEMES
+    return store_scheme(uri) in DATABASE_SCHEMES
 
 
 def stored_runs(uri: str, experiment_ids: Sequence[str], status: str = "FINISHED",

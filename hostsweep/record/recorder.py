@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 from typing import TYPE_CHECKING, Callable, Optional
 
+from hostsweep.config.validation import is_server
 from hostsweep.measure.results import CellResult, cell_metrics, cell_row
 from hostsweep.measure.phases import phase_metrics
 from hostsweep.measure.stability import Stability
@@ -96,7 +96,7 @@ def deliveries(tracking_uri: str, configured: Optional[int]) -> int:
     """How many cells the uploader logs at once (tracking.deliveries, null: by the store)."""
     if configured is not None:
         return configured
-    return SERVER_DELIVERIES if urlsplit(tracking_uri).scheme.lower() in ("http", "https") else DATABASE_DELIVERIES
+    return SERVER_DELIVERIES if is_server(tracking_uri) else DATABASE_DELIVERIES
 
 
 class SweepRecorder:

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from hostsweep.config.redact import redact
 from hostsweep.config.schema import ConfigError
+from hostsweep.config.validation import is_server, store_scheme
 
 TIMEOUT_S = 5.0
 DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}
@@ -79,8 +80,8 @@ def _check_database(uri: str, scheme: str, timeout_s: float) -> None:
 def check_store(uri: str, timeout_s: float = TIMEOUT_S) -> None:
     """ConfigError (one line) unless the store answers: a server's /health, a database's
     port, a sqlite file's folder writable. (config.validation checked the scheme.)"""
-    scheme = urlsplit(uri).scheme.split("+")[0].lower()
-    if scheme in ("http", "https"):
+    scheme = store_scheme(uri)
+    if is_server(uri):
         _check_server(uri, timeout_s)
     elif scheme == "sqlite":
         check_writable_folder(Path(uri[len("sqlite:///"):]).parent, "tracking.uri (sqlite folder)")

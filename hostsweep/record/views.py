@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 from urllib.parse import urlsplit
 
 from hostsweep.config.redact import redact
+from hostsweep.config.validation import is_server
 from hostsweep.record.store import served_artifacts
 
 JOURNAL_TAG = "journal_entry"  # the run-directory journal entry a cell run was logged from
@@ -47,7 +48,7 @@ def cell_run_name(params: dict[str, object], varying: Optional[Sequence[str]] = 
 
 def ui_base(tracking_uri: str, port: int = 5000) -> str:
     """Where the UI of a store is: the server itself, or `mlflow ui` on loopback for a file store."""
-    if tracking_uri.startswith(("http://", "https://")):
+    if is_server(tracking_uri):
         parts = urlsplit(tracking_uri)  # credentials stay out: the browser asks for its own
         host = f"[{parts.hostname}]" if parts.hostname and ":" in parts.hostname else parts.hostname
         return f"{parts.scheme}://{host}{f':{parts.port}' if parts.port else ''}{parts.path.rstrip('/')}"

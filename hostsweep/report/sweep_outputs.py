@@ -17,6 +17,7 @@ import pandas as pd
 
 from hostsweep.config.redact import error_line, redact
 from hostsweep.config.resolve import Study
+from hostsweep.config.validation import is_server
 from hostsweep.record.celltable import CellTable
 from hostsweep.record.provenance import package_version
 from hostsweep.record.views import absolute_store_uri, ui_command
@@ -138,7 +139,7 @@ def where_results_are(tracker: SweepTracker, table: CellTable, summary: Optional
         return "\n".join([*lines, unrecorded])
     lines += [f"MLflow: experiment {tracker.experiment} ({tracker.experiment_id}), parent run {tracker.parent_run_id} "
               f"in {redact(absolute_store_uri(tracker.tracking_uri))}"]
-    if not tracker.tracking_uri.startswith(("http://", "https://")):
+    if not is_server(tracker.tracking_uri):
         lines.append(f"open the UI: {ui_command(tracker.tracking_uri)}")
     lines.append(f"  then browse {tracker.runs_table_url()}")
     return "\n".join(lines)
