@@ -37,6 +37,14 @@ class SplitResult:
     phases: Optional[PhaseSplit] = None  # host ms per named phase (measure/phases.py), when scoped
 
     @property
+    def possible(self) -> bool:
+        """Whether the split describes a real step: device time in [0, step]. Above the step
+        (host time < 0) the profiled pair and the timed step ran under different conditions;
+        below zero the longer generate's ops summed to less than the shorter's (profiler
+        noise over too few steps, or a speculative engine that took fewer of them)."""
+        return self.device_ms >= 0 and self.host_ms >= 0
+
+    @property
     def slowest_rank(self) -> int:
         """The rank whose device time the split reports (and whose phases it reads)."""
         return int(np.argmax(self.per_rank_device_ms))

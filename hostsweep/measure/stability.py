@@ -11,8 +11,10 @@ These rules look for exactly that, each with a reason a user can act on:
                   order they ran) have disjoint CIs and differ by measure.min_shift_pct %
     replicate     the group's first cell, measured again once the group's rounds ended,
                   disagrees with itself (the same test): the host changed during the group
-    split_impossible  the profiled pair's device time exceeds the timed step (host_frac < 0),
-                  also after its re-measure: the two ran under different conditions
+    split_impossible  the profiled pair's device time is outside [0, the timed step]
+                  (host_frac < 0 or > 1), also after its re-measure: above the step, the two
+                  ran under different conditions; below zero, the longer generate's ops
+                  summed to less than the shorter's
 
 The two-level bootstrap gives a CI across independent engine starts (replicates), as the
 host-exposed-latency paper's five replicates did, where a one-level CI covers one start.

@@ -44,11 +44,12 @@ def describe(result: CellResult) -> str:
     shown = cell_metrics(result)  # as cells.csv and the table have them
     step = f"{shown['step_ms']:.3f} ms/step" if result.measurement else result.status
     if result.split is not None:
-        # A split whose host time came out negative has no host_frac (measure/stability.py's
-        # split_impossible): the line says so rather than showing a fraction.
+        # An impossible split (device time below zero or above the step) has no host_frac
+        # (measure/stability.py's split_impossible): the line says so rather than showing one.
         host_frac = shown.get("host_frac")
+        impossible = "device time < 0" if result.split.device_ms < 0 else "host time < 0"
         step += f", device {shown['device_ms']:.3f} ms, " + \
-            (f"host_frac {host_frac:.3f}" if host_frac is not None else "no host_frac (host time < 0)")
+            (f"host_frac {host_frac:.3f}" if host_frac is not None else f"no host_frac ({impossible})")
         step += largest_phase_note(result)
     if result.status != "FINISHED" and result.error:
         step += f": {result.error.strip().splitlines()[0][:300]}"

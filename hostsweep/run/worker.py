@@ -358,13 +358,14 @@ class SweepWorker:
     def _split_checked(self, cell: Cell, timed: TimedCell, options: MeasureOptions,
                        keep: Optional[dict[str, bytes]]) -> tuple[SplitResult, Stability]:
         """The split, profiled again (up to measure.remeasure_unstable times) while its device
-        time exceeds the timed step, which no real step can have; still so, it is flagged."""
+        time is below zero or above the timed step, which no real step can have; still so,
+        it is flagged."""
         stability = timed.stability
         for attempt in range(1 + options.measure.remeasure_unstable):
             split = self._split(cell, timed.prompts, timed.measurement, options, keep)
-            if split.host_frac >= 0:
+            if split.possible:
                 return split, stability
-            log.warning("%s: profiled device time %.3f ms exceeds the step %.3f ms (attempt %d)",
+            log.warning("%s: profiled device time %.3f ms is outside the step's 0-%.3f ms (attempt %d)",
                         cell.key, split.device_ms, timed.measurement.step_ms, attempt + 1)
         return split, stability.with_reason("split_impossible")
 

@@ -283,6 +283,34 @@ def test_a_split_with_device_time_above_the_step_is_profiled_again_then_flagged_
     assert "no host_frac (host time < 0)" in line and "split_impossible" in line
 
 
+def test_a_split_with_device_time_below_zero_is_profiled_again_then_flagged_never_a_fraction(tmp_path, monkeypatch):
+    import dataclasses
+
+    import hostsweep.run.worker as worker_module
+    from hostsweep.measure.results import cell_metrics, cell_row
+    from hostsweep.record.recorder import describe
+
+    # The longer generate's ops summing to less than the shorter's: device time per step < 0,
+    # host_frac above 1 (a speculative engine on repeat prompts came out so on the CPU build).
+    real_split = worker_module.device_split
+
+    def below_zero(*args, **kwargs):
+        split = real_split(*args, **kwargs)
+        step_ms = split.device_ms + split.host_ms
+        return dataclasses.replace(split, device_ms=-0.143, host_ms=step_ms + 0.143, host_frac=(step_ms + 0.143) / step_ms)
+
+    monkeypatch.setattr(worker_module, "device_split", below_zero)
+    cells, options = fake_study("measure.replicate_first=false", "batch=[1]", "measure.remeasure_unstable=1")
+    worker, _ = counting_worker(tmp_path, cells[0].engine)
+    result = worker.measure(cells[0], options)
+    assert "split_impossible" in result.stability.reasons and not result.stability.stable
+    assert worker._profile_count == 2  # profiled, then once more (remeasure_unstable=1)
+    assert "host_frac" not in cell_metrics(result)
+    assert "regime" not in cell_row(result, "run")
+    line = describe(result)
+    assert "no host_frac (device time < 0)" in line and "split_impossible" in line
+
+
 def test_replicates_measure_each_cell_in_fresh_engine_starts_and_report_it_once(tmp_path):
     from hostsweep.run.dispatch import Dispatcher
     from tests.fakes import FakeBackend
