@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from hostsweep.config.resolve import resolve
 from hostsweep.record.journal import JOURNAL_FILE, read_entries, unlogged
 from hostsweep.record.readback import read_cells
 from hostsweep.stages import sweep
@@ -121,7 +122,7 @@ def test_the_fit_stage_reads_its_cells_back_through_the_server(pg_server, tmp_pa
     assert len(run_ids) == 4 and len(report["cells"]) == 4  # every cell, read through the server
     assert {cell["run_id"] for cell in report["cells"]} == run_ids
     client = MlflowClient(server.uri)
-    models = client.get_experiment_by_name(fit.resolve(compose_raw(fit_args)).config.fit.models_experiment)
+    models = client.get_experiment_by_name(resolve(compose_raw(fit_args)).config.fit.models_experiment)
     assert client.search_runs([models.experiment_id])  # the model went to the server too
 
 
