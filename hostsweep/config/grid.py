@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from itertools import product
 from typing import Any, Optional
 
@@ -84,7 +85,7 @@ class Cell:
     # comes from a two-level bootstrap over them (measure/replicates.py).
     replicates: int = 1
 
-    @property
+    @cached_property  # asked many times a cell (plan, dispatch, worker); in __dict__, not a field
     def key(self) -> str:
         """Stable identity: equal for the same measurement, whatever run asks for it.
 

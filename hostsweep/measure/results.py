@@ -262,15 +262,17 @@ PROVENANCE_COLUMNS = ("hostname", "device_name", "hostsweep_version", "vllm_vers
                       "ray_version", "git_sha")
 
 
-def cell_row(result: CellResult, run_id: str, provenance: Optional[dict[str, str]] = None) -> dict[str, object]:
+def cell_row(result: CellResult, run_id: str, provenance: Optional[dict[str, str]] = None,
+             metrics: Optional[dict[str, float]] = None) -> dict[str, object]:
     """One flat row per cell: params, the metrics and tags its MLflow run gets, provenance,
     and its run id. Metrics a cell does not have are absent (empty in the CSV).
-    `provenance`: the driver's tags (versions, git SHA), for columns the worker lacks."""
+    `provenance`: the driver's tags (versions, git SHA), for columns the worker lacks;
+    `metrics`: cell_metrics(result), when the caller has them already."""
     tags = {**(provenance or {}), **result.host}
     return {
         **result.params,
         "status": result.status,
-        **cell_metrics(result),
+        **(cell_metrics(result) if metrics is None else metrics),
         **split_tags(result),
         **stability_tags(result),
         **{k: result.host[k] for k in ENGINE_TAGS if k in result.host},

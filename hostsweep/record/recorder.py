@@ -39,9 +39,10 @@ def cell_label(params: dict[str, object]) -> str:
     return label if workload == "random" else f"{label} {workload}"
 
 
-def describe(result: CellResult) -> str:
-    """One line: the step and its split, or why the cell failed and where its worker's log is."""
-    shown = cell_metrics(result)  # as cells.csv and the table have them
+def describe(result: CellResult, shown: Optional[dict[str, float]] = None) -> str:
+    """One line: the step and its split, or why the cell failed and where its worker's log is.
+    `shown`: cell_metrics(result), when the caller has them already."""
+    shown = cell_metrics(result) if shown is None else shown  # as cells.csv and the table have them
     step = f"{shown['step_ms']:.3f} ms/step" if result.measurement else result.status
     if result.split is not None:
         # An impossible split (device time below zero or above the step) has no host_frac
@@ -120,12 +121,13 @@ class SweepRecorder:
         entry = self.journal.measured(result, run_id, self.tags, planned)
         self.tracker.plan(entry, planned)
         crashpoints.reached("journaled")
-        self.table.append(cell_row(result, planned or run_id or "", self.tags))
+        metrics = cell_metrics(result)  # once for the row and the line (a sweep of instant cells feels it)
+        self.table.append(cell_row(result, planned or run_id or "", self.tags, metrics))
         crashpoints.reached("tabled")
         self.uploader.submit(Measured(entry, result, run_id, self.tags), self.stopping)
         level = logging.WARNING if result.status == "FAILED" else logging.INFO
         log.log(level, "[%d/%d] %s: %s", self.table.count, self.total, cell_label(result.params),
-                describe(result))
+                describe(result, metrics))
 
     def _deliver(self, item: Measured) -> None:
         self._deliver_many([item])
