@@ -105,7 +105,11 @@ class Dispatcher:
         # Per spec: the keys of cells its current worker was sent as companions and has not
         # been asked for yet. Such a cell was timed in an earlier cell's rounds, which the
         # worker keeps: it is sent alone, not with its own 63 companions pickled again.
+        # Specs whose worker returned a failed cell: its rounds may be lost with it, so each
+        # cell goes with its companions again (the worker uses those it keeps, times the
+        # rest) until a new worker starts.
         self.given: dict[EngineSpec, set[str]] = defaultdict(set)
+        self.unsure: set[EngineSpec] = set()
         self.started_at: dict[EngineSpec, float] = {}
         # When each worker's engine was ready: cell timeouts count from then, so a slow
         # engine start is not charged to its first cell.
@@ -190,6 +194,7 @@ class Dispatcher:
             self.started_at[spec] = self.backend.now()
             self.ready_at.pop(spec, None)
             self.given[spec].clear()  # a new worker keeps nothing
+            self.unsure.discard(spec)
         cell = self.queues[spec].popleft()
         companions = self._companions(spec, cell)
         pending = self.backend.submit(self.workers[spec], cell, self.options, companions)
@@ -204,7 +209,7 @@ class Dispatcher:
         given = self.given[spec]
         if not m.interleave:
             return ()
-        if cell.key in given:
+        if cell.key in given and spec not in self.unsure:
             given.discard(cell.key)
             return ()
         companions = tuple(islice(self.queues[spec], m.interleave_max_cells - 1))
@@ -275,8 +280,7 @@ class Dispatcher:
             else:
                 self._report(outcome)
             if isinstance(outcome, CallFailed) or outcome.status != "FINISHED":
-                # its rounds may have failed with it: the next cell brings its companions again
-                self.given[spec].clear()
+                self.unsure.add(spec)  # its rounds may have failed with it
         self._submit_next(spec)
 
     def _note_measured(self, spec: EngineSpec, submitted: float) -> None:

@@ -106,12 +106,18 @@ def submitted_groups(backend: FakeBackend) -> list[tuple[int, list[int]]]:
     return groups
 
 
-def test_a_cell_timed_in_an_earlier_cells_rounds_is_sent_without_companions(tmp_path, monkeypatch):
+def noting_rounds(monkeypatch) -> list[list[int]]:
+    """The batches of each group of cells a worker times in rounds, in order."""
     from hostsweep.run.worker import SweepWorker
 
     rounds, measure_group = [], SweepWorker._measure_group
     monkeypatch.setattr(SweepWorker, "_measure_group",
                         lambda self, group, opts: rounds.append([c.batch for c in group]) or measure_group(self, group, opts))
+    return rounds
+
+
+def test_a_cell_timed_in_an_earlier_cells_rounds_is_sent_without_companions(tmp_path, monkeypatch):
+    rounds = noting_rounds(monkeypatch)
     grid = cells("batch=[1,2,3,4,5,6]")
     backend = FakeBackend(tmp_path)
     groups, results = submitted_groups(backend), []
@@ -121,14 +127,17 @@ def test_a_cell_timed_in_an_earlier_cells_rounds_is_sent_without_companions(tmp_
     assert tally(grid, results, backend) == (6, 6, 0, 0)
 
 
-def test_after_a_failed_cell_or_a_new_worker_the_next_cell_brings_its_companions_again(tmp_path):
+def test_after_a_failed_cell_each_cell_brings_its_companions_until_a_new_worker_starts(tmp_path, monkeypatch):
+    rounds = noting_rounds(monkeypatch)
     grid = cells("batch=[1,2,3,4,5,6]")
-    # b1 fails (its rounds may have failed with it); b4, timed in b2's rounds, loses its
-    # worker: the new worker keeps nothing, so b4 goes to it with companions
+    # b1 fails: its rounds may have failed with it, and whether the worker keeps b2 and b3 is
+    # not known, so every cell goes with its companions (the worker times those it lacks);
+    # b4 loses its worker: the new one keeps nothing, and what it keeps is known again
     backend = FakeBackend(tmp_path, fates={grid[0].key: ["raises"], grid[3].key: ["worker-dies"]})
     groups, results = submitted_groups(backend), []
     Dispatcher(grid, options("measure.interleave_max_cells=3"), results.append, backend, POLICY).run()
-    assert groups == [(1, [2, 3]), (2, [3, 4]), (3, []), (4, []), (4, [5, 6]), (5, []), (6, [])]
+    assert groups == [(1, [2, 3]), (2, [3, 4]), (3, [4, 5]), (4, [5, 6]), (4, [5, 6]), (5, []), (6, [])]
+    assert rounds == [[2, 3, 4], [4, 5, 6]]  # no cell timed alone
     assert tally(grid, results, backend)[1:] == (5, 0, 0)
 
 
