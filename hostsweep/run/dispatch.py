@@ -206,9 +206,9 @@ class Dispatcher:
         `cell` (measure.interleave); none when `cell` was itself a companion of an earlier
         cell, whose rounds timed it (the worker uses them, whatever companions came)."""
         m = self.options.measure
-        given = self.given[spec]
         if not m.interleave:
             return ()
+        given = self.given[spec]
         if cell.key in given and spec not in self.unsure:
             given.discard(cell.key)
             return ()
