@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_concurrently, run_hostsweep
+from tests.listeners import silent_listener
 
 GUARD = "raise ImportError('{name} must not be imported for bad input')\n"
 
@@ -123,6 +124,16 @@ def test_a_world_that_cannot_host_the_sweep_is_refused_in_seconds_before_ray_sta
     cwd, (proc, elapsed) = preflight_runs[tuple(args)]
     assert_refused(proc, needle, elapsed)
     assert not (cwd / "outputs").exists()  # no store, and no empty run directory either
+
+
+def test_a_cluster_address_that_accepts_and_never_answers_is_refused_in_seconds(tmp_path, poisoned_path):
+    """A mistyped port on a busy head: Ray would retry its GCS for minutes, deaf to SIGTERM."""
+    with silent_listener() as port:
+        proc, elapsed = timed_preflight([f"ray.address=127.0.0.1:{port}"], tmp_path, poisoned_path)
+    assert_refused(proc, f"ray.address=127.0.0.1:{port}: 127.0.0.1:{port} accepts connections but does not answer",
+                   elapsed)
+    assert elapsed < 10, f"took {elapsed:.0f} s"
+    assert not (tmp_path / "outputs").exists()
 
 
 def test_a_gpu_sku_without_a_cluster_on_a_machine_without_that_gpu_is_refused_before_ray(tmp_path, poisoned_path):

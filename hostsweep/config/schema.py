@@ -186,6 +186,9 @@ class EngineConfig:
 @dataclass
 class RayConfig:
     address: Optional[str] = None
+    # Joining ray.address: how long ray.init may take before the sweep gives up in one line
+    # (Ray's own GCS client retries for minutes against a cluster that does not answer).
+    connect_timeout_s: float = 60.0
     # Local cluster only: start Ray's daemons pinned to the last core, away from the
     # cores vLLM binds compute to; workers take every core back before their engine starts.
     confine_daemons: bool = True

@@ -242,6 +242,8 @@ def check_faults_and_tracking(cfg: SweepConfig) -> None:
             raise ConfigError(f"tracking.{name} must be positive, got {getattr(t, name)}")
     if t.exit_wait_s < 0:
         raise ConfigError(f"tracking.exit_wait_s must be >= 0, got {t.exit_wait_s}")
+    if cfg.ray.connect_timeout_s <= 0:
+        raise ConfigError(f"ray.connect_timeout_s must be positive, got {cfg.ray.connect_timeout_s}")
     if t.deliveries is not None and not 1 <= t.deliveries <= 64:
         raise ConfigError(f"tracking.deliveries must be 1 to 64 (or null: 4 to a server, 1 to a database store), "
                           f"got {t.deliveries}")

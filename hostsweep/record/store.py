@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import logging
 import os
-import socket
 import tempfile
 import urllib.error
 import urllib.request
@@ -18,6 +17,7 @@ from urllib.parse import urlsplit, urlunsplit
 from hostsweep.config.redact import redact
 from hostsweep.config.schema import ConfigError
 from hostsweep.config.validation import is_server, store_scheme
+from hostsweep.run.netprobe import check_listening
 
 TIMEOUT_S = 5.0
 DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}
@@ -69,12 +69,7 @@ def _check_server(uri: str, timeout_s: float) -> None:
 def _check_database(uri: str, scheme: str, timeout_s: float) -> None:
     parts = urlsplit(uri)
     host, port = parts.hostname or "localhost", parts.port or DEFAULT_PORTS[scheme]
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            pass
-    except OSError as exc:
-        raise ConfigError(f"tracking.uri={redact(uri)}: nothing answers at {host}:{port} within "
-                          f"{timeout_s:.0f} s ({exc.strerror or exc})") from None
+    check_listening(host, port, timeout_s, f"tracking.uri={redact(uri)}")
 
 
 def check_store(uri: str, timeout_s: float = TIMEOUT_S) -> None:

@@ -82,6 +82,15 @@ def ui_command(tracking_uri: str, port: int = 5000) -> str:
             f"{artifacts} --host 127.0.0.1 --port {port}")
 
 
+def open_ui_line(tracking_uri: str, port: int = 5000) -> str:
+    """The console's line on how to open the UI: a tracking server already is the UI (its
+    address, credentials left for the browser to ask); a database or file store needs the
+    stock `mlflow ui` started on it (ui_command)."""
+    if is_server(tracking_uri):
+        return f"open the UI: {ui_base(tracking_uri)} (the tracking server serves it)"
+    return f"open the UI: {ui_command(tracking_uri, port)}"
+
+
 def experiment_description(study: str) -> str:
     return (f"**hostsweep study `{study}`**: where the time in one LLM decode step goes. Each parent run is one "
             "sweep (named study: sku/model/mode/tp), with one child run per cell (named for what varies, e.g. "

@@ -17,10 +17,9 @@ import pandas as pd
 
 from hostsweep.config.redact import error_line, redact
 from hostsweep.config.resolve import Study
-from hostsweep.config.validation import is_server
 from hostsweep.record.celltable import CellTable
 from hostsweep.record.provenance import package_version
-from hostsweep.record.views import absolute_store_uri, ui_command
+from hostsweep.record.views import absolute_store_uri, open_ui_line
 from hostsweep.report.modes import finished_cells
 from hostsweep.report.summary import SUMMARY_FILE, build_summary, stability_counts, stability_line, sweep_description
 from hostsweep.report.tables import MAX_PRINTED_ROWS, format_overview, format_table, host_phase_table, phase_columns
@@ -139,8 +138,7 @@ def where_results_are(tracker: SweepTracker, table: CellTable, summary: Optional
         return "\n".join([*lines, unrecorded])
     lines += [f"MLflow: experiment {tracker.experiment} ({tracker.experiment_id}), parent run {tracker.parent_run_id} "
               f"in {redact(absolute_store_uri(tracker.tracking_uri))}"]
-    if not is_server(tracker.tracking_uri):
-        lines.append(f"open the UI: {ui_command(tracker.tracking_uri)}")
+    lines.append(open_ui_line(tracker.tracking_uri))
     lines.append(f"  then browse {tracker.runs_table_url()}")
     return "\n".join(lines)
 

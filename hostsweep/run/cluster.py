@@ -8,12 +8,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import tempfile
+import threading
+import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import psutil
 
@@ -23,7 +25,7 @@ from hostsweep.run.hygiene import (
     WORKER_AFFINITY_ENV, daemons_to_idle, descendant_pids, idle_process,
 )
 from hostsweep.run.placement import ACCELERATOR_PREFIX
-from hostsweep.run import reaper
+from hostsweep.run import netprobe, reaper
 from hostsweep.run.leftovers import mark_session
 
 log = logging.getLogger(__name__)
@@ -64,15 +66,16 @@ def resolve_address(address: str) -> tuple[str, int]:
 
 
 def check_address_answers(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
-    """ConfigError within timeout_s unless something listens at ray.address (Ray itself
-    would retry 'Failed to connect to GCS' for minutes)."""
+    """ConfigError within about timeout_s unless a Ray cluster's gRPC server answers at
+    ray.address (run/netprobe.py): Ray itself would retry 'Failed to connect to GCS' for
+    minutes against a port that accepts and never answers. Under RAY_USE_TLS the
+    cleartext handshake cannot be asked, so only the connection is."""
     host, port = resolve_address(address)
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            pass
-    except OSError as exc:
-        raise ConfigError(f"ray.address={address}: nothing answers at {host}:{port} within {timeout_s:.0f} s "
-                          f"({exc.strerror or exc}); is the cluster up?") from None
+    what = f"ray.address={address}"
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        netprobe.check_listening(host, port, timeout_s, what)
+    else:
+        netprobe.check_grpc_answers(host, port, timeout_s, what)
 
 
 def _loopback_only() -> None:
@@ -86,11 +89,12 @@ def _loopback_only() -> None:
 
 
 def connect(address: str | None, confine_daemons: bool = False, idle_daemons: bool = False,
-            log_to_driver: bool = True) -> bool:
+            log_to_driver: bool = True, connect_timeout_s: float = 60.0) -> bool:
     """Join the cluster at `address`, or start a local one; True if we started it.
 
     log_to_driver: Ray forwards its workers' output (vLLM's, here) to this console; off
     when the workers write their own log files (run/worklog.py).
+    connect_timeout_s: joining `address`, how long ray.init may take (ray.connect_timeout_s).
 
     A local cluster listens on loopback only, with no dashboard. Local cluster only, so
     Ray's own processes take as little as possible from the engines measured beside them:
@@ -108,22 +112,64 @@ def connect(address: str | None, confine_daemons: bool = False, idle_daemons: bo
     # (stop like Ctrl-C, __main__) must stay.
     sigterm = signal.getsignal(signal.SIGTERM)
     try:
-        return _init(ray, address, confine_daemons, idle_daemons, log_to_driver)
+        return _init(ray, address, confine_daemons, idle_daemons, log_to_driver, connect_timeout_s)
     finally:
         if sigterm is not None:
             signal.signal(signal.SIGTERM, sigterm)
 
 
-def _join(ray, address: str, log_to_driver: bool) -> None:  # noqa: ANN001
-    """ray.init(address), its failure (after its own retries) as one line."""
-    try:
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=log_to_driver)
-    except (ConnectionError, RuntimeError) as exc:
+def _join(ray, address: str, log_to_driver: bool, timeout_s: float) -> None:  # noqa: ANN001
+    """ray.init(address) within timeout_s, its failure (after its own retries) as one line.
+
+    ray.init blocks in Ray's C++ GCS client, where a stop signal's Python handler cannot
+    run and no timeout of its own bounds the retries: it runs on a thread of its own while
+    this (main) thread waits in short joins, so Ctrl-C and SIGTERM still stop the sweep and
+    the wait ends at timeout_s (the thread is a daemon: the process exits without it)."""
+    outcome: dict[str, BaseException] = {}
+
+    def attempt() -> None:
+        try:
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=log_to_driver)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            outcome["error"] = exc
+
+    # Ray's C++ GCS client warns on the console at every retry ("Failed to connect to GCS
+    # ... within 5 seconds"): its errors still show; a user who wants more sets the variable.
+    os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")
+    thread = threading.Thread(target=attempt, name="ray-connect", daemon=True)
+    with _quiet(SIGTERM_NOTICE_LOGGER):
+        thread.start()
+        deadline = time.monotonic() + timeout_s
+        while thread.is_alive() and time.monotonic() < deadline:
+            thread.join(0.2)
+    if thread.is_alive():
+        raise ConfigError(f"ray.address={address}: Ray did not connect within {timeout_s:.0f} s "
+                          "(ray.connect_timeout_s); is the cluster healthy and its version this one's?")
+    exc = outcome.get("error")
+    if isinstance(exc, (ConnectionError, RuntimeError)):
         cause = f"{exc}; {exc.__cause__}" if exc.__cause__ else str(exc)
         hint = (" (the cluster wants a token: set RAY_AUTH_MODE=token, with the token in ~/.ray/auth_token "
                 "or RAY_AUTH_TOKEN)") if "auth" in cause.lower() else ""
         raise ConfigError(f"ray.address={address}: could not join the cluster: "
                           f"{str(exc).strip().splitlines()[0]}{hint}") from None
+    if exc is not None:
+        raise exc
+
+
+# ray.init off the main thread warns that it set no SIGTERM handler: the sweep keeps its own.
+SIGTERM_NOTICE_LOGGER = "ray._private.worker"
+
+
+@contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    """A logger's warnings held back (errors still shown) while the block runs."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 # Ray warns on every local start that it turned token authentication on by default; a
@@ -132,9 +178,9 @@ TOKEN_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 
 def _init(ray, address: str | None, confine_daemons: bool, idle_daemons: bool,  # noqa: ANN001
-          log_to_driver: bool) -> bool:
+          log_to_driver: bool, connect_timeout_s: float) -> bool:
     if address:
-        _join(ray, address, log_to_driver)
+        _join(ray, address, log_to_driver, connect_timeout_s)
         return False
     # Ray runs workers at niceness 15 by default; the engines they start inherit it.
     os.environ.setdefault("RAY_worker_niceness", "0")
@@ -160,14 +206,9 @@ def _init(ray, address: str | None, confine_daemons: bool, idle_daemons: bool,  
     try:
         # "local": always a new cluster. Without an address ray.init joins the cluster named
         # by RAY_ADDRESS or /tmp/ray/ray_current_cluster (hanging if that one is dead).
-        notice = logging.getLogger(TOKEN_NOTICE_LOGGER)
-        level = notice.level
-        notice.setLevel(logging.ERROR)
-        try:
+        with _quiet(TOKEN_NOTICE_LOGGER):
             ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING,
                      log_to_driver=log_to_driver)
-        finally:
-            notice.setLevel(level)
     except BaseException:
         _stop_watchdog()
         raise

@@ -26,7 +26,7 @@ from hostsweep.config.redact import redact
 from hostsweep.config.resolve import Study
 from hostsweep.model.unstable import Exclusion, exclude_unstable
 from hostsweep.record.reports import ReportRun, load_fit_json
-from hostsweep.record.views import runs_table_url, ui_command
+from hostsweep.record.views import open_ui_line, runs_table_url, ui_base
 from hostsweep.record.selection import Selection, select_cells
 from hostsweep.report.document import to_html, to_markdown
 from hostsweep.report.fit_report import Context, build
@@ -123,9 +123,10 @@ def _summary(fit: dict[str, Any], groups: pd.DataFrame, folder: Path, report_run
     lines += [f"report: {folder / 'report.html'} and {folder / 'report.md'} (figures in {folder / 'figures'})",
               f"MLflow: run {report_run.run_name} ({report_run.run_id}) in experiment {report_run.experiment_id} "
               f"of {redact(uri)}",
-              f"open the UI: {ui_command(uri, port)}",
-              f"  then browse {runs_table_url(report_run.experiment_id, port)}",
-              f"  the report: {runs_table_url(report_run.experiment_id, port, report_run.run_id)} (Artifacts)"]
+              open_ui_line(uri, port),
+              f"  then browse {runs_table_url(report_run.experiment_id, port, base=ui_base(uri, port))}",
+              f"  the report: {runs_table_url(report_run.experiment_id, port, report_run.run_id, ui_base(uri, port))} "
+              "(Artifacts)"]
     return "\n".join(lines)
 
 

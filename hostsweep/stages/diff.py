@@ -25,7 +25,7 @@ from hostsweep.config.schema import ConfigError, DiffConfig
 from hostsweep.record.readback import FilterRefused
 from hostsweep.record.reports import ReportRun
 from hostsweep.record.sides import Side, check_store, locate, read_cells, with_pairs
-from hostsweep.record.views import runs_table_url, ui_command
+from hostsweep.record.views import open_ui_line, runs_table_url, ui_base
 from hostsweep.report.diff import DiffOptions, DiffResult, diff
 from hostsweep.report.diff_report import DiffContext, SideInfo, build, console, headline, to_json
 from hostsweep.report.document import to_html, to_markdown
@@ -122,8 +122,8 @@ def diff_sides(base: Side, head: Side, options: DiffOptions, uri: str, experimen
 def _closing(result: DiffResult, run: ReportRun, folder: Path, uri: str, port: int) -> str:
     lines = [f"diff: {folder / 'diff.html'} and {folder / 'diff.md'} (diff.json, figures/ratios.png)",
              f"MLflow: run {run.run_name} ({run.run_id}) in experiment {run.experiment_id} of {redact(uri)}",
-             f"open the UI: {ui_command(uri, port)}",
-             f"  the diff: {runs_table_url(run.experiment_id, port, run.run_id)} (Artifacts)"]
+             open_ui_line(uri, port),
+             f"  the diff: {runs_table_url(run.experiment_id, port, run.run_id, ui_base(uri, port))} (Artifacts)"]
     failed, why = result.gate()
     if result.options.fail_on:
         lines.append(f"diff.fail_on={result.options.fail_on}: {'FAIL' if failed else 'pass'}: {why}")

@@ -183,7 +183,7 @@ def run(raw_cfg: DictConfig, run_dir: Path, backend: Optional[WorkerBackend] = N
         try:
             asked = time.monotonic()
             started_here = cluster.connect(cfg.ray.address, cfg.ray.confine_daemons, cfg.ray.idle_daemons,
-                                           log_to_driver=cfg.verbose)
+                                           log_to_driver=cfg.verbose, connect_timeout_s=cfg.ray.connect_timeout_s)
         except BaseException as exc:
             if opening is not None:
                 opening.abandon(f"Ray did not start: {error_line(exc)}")

@@ -238,22 +238,15 @@ def test_the_plan_is_made_while_ray_starts_and_a_ray_that_fails_ends_it_failed_w
 def test_a_grid_a_joined_cluster_refuses_leaves_nothing_in_mlflow(tmp_path, monkeypatch):
     """Joining a cluster, the plan waits for the cluster's check: a grid it cannot run is
     bad input, refused before the study's store is even opened."""
-    import socket
-
     from hostsweep.run import cluster
+    from tests.listeners import grpc_like_listener
 
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(cluster, "connect", lambda *args, **kwargs: False)
     monkeypatch.setattr(cluster, "live_nodes", lambda: [])
     store = tmp_path / "never.db"
-    args = [*FAST, f"tracking.uri=sqlite:///{store}", "study=refused",
-            f"ray.address=127.0.0.1:{listener.getsockname()[1]}"]
-    try:
+    with grpc_like_listener() as port:  # answers the address check as a cluster's GCS does
+        args = [*FAST, f"tracking.uri=sqlite:///{store}", "study=refused", f"ray.address=127.0.0.1:{port}"]
         with pytest.raises(cluster.InfeasiblePlan, match="the cluster has"):
             sweep.run(compose_raw(args), tmp_path / "run")
-    finally:
-        listener.close()
     assert not store.exists()

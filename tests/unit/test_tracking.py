@@ -513,3 +513,14 @@ def test_into_a_servers_database_cell_files_go_where_the_server_serves_them(tmp_
     assert {"raw_timings.csv", "top_ops.csv"} <= {a.path for a in tracker.client.list_artifacts(run_id)}
     new = SweepTracker(uri, "hostsweep-made-here")  # an experiment made here is laid out as the server would
     assert new.client.get_experiment(new.experiment_id).artifact_location == "mlflow-artifacts:/hostsweep-made-here"
+
+
+def test_a_tracking_server_is_named_as_the_ui_never_as_a_backend_store():
+    """`mlflow ui --backend-store-uri http://…` cannot work (a server is not a store, and
+    the password is starred out): the server already is the UI."""
+    from hostsweep.record.views import open_ui_line
+
+    line = open_ui_line("http://alice:s3cret@127.0.0.1:5005")
+    assert line == "open the UI: http://127.0.0.1:5005 (the tracking server serves it)"
+    assert "--backend-store-uri" not in line and "alice" not in line and "s3cret" not in line
+    assert "--backend-store-uri sqlite:///" in open_ui_line("sqlite:///m.db")
