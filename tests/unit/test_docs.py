@@ -3,6 +3,8 @@ benchmarks/RESULTS.md reaches a file that exists (and a heading of it, when the 
 one), and no path of one particular machine is written into them."""
 from __future__ import annotations
 
+import ast
+import functools
 import re
 from pathlib import Path
 
@@ -143,3 +145,168 @@ def test_a_broken_link_and_a_missing_anchor_are_caught(tmp_path: Path):
                     "    [in code](missing-too.md)\n[web](https://example.org/x)\n", encoding="utf-8")
     assert broken_links(page) == ["missing.md: no such file",
                                   f"other.md#nope: no heading with anchor #nope in {(tmp_path / 'other.md').resolve()}"]
+
+
+# ---------------------------------------------------------------------------------------
+# Names the docs give exist in the code: config keys, stages, presets and other shipped
+# options, columns and metrics. One direction only (a name in the docs must exist), so a
+# column or key added to the code does not fail this; one renamed or removed does.
+
+PROSE_DOCS = [p for p in DOCS if p.name != "RESULTS.md"]  # RESULTS.md is a dated log of older code too
+SOURCES = [*(ROOT / "hostsweep").rglob("*.py"), *(ROOT / "benchmarks").glob("*.py")]
+# The dotted names of other libraries that read like config sections (ray.init is Ray's,
+# not the `ray` section's), and files whose name starts like a section (fit.json).
+NOT_CONFIG = {"ray.init", "ray.shutdown", "ray.cluster_utils", "ray.cluster_utils.Cluster", "ray.get",
+              "ray.remote", "ray.util", "ray.kill"}
+FILE_SUFFIX = re.compile(r"\.(md|html|json|jsonl|csv|ya?ml|py|png|log|txt|db|toml|gz|env)$")
+# Wrong on purpose: the docs show how a typo is refused.
+TYPO_EXAMPLES = {"measure.Tt"}
+CODE_SPAN = re.compile(r"`([^`\n]+)`")
+# `group=option` (also `+group=`), `models=[a,b]` and the like.
+OPTION = re.compile(r"(?<![\w.])\+{0,2}(sku|skus|model|models|mode|modes|experiment|calibration|stage)=([\w.,\[\]-]+)")
+DOTTED = re.compile(r"(?<![\w./:@-])\+{0,2}((?:measure|split|linearity|engine|ray|tracking|faults|output|report|select"
+                    r"|fit|compare|diff|debug|model|mode|sku|calibration)(?:\.[A-Za-z_][\w]*)+)(?![\w(/-])")
+# A name quoted as a column, a metric, a tag or a param: snake_case with at least one underscore.
+SNAKE = re.compile(r"^[a-z][a-z0-9]*(?:_(?:[A-Za-z0-9]+|<[a-z_]+>|\*))+$")
+# Quoted snake_case names that are not hostsweep's: vLLM's, torch's and Python's, or words of
+# a sentence written in code style.
+NOT_HOSTSWEEP = {
+    "enable_prefix_caching", "ignore_eos", "distributed_executor_backend", "worker_extension_cls",
+    "speculative_config", "num_speculative_tokens", "compilation_config", "gpu_model_runner",
+    "load_format", "record_function", "record_function_or_nullcontext", "start_profile", "stop_profile",
+    "shm_allreduce", "static_scaled_fp8_quant", "torch_profiler_dir", "profiler_config", "log_to_driver",
+    "include_dashboard", "cuda_graph_sizes", "max_num_batched_tokens", "sample_tokens",
+    "process_outputs", "get_output", "update_after_schedule", "allocate_slots", "make_cached_request_data",
+    "all_reduce", "set_terminated", "log_batch", "create_run", "search_runs", "delete_run", "log_text",
+    "latest_metrics", "filter_string", "workflow_type", "vllm_dist_", "gc_collect", "user_annotation",
+    "cpu_op", "kernel_launch", "cuda_runtime", "pr_set_pdeathsig", "sched_idle", "omp_num_threads",
+    "get_run", "benchmark_report", "output_json", "psm_*",
+}
+# The bullets of docs/mlflow.md that list a run's names in plain words.
+NAME_LISTS = re.compile(r"^- \*\*(params|metrics|tags)\*\*:")
+
+
+def code_spans(path: Path) -> list[str]:
+    """Inline code of a document, and the lines of its code blocks."""
+    spans, fenced = [], False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        if fenced or line.startswith("    "):
+            spans.append(line)
+        else:
+            spans += CODE_SPAN.findall(line)
+    return spans
+
+
+@functools.lru_cache(maxsize=1)
+def names_in_code() -> tuple[frozenset[str], tuple[re.Pattern, ...]]:
+    """Every identifier-like string, name, attribute, argument and keyword of hostsweep's
+    and the benchmarks' source, and the keys of conf/; f-strings (f"phase_{name}_ms") as
+    patterns."""
+    names: set[str] = set()
+    patterns: list[re.Pattern] = []
+    for source in SOURCES:
+        for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names.update(re.findall(r"[A-Za-z_][\w]*", node.value))
+            elif isinstance(node, ast.JoinedStr):
+                parts = [re.escape(v.value) if isinstance(v, ast.Constant) else r"[\w.-]+" for v in node.values]
+                literal = "".join(v.value for v in node.values if isinstance(v, ast.Constant))
+                if len(re.sub(r"\W", "", literal)) >= 3:
+                    patterns.append(re.compile("".join(parts)))
+            elif isinstance(node, ast.Name):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute):
+                names.add(node.attr)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+            elif isinstance(node, ast.keyword) and node.arg:
+                names.add(node.arg)
+    for conf in [*(ROOT / "conf").rglob("*.yaml"), ROOT / "ray_cluster.yaml"]:
+        names.update(re.findall(r"^\s*([\w-]+):", conf.read_text(encoding="utf-8"), re.M))
+    return frozenset(names), tuple(patterns)
+
+
+def in_code(name: str) -> bool:
+    names, patterns = names_in_code()
+    if name in names:
+        return True
+    if "*" in name:  # spec_*: some name of the code starts so
+        prefix = name.split("*")[0]
+        return any(n.startswith(prefix) and n != prefix for n in names)
+    concrete = re.sub(r"<[a-z_]+>", "x", name)  # phase_<name>_ms: an f-string of the code makes it
+    return concrete in names or any(p.fullmatch(concrete) for p in patterns)
+
+
+def stages() -> set[str]:
+    return {p.stem for p in (ROOT / "hostsweep" / "stages").glob("*.py") if p.stem != "__init__"}
+
+
+def options(group: str) -> set[str]:
+    if group == "stage":
+        return stages()
+    folder = {"skus": "sku", "models": "model", "modes": "mode"}.get(group, group)
+    return {p.stem for p in (ROOT / "conf" / folder).glob("*.yaml")}
+
+
+def unknown_names(path: Path) -> list[str]:
+    """The config keys, shipped options, stages and quoted snake_case names of one document
+    that the code does not have."""
+    from hostsweep.config.keys import unknown_part
+
+    unknown = []
+    for span in code_spans(path):
+        for group, value in OPTION.findall(span):
+            for option in value.strip("[]").split(","):
+                placeholder = re.search(r"[<>…]|\.\.\.|^[A-Z_]+$", option)
+                if option and not placeholder and option not in options(group):
+                    unknown.append(f"{group}={option}")
+        for key in DOTTED.findall(span):
+            if key in NOT_CONFIG or key in TYPO_EXAMPLES or FILE_SUFFIX.search(key):
+                continue
+            if unknown_part(key.rstrip(".")) is not None:
+                unknown.append(key)
+        name = span.strip()
+        if SNAKE.match(name) and name.lower() not in NOT_HOSTSWEEP and not in_code(name):
+            unknown.append(name)
+    for name in listed_names(path):
+        if name.lower() not in NOT_HOSTSWEEP and not in_code(name):
+            unknown.append(name)
+    return unknown
+
+
+def listed_names(path: Path) -> list[str]:
+    """The snake_case words of the `- **params**:` / `**metrics**:` / `**tags**:` bullets."""
+    names, inside = [], False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("- ") or not line.strip():
+            inside = bool(NAME_LISTS.match(line))
+        if inside:
+            prose = re.sub(r"`[^`]*`|\[[^\]]*\]\([^)]*\)|\([^)]*\)", " ", line)
+            names += [w for w in re.findall(r"[A-Za-z_][\w*<>]*", prose) if SNAKE.match(w)]
+    return names
+
+
+@pytest.mark.parametrize("path", PROSE_DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_name_the_docs_give_exists_in_the_code(path: Path):
+    assert unknown_names(path) == []
+
+
+@pytest.mark.parametrize("text, unknown", [
+    ("`measure.reps=20` and `split.enabled` and `+engine.engine_args.block_size=32`", []),
+    ("`measure.repz=20`", ["measure.repz"]),
+    ("`stage=diff` `stage=fitt`", ["stage=fitt"]),
+    ("    python -m hostsweep +experiment=generalize-cpu models=[tiny-llama,huge-llama]", ["models=huge-llama"]),
+    ("`+experiment=<name>` `fit.json` `report.html` `ray.init`", []),
+    ("`step_ms`, `phase_<name>_ms`, `spec_*`", []),
+    ("`step_msec`", ["step_msec"]),
+    ("- **metrics**: step_ms, host_frac and\n  wall_T_ms, step_msec;\n\nnot_listed_here", ["step_msec"]),
+])
+def test_unknown_names_are_caught(tmp_path: Path, text: str, unknown: list[str]):
+    page = tmp_path / "page.md"
+    page.write_text(text + "\n", encoding="utf-8")
+    assert unknown_names(page) == unknown
