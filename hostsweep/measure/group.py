@@ -1,7 +1,14 @@
-"""One engine group's timed measurement as the worker builds it (pure): each cell's pairs,
-summary and stability verdict, the attempts a re-measure replaced, and which of the
-engine's speculation counts belong to the reported pairs. The worker (run/worker.py) times
-the pairs; this is what it makes of them.
+"""One engine group's timed measurement as the worker builds it (pure): each cell's pairs
+over the group's periods, its estimate on the common clean rounds, its stability verdict,
+and which of the engine's speculation counts belong to the reported pairs. The worker
+(run/worker.py) times the pairs; this is what it makes of them (measure/periods.py says
+what periods, clean rounds and the canary are).
+
+A re-measure times the whole group again, in a period of its own: a cell re-timed alone
+would be compared with companions timed in another period, on what may be another
+machine. Every pair is kept; a cell's number pools its periods, each weighing the same,
+with the between-period CI (intervals.between_starts_ci), so a machine that changed speed
+between periods widens the CI instead of silently moving the cell.
 """
 from __future__ import annotations
 
@@ -10,11 +17,24 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
+
 from hostsweep.config.grid import Cell
-from hostsweep.measure.protocol import CellMeasurement, RepTiming, summarize
+from hostsweep.measure.intervals import between_starts_ci
+from hostsweep.measure.periods import (
+    DesignRecord, by_period, canary_shift_pct, clean_pairs, common_period_ratios, contended_rounds,
+    median_canary_ms, period_disagrees, period_medians_ms,
+)
+from hostsweep.measure.protocol import CellMeasurement, RepTiming, adaptive_looks, summarize
 from hostsweep.measure.results import MeasureOptions, stability_rules_of
 from hostsweep.measure.speculative import SpecResult, spec_summary
-from hostsweep.measure.stability import Stability, judge, replicate_disagrees
+from hostsweep.measure.stability import Stability, contention_summary, replicate_disagrees, timing_reasons
+
+# What a new period can cure: noise and a neighbour. A machine that changed speed
+# (machine_speed, replicate) or a split (split_*) is not re-timed away.
+REMEASURE_REASONS = ("foreign_cpu", "ci_width", "drift")
+# Verdicts about the whole group: every cell of it gets them, and a new period keeps them.
+GROUP_REASONS = ("replicate", "machine_speed")
 
 
 @dataclass(frozen=True)
@@ -26,13 +46,13 @@ class TimedCell:
     measurement: CellMeasurement
     spec: Optional[SpecResult]
     stability: Stability
-    earlier: tuple[tuple[RepTiming, ...], ...]  # the pairs of attempts the re-measure replaced
+    earlier: tuple[tuple[RepTiming, ...], ...]  # pairs of attempts replaced (none: periods are pooled)
     started_at: float  # epoch seconds: when the group's measurement began
 
 
 class GroupMeasurement:
-    """A group's timed measurement as it is built: each cell's pairs, summary, verdict and
-    replaced attempts, and which of its speculation counts belong to the reported pairs."""
+    """A group's timed measurement as it is built: each cell's pairs over the periods, its
+    estimate, verdict and design record, and which of its speculation counts are reported."""
 
     def __init__(self, cells: Sequence[Cell], prompts: list[list[list[int]]], options: MeasureOptions) -> None:
         self.cells, self.prompts, self.options = cells, prompts, options
@@ -40,37 +60,84 @@ class GroupMeasurement:
         self.spec_logs: list[list[list[dict]]] = [[] for _ in cells]
         self.generates: list = []
         self.final_from = [0] * len(cells)
-        self.timings: list[tuple[RepTiming, ...]] = [()] * len(cells)
+        self.timings: list[tuple[RepTiming, ...]] = [()] * len(cells)  # every period's pairs
         self.summaries: list[Optional[CellMeasurement]] = [None] * len(cells)
         self.verdicts: list[Stability] = [Stability()] * len(cells)
-        self.earlier: list[list[tuple[RepTiming, ...]]] = [[] for _ in cells]
+        self.group_reasons: set[str] = set()
+        self.replicate_step_ms: Optional[float] = None
+
+    @property
+    def periods(self) -> int:
+        return 1 + max((p.period for pairs in self.timings for p in pairs), default=-1)
 
     def _summary(self, i: int, pairs: Sequence[RepTiming]) -> CellMeasurement:
-        m = self.options.measure
-        return summarize(pairs, m.bootstrap_resamples, m.ci_level, self.cells[i].seed)
+        """The cell's estimate from these pairs: its order-statistic CI within one period;
+        across periods, the t-interval on the period medians, each period weighing the same."""
+        c, level = self.cells[i], self.options.measure.ci_level
+        parts = by_period(pairs)
+        if len(parts) < 2:
+            return summarize(pairs, level, adaptive_looks(c.target_ci_pct, c.min_reps, c.reps))
+        step, low, high = between_starts_ci([[p.step_s * 1e3 for p in part] for part in parts], level)
+        return CellMeasurement(step_ms=step, step_ci_low_ms=low, step_ci_high_ms=high,
+                               wall_1_ms=float(np.median([p.wall_1_s for p in pairs]) * 1e3),
+                               wall_T_ms=float(np.median([p.wall_T_s for p in pairs]) * 1e3),
+                               reps=tuple(pairs), ci_coverage=level)
 
-    def take(self, which: Sequence[int], timings: Sequence[Sequence[RepTiming]], attempt: int = 1) -> None:
-        """The pairs of an attempt at these cells: summarized and judged; the ones they
-        replace are kept."""
-        for i, pairs in zip(which, timings):
-            if self.timings[i]:
-                self.earlier[i].append(self.timings[i])
-            self.timings[i], self.summaries[i] = tuple(pairs), self._summary(i, pairs)
-            verdict = judge(pairs, self.summaries[i], stability_rules_of(self.options, self.cells[i].seed), attempt)
-            self.verdicts[i] = dataclasses.replace(verdict, replicate_step_ms=self.verdicts[i].replicate_step_ms)
+    def take_period(self, timings: Sequence[Sequence[RepTiming]]) -> None:
+        """One period's pairs of every cell of the group (in cell order): tagged with the
+        period, added to the cell's earlier periods, and every cell estimated and judged anew."""
+        period = self.periods
+        for i, pairs in enumerate(timings):
+            self.timings[i] += tuple(dataclasses.replace(p, period=period) for p in pairs)
+        self._estimate()
+
+    def _estimate(self) -> None:
+        m = self.options.measure
+        rules = stability_rules_of(self.options)
+        contended = contended_rounds(self.timings, m.max_foreign_cpu_frac)
+        shift = canary_shift_pct(p for pairs in self.timings for p in pairs)
+        if shift is not None and shift > m.max_canary_shift_pct:
+            self.group_reasons.add("machine_speed")
+        common = common_period_ratios(self.timings)
+        for i, pairs in enumerate(self.timings):
+            clean = clean_pairs(pairs, contended)
+            used = clean if clean is not None else pairs
+            summary = self._summary(i, used)
+            reasons = {r for part in by_period(used) for r in timing_reasons(part, summary, rules)} - {"ci_width"}
+            reasons |= set(timing_reasons(used, summary, rules)) & {"ci_width"}
+            if clean is None:
+                reasons.add("foreign_cpu")
+            if period_disagrees(used, common, m.min_shift_pct, m.ci_level):
+                reasons.add("period")
+            self.summaries[i] = dataclasses.replace(summary, reps=pairs)  # every pair kept, flagged or not
+            design = DesignRecord(self.periods, period_medians_ms(used), len(used), len(contended),
+                                  median_canary_ms(pairs), shift)
+            self.verdicts[i] = self._verdict(reasons | self.group_reasons, used, design)
+
+    def _verdict(self, reasons: set[str], used: Sequence[RepTiming], design: DesignRecord) -> Stability:
+        verdict = Stability(attempts=self.periods, contention=contention_summary(used),
+                            replicate_step_ms=self.replicate_step_ms, design=design)
+        for reason in sorted(reasons):
+            verdict = verdict.with_reason(reason)
+        return verdict
 
     def replicate(self, pairs: Sequence[RepTiming]) -> None:
-        """The first cell timed again after the rounds: unstable if it disagrees with itself."""
-        again = self._summary(0, pairs)
-        self.verdicts[0] = dataclasses.replace(self.verdicts[0], replicate_step_ms=again.step_ms)
-        if replicate_disagrees(self.summaries[0], again, self.options.measure.min_shift_pct):  # type: ignore[arg-type]
-            self.verdicts[0] = self.verdicts[0].with_reason("replicate")
+        """The first cell timed again after the rounds: if it disagrees with itself, the host
+        changed during the group, which every cell of it met (`replicate`, kept by later periods)."""
+        again = summarize(pairs, self.options.measure.ci_level)
+        self.replicate_step_ms = again.step_ms
+        m = self.options.measure
+        first = summarize([p for p in self.timings[0] if p.period == 0], m.ci_level)
+        if replicate_disagrees(first, again, m.min_shift_pct, m.ci_level):
+            self.group_reasons.add("replicate")
+        self._estimate()
 
-    def unstable(self) -> list[int]:
-        return [i for i, v in enumerate(self.verdicts) if not v.stable and "split_impossible" not in v.reasons]
+    def needs_another_period(self) -> bool:
+        """Whether a cell broke a rule a new period of the whole group could cure."""
+        return any(set(v.reasons) & set(REMEASURE_REASONS) for v in self.verdicts)
 
     def mark_attempt(self, which: Sequence[int]) -> None:
-        for i in which:  # the speculation counts of the attempt about to be timed are the ones reported
+        for i in which:  # the speculation counts from here on are the reported ones
             self.final_from[i] = len(self.spec_logs[i])
 
     def timed_cells(self) -> dict[str, "TimedCell"]:
@@ -80,5 +147,5 @@ class GroupMeasurement:
             start = self.final_from[i]
             spec = spec_summary(self.spec_logs[i][start:start + len(self.timings[i])], cell.T)
             cells[cell.key] = TimedCell(self.prompts[i], dataclasses.replace(self.summaries[i], timed_s=timed_s),
-                                        spec, self.verdicts[i], tuple(self.earlier[i]), self.started_at)
+                                        spec, self.verdicts[i], (), self.started_at)
         return cells

@@ -30,6 +30,7 @@ from hostsweep.measure.results import CellResult
 from hostsweep.measure.speculative import SpecResult
 from hostsweep.measure.phases import PhaseSplit
 from hostsweep.measure.split import LinearityResult, SplitResult
+from hostsweep.measure.periods import DesignRecord
 from hostsweep.measure.stability import ContentionSummary, Stability
 
 log = logging.getLogger(__name__)
@@ -86,9 +87,12 @@ def decode_stability(data: Optional[dict]) -> Optional[Stability]:
     if data is None:
         return None
     contention = data.get("contention")
+    design = data.get("design")
     return Stability(tuple(data["reasons"]), data["attempts"],
                      None if contention is None else ContentionSummary(**contention), data.get("replicate_step_ms"),
-                     tuple(data.get("start_medians_ms", ())))
+                     tuple(data.get("start_medians_ms", ())),
+                     None if design is None else DesignRecord(**{**design, "period_medians_ms":
+                                                                  tuple(design.get("period_medians_ms", ()))}))
 
 
 def pending_folder(root: Path, tracking_uri: str, experiment: str) -> Path:

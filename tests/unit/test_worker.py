@@ -11,7 +11,8 @@ from hostsweep.run.worker import SweepWorker, release_ray_thread_limits
 from tests.conftest import compose_typed
 
 
-FAKE = ["+sku=cpu", "engine.name=fake", "measure.reps=4", "measure.warmups=1", "measure.T=5",
+# No re-measures: what these tests count must not depend on how busy the machine is.
+FAKE = ["+sku=cpu", "engine.name=fake", "measure.reps=4", "measure.warmups=1", "measure.T=5", "measure.remeasure_unstable=0",
         "measure.bootstrap_resamples=200"]
 
 

@@ -1,0 +1,123 @@
+"""The measurement design of one engine group (pure): periods, common clean rounds and the
+speed canary, and what each says about a cell.
+
+- A **period** is one pass of the group's interleaved rounds. A re-measure times the whole
+  group again in a new period, never a cell alone, so every cell meets the same machine in
+  every period and cross-cell comparisons stay within the periods all cells share.
+- A **contended round** is a round in which any pair's contention record crossed
+  measure.max_foreign_cpu_frac. Every cell of the group is estimated on the rounds clean
+  for all of them (the common clean rounds), so a neighbour that comes and goes cannot
+  make one cell look fast because its pairs happened to fall in the quiet phase.
+- The **canary** (run/canary.py) is a fixed workload timed beside every pair: the
+  machine's own speed. Its movement across the group's rounds is `canary_shift_pct`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+
+from hostsweep.measure.intervals import median_ci
+from hostsweep.measure.protocol import RepTiming
+
+# A canary bucket (a half period) needs this many timings for its median to mean anything.
+MIN_CANARY_PER_BUCKET = 3
+# A cell keeps its estimate on the common clean rounds only if they leave it this many pairs
+# and this share of its pairs; otherwise its pairs are too contended to trust.
+MIN_CLEAN_PAIRS, MIN_CLEAN_SHARE = 5, 0.5
+
+RoundId = tuple[int, int]  # (period, round)
+
+
+@dataclass(frozen=True)
+class DesignRecord:
+    """What the group's design says about one cell's number."""
+
+    periods: int = 1  # periods the cell was timed in (1 + group re-measures)
+    period_medians_ms: tuple[float, ...] = ()  # the cell's median step in each period
+    clean_pairs: int = 0  # the pairs its estimate rests on (in the common clean rounds)
+    contended_rounds: int = 0  # the group's rounds left out as contended
+    canary_ms: Optional[float] = None  # median canary over the cell's pairs
+    canary_shift_pct: Optional[float] = None  # how far the machine's speed moved over the group's rounds
+
+
+def round_of(pair: RepTiming) -> RoundId:
+    return pair.period, pair.round
+
+
+def contended_rounds(cells: Iterable[Sequence[RepTiming]], max_foreign_cpu_frac: float) -> set[RoundId]:
+    """The rounds (of every cell's pairs) in which any pair's neighbours used more than
+    max_foreign_cpu_frac of the machine."""
+    return {round_of(p) for pairs in cells for p in pairs
+            if p.contention is not None and p.contention.foreign_cpu_frac > max_foreign_cpu_frac}
+
+
+def clean_pairs(pairs: Sequence[RepTiming], contended: set[RoundId]) -> Optional[tuple[RepTiming, ...]]:
+    """The cell's pairs in the common clean rounds, or None when too few are left
+    (fewer than MIN_CLEAN_PAIRS, or under MIN_CLEAN_SHARE of its pairs)."""
+    kept = tuple(p for p in pairs if round_of(p) not in contended)
+    if len(kept) < MIN_CLEAN_PAIRS or len(kept) < MIN_CLEAN_SHARE * len(pairs):
+        return None
+    return kept
+
+
+def by_period(pairs: Sequence[RepTiming]) -> list[tuple[RepTiming, ...]]:
+    """The pairs split by period, in period order (periods without pairs left out)."""
+    periods = sorted({p.period for p in pairs})
+    return [tuple(p for p in pairs if p.period == k) for k in periods]
+
+
+def period_medians_ms(pairs: Sequence[RepTiming]) -> tuple[float, ...]:
+    return tuple(float(np.median([p.step_s for p in part]) * 1e3) for part in by_period(pairs))
+
+
+def canary_shift_pct(pairs: Iterable[RepTiming]) -> Optional[float]:
+    """How far the machine's speed moved over these pairs: the canary's median in each half
+    of each period (by round), then (slowest / fastest - 1) in %. Medians, so one slow
+    canary (a page fault, a timer interrupt) does not move it; None without enough canaries."""
+    timed = [p for p in pairs if p.canary_ms is not None]
+    buckets: dict[tuple[int, int], list[float]] = {}
+    for period in sorted({p.period for p in timed}):
+        rounds = sorted({p.round for p in timed if p.period == period})
+        middle = rounds[len(rounds) // 2] if rounds else 0
+        for p in timed:
+            if p.period == period:
+                buckets.setdefault((period, int(p.round >= middle)), []).append(p.canary_ms)  # type: ignore[arg-type]
+    medians = [float(np.median(v)) for v in buckets.values() if len(v) >= MIN_CANARY_PER_BUCKET]
+    if len(medians) < 2 or min(medians) <= 0:
+        return None
+    return (max(medians) / min(medians) - 1.0) * 100.0
+
+
+def median_canary_ms(pairs: Iterable[RepTiming]) -> Optional[float]:
+    values = [p.canary_ms for p in pairs if p.canary_ms is not None]
+    return float(np.median(values)) if values else None
+
+
+def common_period_ratios(cells: Sequence[Sequence[RepTiming]]) -> list[float]:
+    """Per later period, the group's common speed change against the first period: the
+    median over cells of (cell's period median / its first period median)."""
+    per_cell = [period_medians_ms(pairs) for pairs in cells]
+    periods = min((len(m) for m in per_cell), default=0)
+    return [float(np.median([m[k] / m[0] for m in per_cell if m[0] > 0])) for k in range(1, periods)]
+
+
+def period_disagrees(pairs: Sequence[RepTiming], common: Sequence[float], min_shift_pct: float,
+                     level: float) -> bool:
+    """Whether a cell moved between periods differently from its group: its first period's
+    median CI, scaled by the group's common change, and a later period's CI are disjoint,
+    and their medians differ by more than min_shift_pct %. The group moving together is
+    the machine; one cell moving alone is the cell's number not reproducing."""
+    parts = by_period(pairs)
+    if len(parts) < 2:
+        return False
+    steps = [[p.step_s * 1e3 for p in part] for part in parts]
+    first = median_ci(steps[0], level)
+    for later_steps, ratio in zip(steps[1:], common):
+        later = median_ci(later_steps, level)
+        low, high, median = first.low * ratio, first.high * ratio, float(np.median(steps[0])) * ratio
+        disjoint = later.high < low or high < later.low
+        if disjoint and median > 0 and abs(float(np.median(later_steps)) / median - 1.0) * 100.0 > min_shift_pct:
+            return True
+    return False

@@ -1,0 +1,206 @@
+"""The measurement design against planted truths: a re-measure times the whole group again
+(companions kept), a contended round is left out for every cell alike, the speed canary
+catches a machine that changed speed, and a cell that moves alone between periods is
+told apart from a machine that moved every cell."""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from hostsweep.config.grid import build_cells
+from hostsweep.measure.group import GroupMeasurement
+from hostsweep.measure.periods import (
+    DesignRecord, canary_shift_pct, clean_pairs, common_period_ratios, contended_rounds, period_disagrees,
+)
+from hostsweep.measure.protocol import Contention, RepTiming
+from hostsweep.measure.results import MeasureOptions, cell_metrics
+from tests.conftest import compose_typed
+
+QUIET = Contention(foreign_cpu_frac=0.01, engine_cpu_frac=0.9, steal_frac=0.0, load1=1.0)
+BUSY = Contention(foreign_cpu_frac=0.6, engine_cpu_frac=0.4, steal_frac=0.0, load1=3.0)
+
+
+def pairs_of(steps_ms, period=0, contention=QUIET, canary=None, first_round=0):
+    """Timed pairs with these steps, one per round from first_round."""
+    return tuple(RepTiming(k, k % 2 == 0, 0.01, 0.01 + s / 1e3 * 32, s / 1e3, first_round + k, contention,
+                           period=period, canary_ms=None if canary is None else canary[k])
+                 for k, s in enumerate(steps_ms))
+
+
+def noisy(median_ms, n, rng, cv=0.02):
+    return list(median_ms * np.exp(rng.normal(0.0, cv, n)))
+
+
+def test_a_round_any_cell_met_a_neighbour_in_is_left_out_for_every_cell():
+    rng = np.random.default_rng(1)
+    a = list(pairs_of(noisy(5.0, 12, rng)))
+    b = list(pairs_of(noisy(7.0, 12, rng)))
+    a[3] = pairs_of([5.0], contention=BUSY, first_round=3)[0]  # only a's pair of round 3 met the neighbour
+    contended = contended_rounds([a, b], max_foreign_cpu_frac=0.10)
+    assert contended == {(0, 3)}
+    kept_a, kept_b = clean_pairs(a, contended), clean_pairs(b, contended)
+    assert [p.round for p in kept_a] == [p.round for p in kept_b] == [r for r in range(12) if r != 3]
+
+
+def test_too_few_clean_rounds_leave_no_clean_estimate():
+    rng = np.random.default_rng(2)
+    steps = noisy(5.0, 12, rng)
+    busy = [pairs_of([s], contention=BUSY if k % 3 else QUIET, first_round=k)[0] for k, s in enumerate(steps)]
+    assert clean_pairs(busy, contended_rounds([busy], 0.10)) is None  # 4 of 12 clean
+
+
+def test_the_canary_catches_a_machine_that_slowed_mid_run_and_ignores_one_slow_canary():
+    rng = np.random.default_rng(3)
+    steady = list(1.5 * np.exp(rng.normal(0, 0.03, 24)))
+    slowed = steady[:12] + [c * 1.3 for c in steady[12:]]  # the machine 30 % slower from round 12
+    spiked = steady[:5] + [15.0] + steady[6:]  # one canary hit by a page fault
+    shift = {name: canary_shift_pct(pairs_of([5.0] * 24, canary=c))
+             for name, c in [("steady", steady), ("slowed", slowed), ("spiked", spiked)]}
+    assert shift["slowed"] == pytest.approx(30.0, abs=8.0)
+    assert shift["steady"] < 8.0 and shift["spiked"] < 8.0
+    assert canary_shift_pct(pairs_of([5.0] * 24)) is None  # no canary timed
+
+
+def test_a_machine_that_moved_every_cell_is_not_a_cell_that_moved_alone():
+    rng = np.random.default_rng(4)
+    level, min_shift = 0.95, 3.0
+    first = [pairs_of(noisy(m, 12, rng)) for m in (5.0, 6.0, 8.0)]
+    machine = [p + pairs_of(noisy(m * 1.35, 12, rng), period=1, first_round=0)
+               for p, m in zip(first, (5.0, 6.0, 8.0))]  # every cell 35 % slower in period 1
+    common = common_period_ratios(machine)
+    assert common[0] == pytest.approx(1.35, rel=0.05)
+    assert not any(period_disagrees(cell, common, min_shift, level) for cell in machine)
+    alone = machine[:2] + [first[2] + pairs_of(noisy(8.0 * 1.35 * 1.25, 12, rng), period=1)]  # one cell +25 % more
+    common = common_period_ratios(alone)
+    assert [period_disagrees(cell, common, min_shift, level) for cell in alone] == [False, False, True]
+
+
+def group_of(*overrides: str) -> GroupMeasurement:
+    cfg = compose_typed(["+sku=cpu", "engine.name=fake", "measure.reps=12", "batch=[1,2,4]", "ctx=[16]", *overrides])
+    cells = build_cells(cfg)
+    return GroupMeasurement(cells, [[[1]]] * len(cells), MeasureOptions.of(cfg.config))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_periods_pool_with_every_cell_weighing_each_period_alike_so_cross_cell_ratios_hold(seed):
+    """A machine 30 % slower in the second period moves every cell's number alike: the
+    ratios between cells are those of the first period, and every pair is kept."""
+    rng = np.random.default_rng(seed)
+    truth = (5.0, 6.0, 8.0)
+    group = group_of()
+    group.take_period([pairs_of(noisy(m, 12, rng)) for m in truth])
+    before = [s.step_ms for s in group.summaries]
+    group.take_period([pairs_of(noisy(m * 1.3, 12, rng)) for m in truth])
+    after = [s.step_ms for s in group.summaries]
+    assert all(len(s.reps) == 24 and {p.period for p in s.reps} == {0, 1} for s in group.summaries)
+    for k in (1, 2):
+        assert after[k] / after[0] == pytest.approx(truth[k] / truth[0], rel=0.04)
+        assert after[k] / after[0] == pytest.approx(before[k] / before[0], rel=0.04)
+    assert all(v.attempts == 2 and v.design.periods == 2 for v in group.verdicts)
+    assert all("period" not in v.reasons for v in group.verdicts)  # the machine moved, not a cell
+
+
+def test_a_machine_speed_change_flags_every_cell_of_the_group_and_a_new_period_keeps_it():
+    rng = np.random.default_rng(5)
+    canary = list(1.5 * np.exp(rng.normal(0, 0.02, 12)))
+    slowed = canary[:6] + [c * 1.4 for c in canary[6:]]
+    group = group_of()
+    group.take_period([pairs_of(noisy(m, 12, rng), canary=slowed) for m in (5.0, 6.0, 8.0)])
+    assert all("machine_speed" in v.reasons for v in group.verdicts)
+    assert all(v.design.canary_shift_pct == pytest.approx(40.0, abs=10.0) for v in group.verdicts)
+    group.take_period([pairs_of(noisy(m, 12, rng), canary=canary) for m in (5.0, 6.0, 8.0)])
+    assert all("machine_speed" in v.reasons for v in group.verdicts)  # the second period's steady canary too
+
+
+def test_a_cell_estimated_on_the_common_clean_rounds_says_how_many_pairs_it_rests_on():
+    rng = np.random.default_rng(6)
+    timings = [list(pairs_of(noisy(m, 12, rng))) for m in (5.0, 6.0, 8.0)]
+    for r in (2, 7):  # two rounds in which the first cell's pair met a neighbour
+        timings[0][r] = pairs_of([50.0], contention=BUSY, first_round=r)[0]  # and came out 10x slow
+    group = group_of()
+    group.take_period(timings)
+    assert [v.design.clean_pairs for v in group.verdicts] == [10, 10, 10]
+    assert all(v.design.contended_rounds == 2 for v in group.verdicts)
+    assert group.summaries[0].step_ms == pytest.approx(5.0, rel=0.05)  # the slow pairs left out
+    assert len(group.summaries[0].reps) == 12  # and kept
+    metrics = cell_metrics_of(group, 0)
+    assert metrics["clean_pairs"] == 10 and metrics["contended_rounds"] == 2 and metrics["periods"] == 1
+
+
+def cell_metrics_of(group: GroupMeasurement, i: int) -> dict[str, float]:
+    from hostsweep.measure.results import CellResult
+
+    result = CellResult(key=group.cells[i].key, params=group.cells[i].params(), status="FINISHED",
+                        measurement=group.summaries[i], error=None, stability=group.verdicts[i])
+    return cell_metrics(result)
+
+
+# The worker with the fake engine: thresholds no fake measurement breaks but the one planted.
+FAKE = ["+sku=cpu", "engine.name=fake", "measure.reps=8", "measure.warmups=1", "measure.T=5",
+        "batch=[1,2,4]", "ctx=[16]", "measure.max_foreign_cpu_frac=1.0", "split.enabled=false",
+        "measure.replicate_first=false", "measure.max_canary_shift_pct=1000"]
+
+
+def fake_study(*overrides: str):
+    chosen = {o.split("=", 1)[0]: o for o in [*FAKE, *overrides]}
+    cfg = compose_typed(list(chosen.values()))
+    return build_cells(cfg), MeasureOptions.of(cfg.config)
+
+
+def slowing_worker(tmp_path, spec, slow_after: int, factor: float):
+    """A SweepWorker whose engine counts T-token generates per batch, and after `slow_after`
+    of them runs every generate `factor` times as long (a machine that slowed down)."""
+    import time
+
+    from hostsweep.run.worker import SweepWorker
+
+    worker = SweepWorker(spec, str(tmp_path))
+    counts, generate = Counter(), worker.engine.generate
+
+    def counted(prompts, tokens):
+        started = time.perf_counter()
+        out = generate(prompts, tokens)
+        if sum(counts.values()) >= slow_after:
+            time.sleep((time.perf_counter() - started) * (factor - 1.0))
+        counts[len(prompts)] += tokens > 1
+        return out
+
+    worker.engine.generate = counted
+    return worker, counts
+
+
+def test_a_re_measure_times_the_whole_group_again_and_keeps_the_ratios_between_cells(tmp_path):
+    # A CI target no measurement meets: the group is unstable (ci_width) and re-measured once.
+    cells, options = fake_study("measure.max_ci_pct=1e-9", "measure.remeasure_unstable=1")
+    worker, counts = slowing_worker(tmp_path, cells[0].engine, slow_after=3 * 9, factor=1.5)
+    results = [worker.measure(cell, options, tuple(cells[i + 1:])) for i, cell in enumerate(cells)]
+    assert counts == {1: 17, 2: 17, 4: 17}  # warm-up, then 8 pairs in each of two periods, every cell
+    steps = [r.measurement.step_ms for r in results]
+    periods = [r.stability.design.period_medians_ms for r in results]
+    assert all(len(p) == 2 for p in periods)
+    for k in (1, 2):  # the machine slowed between the periods; the cells' ratios did not move
+        assert periods[k][1] / periods[0][1] == pytest.approx(periods[k][0] / periods[0][0], rel=0.15)
+        assert steps[k] / steps[0] == pytest.approx(periods[k][0] / periods[0][0], rel=0.15)
+    assert all(r.earlier_timings == () and {p.period for p in r.measurement.reps} == {0, 1} for r in results)
+    assert all(r.measurement.reps[0].canary_ms is not None for r in results)
+
+
+def test_a_stable_group_is_not_re_measured(tmp_path):
+    cells, options = fake_study("measure.max_ci_pct=1000", "measure.remeasure_unstable=2")
+    worker, counts = slowing_worker(tmp_path, cells[0].engine, slow_after=10**9, factor=1.0)
+    result = worker.measure(cells[0], options, tuple(cells[1:]))
+    assert counts == {1: 9, 2: 9, 4: 9} and result.stability.design.periods == 1
+
+
+def test_the_design_record_survives_the_journal():
+    from hostsweep.record.journal import decode_stability
+    from dataclasses import asdict
+
+    group = group_of()
+    rng = np.random.default_rng(7)
+    group.take_period([pairs_of(noisy(m, 12, rng), canary=[1.5] * 12) for m in (5.0, 6.0, 8.0)])
+    verdict = group.verdicts[0]
+    assert isinstance(verdict.design, DesignRecord)
+    assert decode_stability(asdict(verdict)) == verdict
