@@ -43,7 +43,7 @@ def describe(result: CellResult, shown: Optional[dict[str, float]] = None) -> st
     """One line: the step and its split, or why the cell failed and where its worker's log is.
     `shown`: cell_metrics(result), when the caller has them already."""
     shown = cell_metrics(result) if shown is None else shown  # as cells.csv and the table have them
-    step = f"{shown['step_ms']:.3f} ms/step" if result.measurement else result.status
+    step = f"{shown['step_ms']:.3f} ms/step{periods_note(result.stability)}" if result.measurement else result.status
     if result.split is not None:
         # An impossible split (device time below zero or above the step) has no host_frac
         # (measure/stability.py's split_impossible): the line says so rather than showing one.
@@ -78,14 +78,24 @@ def largest_phase_note(result: CellResult) -> str:
 
 
 def unstable_note(stability: Stability) -> str:
-    """', UNSTABLE: foreign_cpu 0.31, drift (measured 2 times)' for an unstable cell, else ''."""
+    """', UNSTABLE: foreign_cpu 0.31, drift' for an unstable cell, else ''."""
     if stability.stable:
         return ""
-    c = stability.contention
-    reasons = [f"foreign_cpu {c.foreign_cpu_frac:.2f}" if r == "foreign_cpu" and c is not None else r
-               for r in stability.reasons]
-    again = f" (measured {stability.attempts} times)" if stability.attempts > 1 else ""
-    return f", UNSTABLE: {', '.join(reasons)}{again}"
+    c, design = stability.contention, stability.design
+    shift = design.canary_shift_pct if design is not None else None
+    named = {"foreign_cpu": f"foreign_cpu {c.foreign_cpu_frac:.2f}" if c is not None else "foreign_cpu",
+             "machine_speed": f"machine_speed (canary moved {shift:.0f} %)" if shift is not None else "machine_speed"}
+    reasons = [named.get(r, r) for r in stability.reasons]
+    return f", UNSTABLE: {', '.join(reasons)}"
+
+
+def periods_note(stability: Optional[Stability]) -> str:
+    """' (2 periods pooled: 5.10, 6.62 ms)' for a cell whose group was timed in more than one
+    period (measure/group.py), else '': the table's number is then not one period's."""
+    design = stability.design if stability is not None else None
+    if design is None or design.periods < 2:
+        return ""
+    return f" ({design.periods} periods pooled: {', '.join(f'{m:.3f}' for m in design.period_medians_ms)} ms)"
 
 
 # tracking.deliveries=null: cells logged at once to a server (recording_cost.py --deliveries:

@@ -204,3 +204,14 @@ def test_the_design_record_survives_the_journal():
     verdict = group.verdicts[0]
     assert isinstance(verdict.design, DesignRecord)
     assert decode_stability(asdict(verdict)) == verdict
+
+
+def test_the_console_line_names_the_periods_a_pooled_number_comes_from_and_the_canarys_move():
+    from hostsweep.measure.stability import Stability
+    from hostsweep.record.recorder import periods_note, unstable_note
+
+    pooled = Stability(attempts=2, design=DesignRecord(periods=2, period_medians_ms=(5.1, 6.62), canary_shift_pct=31.4))
+    assert periods_note(pooled) == " (2 periods pooled: 5.100, 6.620 ms)"
+    assert periods_note(Stability(design=DesignRecord(periods=1, period_medians_ms=(5.1,)))) == ""
+    flagged = pooled.with_reason("machine_speed")
+    assert unstable_note(flagged) == ", UNSTABLE: machine_speed (canary moved 31 %)"
