@@ -97,14 +97,21 @@ class MeasureConfig:
     T: int = 33
     warmups: int = 2
     reps: int = 12
+    # Percentile-bootstrap resamples for the medians of derived quantities (host phases over
+    # split.reps profiled pairs); a cell's step CI is exact order statistics, no resampling.
     bootstrap_resamples: int = 2000
+    # The level of every cell CI (order statistics; a t-interval across engine starts) and
+    # of the drift and replicate tests (at 1 - ci_level). The one default: StabilityRules and
+    # summarize() read theirs from here.
     ci_level: float = 0.95
-    seed: int = 0
+    seed: int = 0  # prompts and round order; mixed with each cell's key (measure.intervals.seed_for)
     # Adaptive repetitions: a cell stops once its CI half-width is at most this % of its
-    # median step, after min_reps and by max_reps at the latest (`reps` is then unused).
-    # None: every cell runs exactly `reps` pairs (and keeps the key it always had).
+    # median step, looking only at min_reps, min_reps + 4, ... and max_reps (`reps` is then
+    # unused), each look's CI at a stricter level that splits the error across the looks
+    # (measure/intervals.py look_level), so the CI reported after stopping keeps ci_level. None: every cell runs exactly `reps` pairs
+    # (and keeps the key it always had). min_reps >= 8: fewer pairs give no usable CI.
     target_ci_pct: Optional[float] = None
-    min_reps: int = 5
+    min_reps: int = 8
     max_reps: int = 48
     # Noisy hosts (measure/stability.py). The cells of one engine are timed in interleaved
     # rounds, one pair of each per round in a seeded shuffled order, at most
@@ -123,7 +130,8 @@ class MeasureConfig:
     # every attempt is kept, the last one reported.
     remeasure_unstable: int = 1
     # Each engine group measured again in this many fresh engine starts in all; a cell's CI
-    # then covers what changes from one start to the next (two-level bootstrap). 1: one start.
+    # then covers what changes from one start to the next (a t-interval on the starts'
+    # medians; >= 3 for a usable one). 1: one start.
     replicates: int = 1
 
 

@@ -94,8 +94,8 @@ def check_adaptive(m: Any) -> None:
         return
     if not 0.0 < m.target_ci_pct < 100.0:
         raise ConfigError(f"measure.target_ci_pct must be a percentage in (0, 100) or null, got {m.target_ci_pct:g}")
-    if m.min_reps < 3:
-        raise ConfigError(f"measure.min_reps must be >= 3 for a bootstrap CI to mean anything, got {m.min_reps}")
+    if m.min_reps < 8:
+        raise ConfigError(f"measure.min_reps must be >= 8 for a stopping CI to mean anything, got {m.min_reps}")
     if m.max_reps < m.min_reps:
         raise ConfigError(f"measure.max_reps must be >= measure.min_reps ({m.min_reps}), got {m.max_reps}")
 

@@ -1,4 +1,4 @@
-"""Per-step decode time by differencing, with medians and bootstrap CIs (pure).
+"""Per-step decode time by differencing, with medians and their order-statistic CIs (pure).
 
 For one cell the same generate runs with T=1 and with T tokens. Load, warm-up and
 prefill are identical in both, so (wall_T - wall_1) / (T - 1) is the average cost of
@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import numpy as np
+
+from hostsweep.config.schema import MeasureConfig
+from hostsweep.measure.intervals import look_level, median_ci, median_ci_bounds, sequential_coverage
 
 # A callable that runs the cell's generate with the given number of output tokens
 # and returns its wall time in seconds. The worker builds it around an engine.
@@ -55,6 +58,10 @@ class CellMeasurement:
     wall_T_ms: float
     reps: tuple[RepTiming, ...]
     timed_s: float = 0.0  # wall time of the warm-ups and timed pairs (the worker sets it)
+    # What the CI is guaranteed to cover: its exact order-statistic coverage (a lower bound
+    # over the looks of an adaptive cell; the nominal level across engine starts). Below the
+    # level asked for when a cell has too few pairs (fewer than 6 at 95 %). nan: not recorded.
+    ci_coverage: float = float("nan")
 
     @property
     def ci_half_width_pct(self) -> float:
@@ -157,16 +164,44 @@ def interleaved_rounds(reps: Sequence[int], pair: PairRunner, seed: int,
     return Rounds(tuple(tuple(t) for t in timings), tuple(orders))
 
 
-def ci_target_rule(target_pct: float, min_reps: int, resamples: int, level: float, seed: int) -> StopRule:
-    """Stop once at least `min_reps` pairs give a bootstrap CI of the median step whose
-    half-width is at most `target_pct` % of the median. The CI is the one summarize() will
-    report (same resamples, level and seed), so the logged half-width is the one that stopped."""
+# Adaptive repetitions look at the CI every this many pairs from measure.min_reps on.
+LOOK_EVERY = 4
+
+
+def adaptive_looks(target_pct: Optional[float], min_reps: int, max_reps: int) -> tuple[int, ...]:
+    """The pair counts an adaptive cell may stop at: min_reps, then every LOOK_EVERY pairs,
+    and max_reps; () for a cell without a target (it runs its reps and looks once)."""
+    if target_pct is None:
+        return ()
+    if min_reps < 1 or max_reps < min_reps:
+        raise ValueError(f"max_reps must be >= min_reps >= 1, got min_reps={min_reps}, max_reps={max_reps}")
+    return (*range(min_reps, max_reps, LOOK_EVERY), max_reps)
+
+
+def narrow_enough(steps: np.ndarray, target_pct: float, level: float) -> np.ndarray:
+    """Whether the median CI (at `level`, over the last axis) of each row of steps has a
+    half-width of at most target_pct % of its median; never where that level is out of reach."""
+    low, high, coverage = median_ci_bounds(steps, level)
+    median = np.median(steps, axis=-1)
+    return (coverage >= level - 1e-12) & ((high - low) / 2.0 <= target_pct / 100.0 * np.abs(median))
+
+
+def ci_target_rule(target_pct: float, min_reps: int, max_reps: int, level: float) -> StopRule:
+    """Stop at the first planned look (adaptive_looks) whose median CI, taken at the looks'
+    common stricter level (intervals.look_level: the error split across the looks), has a
+    half-width of at most `target_pct` % of the median. Looking only there, at that level,
+    keeps the coverage of the CI reported at the stop >= level for any noise (a CI checked
+    after every pair and reported at the first narrow one can stop on luck).
+    summarize(..., looks) reports that same CI, so the logged half-width is the one that
+    stopped the cell."""
+    looks = adaptive_looks(target_pct, min_reps, max_reps)
+    each = look_level(level, looks)
+
     def enough(timings: Sequence[RepTiming]) -> bool:
-        if len(timings) < min_reps:
+        if len(timings) not in looks:
             return False
         steps = np.array([t.step_s for t in timings]) * 1e3
-        low, high = bootstrap_median_ci(steps, resamples, level, np.random.default_rng(seed))
-        return half_width_pct(float(np.median(steps)), low, high) <= target_pct
+        return bool(narrow_enough(steps, target_pct, each))
 
     return enough
 
@@ -174,7 +209,8 @@ def ci_target_rule(target_pct: float, min_reps: int, resamples: int, level: floa
 def bootstrap_median_ci(
     values: Sequence[float], resamples: int, level: float, rng: np.random.Generator
 ) -> tuple[float, float]:
-    """Percentile-bootstrap CI of the median, vectorized over resamples."""
+    """Percentile-bootstrap CI of the median, vectorized over resamples. Not the cell's CI
+    (that is median_ci's, exact); kept for medians of derived quantities (phases, benchmarks)."""
     data = np.asarray(values, dtype=float)
     if data.size == 0:
         raise ValueError("no values to bootstrap")
@@ -185,19 +221,21 @@ def bootstrap_median_ci(
     return float(low), float(high)
 
 
-def summarize(
-    timings: Sequence[RepTiming], resamples: int = 2000, level: float = 0.95, seed: int = 0
-) -> CellMeasurement:
-    """Median step time with its bootstrap CI, and the median walls, in milliseconds."""
+def summarize(timings: Sequence[RepTiming], level: float = MeasureConfig.ci_level,
+              looks: Sequence[int] = ()) -> CellMeasurement:
+    """Median step time with its order-statistic CI (intervals.median_ci), and the median
+    walls, in milliseconds. `looks`: an adaptive cell's planned looks (adaptive_looks), whose
+    CI is taken at the looks' level (intervals.look_level), as the stop rule took it."""
     steps = np.array([t.step_s for t in timings]) * 1e3
-    low, high = bootstrap_median_ci(steps, resamples, level, np.random.default_rng(seed))
+    ci = median_ci(steps, look_level(level, looks) if looks else level)
     return CellMeasurement(
         step_ms=float(np.median(steps)),
-        step_ci_low_ms=low,
-        step_ci_high_ms=high,
+        step_ci_low_ms=ci.low,
+        step_ci_high_ms=ci.high,
         wall_1_ms=float(np.median([t.wall_1_s for t in timings]) * 1e3),
         wall_T_ms=float(np.median([t.wall_T_s for t in timings]) * 1e3),
         reps=tuple(timings),
+        ci_coverage=sequential_coverage(tuple(looks), level) if looks else ci.coverage,
     )
 
 

@@ -1,9 +1,10 @@
 """One cell measured in several engine starts, merged into the one result it reports (pure).
 
 With measure.replicates >= 2 every engine group is measured again in fresh engine starts.
-A cell's pairs from all starts are kept (each pair knows its start); its median and CI come
-from the two-level bootstrap (starts, then pairs within each), so the CI covers what changes
-from one engine start to the next, which a CI over one start's pairs cannot. The split of
+A cell's pairs from all starts are kept (each pair knows its start); its step is the mean of
+the starts' medians, each start weighted equally, with a t-interval on those medians (k - 1
+degrees of freedom, intervals.between_starts_ci), so the CI covers what changes from one
+engine start to the next, which a CI over one start's pairs cannot. The split of
 the start with the median device time stands for the cell, its host share recomputed
 against the merged step.
 """
@@ -14,12 +15,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from hostsweep.measure.protocol import CellMeasurement
+from hostsweep.measure.intervals import between_starts_ci
+from hostsweep.measure.protocol import CellMeasurement, summarize
 from hostsweep.measure.results import CellResult
 from hostsweep.measure.split import SplitResult
-from hostsweep.measure.stability import (
-    REASONS, StabilityRules, Stability, contention_summary, two_level_bootstrap_ci,
-)
+from hostsweep.measure.stability import REASONS, StabilityRules, Stability, contention_summary
 
 
 def _steps_ms(result: CellResult) -> list[float]:
@@ -28,17 +28,19 @@ def _steps_ms(result: CellResult) -> list[float]:
 
 
 def merged_measurement(starts: Sequence[CellResult], rules: StabilityRules) -> CellMeasurement:
-    """Median and two-level bootstrap CI over the starts' pairs; every pair kept, tagged with
-    its start."""
-    step, low, high = two_level_bootstrap_ci([_steps_ms(r) for r in starts], rules.resamples, rules.level,
-                                             np.random.default_rng(rules.seed))
+    """The step across the starts (mean of their medians) with its t-interval; every pair
+    kept, tagged with its start. One start: its own median CI (nothing between starts to see)."""
     reps = tuple(dataclasses.replace(rep, replicate=i) for i, r in enumerate(starts)
                  for rep in r.measurement.reps)  # type: ignore[union-attr]
+    timed_s = sum(r.measurement.timed_s for r in starts)  # type: ignore[union-attr]
+    if len(starts) == 1:
+        return dataclasses.replace(summarize(reps, rules.level), timed_s=timed_s)
+    step, low, high = between_starts_ci([_steps_ms(r) for r in starts], rules.level)
     return CellMeasurement(
         step_ms=step, step_ci_low_ms=low, step_ci_high_ms=high,
         wall_1_ms=float(np.median([rep.wall_1_s for rep in reps]) * 1e3),
         wall_T_ms=float(np.median([rep.wall_T_s for rep in reps]) * 1e3),
-        reps=reps, timed_s=sum(r.measurement.timed_s for r in starts),  # type: ignore[union-attr]
+        reps=reps, timed_s=timed_s, ci_coverage=rules.level,  # nominal: t on approximately normal medians
     )
 
 

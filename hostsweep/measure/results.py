@@ -53,11 +53,9 @@ class MeasureOptions:
         return self.split.pyspy_seconds if self.split.pyspy else 0.0
 
 
-def stability_rules_of(options: MeasureOptions, seed: Optional[int] = None) -> StabilityRules:
-    """The stability thresholds and bootstrap settings of these options (measure.*)."""
-    m = options.measure
-    return StabilityRules(m.max_foreign_cpu_frac, m.max_ci_pct, m.min_shift_pct, m.bootstrap_resamples, m.ci_level,
-                          m.seed if seed is None else seed)
+def stability_rules_of(options: MeasureOptions) -> StabilityRules:
+    """The stability thresholds and test level of these options (measure.*)."""
+    return StabilityRules.of(options.measure)
 
 
 @dataclass(frozen=True)
@@ -165,6 +163,8 @@ def _raw_metrics(result: CellResult) -> dict[str, float]:
         "wall_1_ms": m.wall_1_ms, "wall_T_ms": m.wall_T_ms, "cell_duration_s": result.duration_s,
         "timed_s": m.timed_s, "reps_used": float(len(m.reps)), "ci_half_width_pct": m.ci_half_width_pct,
     }
+    if not math.isnan(m.ci_coverage):  # below measure.ci_level: too few pairs for the level claimed
+        metrics["ci_coverage"] = m.ci_coverage
     metrics.update(stability_metrics(result.stability))
     if result.split is not None:
         sp = result.split

@@ -7,17 +7,21 @@ These rules look for exactly that, each with a reason a user can act on:
     foreign_cpu   processes outside the engine and the sweep used more than
                   measure.max_foreign_cpu_frac of the machine's CPU during the cell's pairs
     ci_width      the CI's half-width is above measure.max_ci_pct % of the median
-    drift         the medians of the first and second half of the cell's pairs (in the
-                  order they ran) have disjoint CIs and differ by measure.min_shift_pct %
+    drift         the first and second half of the cell's pairs (in the order they ran)
+                  differ by a robust test at 1 - measure.ci_level (Yuen's test on trimmed
+                  means: one outlier pair does not defeat it) and their medians differ by
+                  measure.min_shift_pct %
     replicate     the group's first cell, measured again once the group's rounds ended,
                   disagrees with itself (the same test): the host changed during the group
+                  changed speed (a cloud VM does, with nothing in /proc); every cell of the group
     split_impossible  the profiled pair's device time is outside [0, the timed step]
                   (host_frac < 0 or > 1), also after its re-measure: above the step, the two
                   ran under different conditions; below zero, the longer generate's ops
                   summed to less than the shorter's
 
-The two-level bootstrap gives a CI across independent engine starts (replicates), as the
-host-exposed-latency paper's five replicates did, where a one-level CI covers one start.
+Across independent engine starts (replicates), as the host-exposed-latency paper's five
+replicates did, a t-interval on the starts' medians (intervals.between_starts_ci) gives
+the CI, where a one-level CI covers one start.
 """
 from __future__ import annotations
 
@@ -26,25 +30,30 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from hostsweep.measure.protocol import CellMeasurement, RepTiming, bootstrap_median_ci
+from hostsweep.config.schema import MeasureConfig
+from hostsweep.measure.intervals import shift_pvalue
+from hostsweep.measure.protocol import CellMeasurement, RepTiming
 
 REASONS = ("foreign_cpu", "ci_width", "drift", "replicate", "split_impossible")
-# A half needs this many pairs for its median's CI to mean anything.
-MIN_PAIRS_PER_HALF = 4
+# A half needs this many pairs for a test of two halves to reach 5 % at all (3 against 3;
+# an outlier pair is trimmed away only from 4 a half, 8 pairs).
+MIN_PAIRS_PER_HALF = 3
 
 
 @dataclass(frozen=True)
 class StabilityRules:
-    """The thresholds of the rules (measure.* keys); defaults a quiet run of a 2-core VM passes."""
+    """The thresholds of the rules; the defaults are measure.*'s (config/schema.py), one fact."""
 
-    max_foreign_cpu_frac: float = 0.10
-    max_ci_pct: float = 10.0
-    # drift and replicate need disjoint CIs and medians this many % apart: a shift too small
-    # to move a comparison is not a reason to distrust the cell
-    min_shift_pct: float = 3.0
-    resamples: int = 2000
-    level: float = 0.95
-    seed: int = 0
+    max_foreign_cpu_frac: float = MeasureConfig.max_foreign_cpu_frac
+    max_ci_pct: float = MeasureConfig.max_ci_pct
+    # drift and replicate need a significant shift and medians this many % apart: a shift
+    # too small to move a comparison is not a reason to distrust the cell
+    min_shift_pct: float = MeasureConfig.min_shift_pct
+    level: float = MeasureConfig.ci_level  # the drift and replicate tests run at 1 - level
+
+    @classmethod
+    def of(cls, m: MeasureConfig) -> "StabilityRules":
+        return cls(m.max_foreign_cpu_frac, m.max_ci_pct, m.min_shift_pct, m.ci_level)
 
 
 @dataclass(frozen=True)
@@ -91,25 +100,31 @@ def contention_summary(timings: Sequence[RepTiming]) -> Optional[ContentionSumma
     )
 
 
-def cis_disjoint(a: tuple[float, float], b: tuple[float, float]) -> bool:
-    return a[1] < b[0] or b[1] < a[0]
+def shift_flags(a: np.ndarray, b: np.ndarray, level: float, min_shift_pct: float) -> np.ndarray:
+    """shifted() over the rows of a and b (the last axis holds each sample's steps)."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if min(a.shape[-1], b.shape[-1]) < MIN_PAIRS_PER_HALF:
+        return np.zeros(a.shape[:-1], dtype=bool)
+    centre_a, centre_b = np.median(a, axis=-1), np.median(b, axis=-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        apart = np.abs(centre_b - centre_a) / np.abs(centre_a) * 100.0 > min_shift_pct
+    return apart & (shift_pvalue(a, b) < 1.0 - level)  # nan p (equal constant samples): no shift
 
 
-def shifted(a: float, b: float, a_ci: tuple[float, float], b_ci: tuple[float, float], min_shift_pct: float) -> bool:
-    """Two medians of one cell at two moments: apart beyond both CIs and by min_shift_pct %."""
-    return cis_disjoint(a_ci, b_ci) and abs(b - a) / abs(a) * 100.0 > min_shift_pct if a else False
+def shifted(a: Sequence[float], b: Sequence[float], level: float, min_shift_pct: float) -> bool:
+    """Two samples of one cell's steps at two moments: their locations differ by Yuen's
+    trimmed-means test at 1 - level, and their medians by more than min_shift_pct %."""
+    return bool(shift_flags(np.asarray(a, dtype=float), np.asarray(b, dtype=float), level, min_shift_pct))
 
 
 def drifted(timings: Sequence[RepTiming], rules: StabilityRules) -> bool:
-    """Whether the first and second half of the pairs, in the order they ran, disagree."""
+    """Whether the first and second half of the pairs, in the order they ran, disagree
+    (shifted). From 8 pairs on one outlier pair cannot decide it; 6 or 7 pairs can show a
+    shift only without one; fewer never."""
     ordered = sorted(timings, key=lambda t: (t.round, t.rep))
     half = len(ordered) // 2
-    if half < MIN_PAIRS_PER_HALF:
-        return False
-    rng = np.random.default_rng(rules.seed)
-    steps = [[t.step_s * 1e3 for t in part] for part in (ordered[:half], ordered[half:])]
-    first, second = (bootstrap_median_ci(s, rules.resamples, rules.level, rng) for s in steps)
-    return shifted(float(np.median(steps[0])), float(np.median(steps[1])), first, second, rules.min_shift_pct)
+    steps = [t.step_s * 1e3 for t in ordered]
+    return shifted(steps[:half], steps[half:], rules.level, rules.min_shift_pct)
 
 
 def timing_reasons(timings: Sequence[RepTiming], measurement: CellMeasurement,
@@ -131,31 +146,12 @@ def judge(timings: Sequence[RepTiming], measurement: CellMeasurement, rules: Sta
     return Stability(timing_reasons(timings, measurement, rules), attempts, contention_summary(timings))
 
 
-def replicate_disagrees(first: CellMeasurement, again: CellMeasurement, min_shift_pct: float = 3.0) -> bool:
-    """The same cell measured twice in one engine, apart in time: medians apart beyond both
-    CIs (and by min_shift_pct %) mean the host, not the cell, changed."""
-    return shifted(first.step_ms, again.step_ms, (first.step_ci_low_ms, first.step_ci_high_ms),
-                   (again.step_ci_low_ms, again.step_ci_high_ms), min_shift_pct)
-
-
-def two_level_bootstrap_ci(replicates: Sequence[Sequence[float]], resamples: int = 2000, level: float = 0.95,
-                           rng: Optional[np.random.Generator] = None) -> tuple[float, float, float]:
-    """(median, low, high) of the step across replicates: resample the replicates, then the
-    pairs within each drawn replicate, and take the median of the pooled draw. The CI then
-    covers what changes from one engine start to the next, not only pair-to-pair noise."""
-    groups = [np.asarray(r, dtype=float) for r in replicates if len(r)]
-    if not groups:
-        raise ValueError("no replicates to bootstrap")
-    rng = rng if rng is not None else np.random.default_rng(0)
-    point = float(np.median(np.concatenate(groups)))
-    medians = np.empty(resamples)
-    for b in range(resamples):
-        drawn = rng.integers(0, len(groups), size=len(groups))
-        pooled = [groups[g][rng.integers(0, groups[g].size, size=groups[g].size)] for g in drawn]
-        medians[b] = np.median(np.concatenate(pooled))
-    tail = (1.0 - level) / 2.0 * 100.0
-    low, high = np.percentile(medians, [tail, 100.0 - tail])
-    return point, float(low), float(high)
+def replicate_disagrees(first: CellMeasurement, again: CellMeasurement,
+                        min_shift_pct: float = MeasureConfig.min_shift_pct,
+                        level: float = MeasureConfig.ci_level) -> bool:
+    """The same cell measured twice in one engine, apart in time: pairs that differ by the
+    drift rule's test (shifted) mean the host, not the cell, changed."""
+    return shifted([r.step_s * 1e3 for r in first.reps], [r.step_s * 1e3 for r in again.reps], level, min_shift_pct)
 
 
 def between_replicate_spread_pct(replicates: Sequence[Sequence[float]]) -> float:
