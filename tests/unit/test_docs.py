@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import functools
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -226,6 +227,8 @@ def names_in_code() -> tuple[frozenset[str], tuple[re.Pattern, ...]]:
                 names.add(node.arg)
             elif isinstance(node, ast.keyword) and node.arg:
                 names.add(node.arg)
+    for test in (ROOT / "tests").rglob("test_*.py"):  # the docs name tests too
+        names.update(re.findall(r"^\s*def (test_\w+)", test.read_text(encoding="utf-8"), re.M))
     for conf in [*(ROOT / "conf").rglob("*.yaml"), ROOT / "ray_cluster.yaml"]:
         names.update(re.findall(r"^\s*([\w-]+):", conf.read_text(encoding="utf-8"), re.M))
     return frozenset(names), tuple(patterns)
@@ -310,3 +313,113 @@ def test_unknown_names_are_caught(tmp_path: Path, text: str, unknown: list[str])
     page = tmp_path / "page.md"
     page.write_text(text + "\n", encoding="utf-8")
     assert unknown_names(page) == unknown
+
+
+# ---------------------------------------------------------------------------------------
+# docs/development.md maps every module of the package, one line each, from the first
+# sentence of its docstring. Regenerate the table with `python tests/unit/test_docs.py`.
+
+DEVELOPMENT = ROOT / "docs" / "development.md"
+MAP_ROW = re.compile(r"^\| `(hostsweep/[\w/]+\.py)` \|")
+
+
+def first_sentence(path: Path) -> str:
+    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+    sentence = re.split(r"(?<=[.!?])\s", " ".join(doc.split()), maxsplit=1)[0]
+    return sentence.replace("|", "\\|")
+
+
+def modules() -> list[Path]:
+    """The package's modules: those git tracks in a checkout (a module being written and not
+    yet added is not mapped yet), else every one on disk."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "hostsweep"], cwd=ROOT, capture_output=True, text=True,
+                                check=True, timeout=30).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        listed = []
+    paths = [ROOT / name for name in listed if name.endswith(".py")] or list((ROOT / "hostsweep").rglob("*.py"))
+    return sorted(p for p in paths if p.exists() and "__pycache__" not in p.parts)
+
+
+def module_map() -> str:
+    """The module map's table, as docs/development.md holds it."""
+    rows = ["| module | what it is for |", "|---|---|"]
+    rows += [f"| `{p.relative_to(ROOT).as_posix()}` | {first_sentence(p)} |" for p in modules()]
+    return "\n".join(rows) + "\n"
+
+
+def test_every_module_is_in_the_module_map():
+    mapped = [m.group(1) for line in DEVELOPMENT.read_text(encoding="utf-8").splitlines()
+              if (m := MAP_ROW.match(line))]
+    on_disk = [p.relative_to(ROOT).as_posix() for p in modules()]
+    missing, gone = sorted(set(on_disk) - set(mapped)), sorted(set(mapped) - set(on_disk))
+    assert (missing, gone) == ([], []), "regenerate the table: python tests/unit/test_docs.py"
+
+
+if __name__ == "__main__":
+    print(module_map(), end="")
+
+
+# ---------------------------------------------------------------------------------------
+# The README quotes measurements from benchmarks/RESULTS.md by linking the entry's section
+# in the sentence that quotes it: every number of that sentence is in that section.
+
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+NUMBER = re.compile(r"\d{4}-\d{2}-\d{2}|\d+(?:,\d{3})*(?:\.\d+)?")
+SENTENCE_END = re.compile(r"[.!?]\s+(?=[A-Z(*])")
+
+
+def section(path: Path, anchor: str) -> str:
+    """The text under the heading with this anchor, down to the next heading of its level or above."""
+    lines, taken, level, seen = path.read_text(encoding="utf-8").splitlines(), [], None, {}
+    for line in lines:
+        match = HEADING.match(line)
+        if match:
+            base = slug(match.group(2))
+            name = base if base not in seen else f"{base}-{seen[base]}"
+            seen[base] = seen.get(base, 0) + 1
+            if level is not None and len(match.group(1)) <= level:
+                break
+            if name == anchor:
+                level = len(match.group(1))
+        if level is not None:
+            taken.append(line)
+    return "\n".join(taken)
+
+
+def numbers(text: str) -> set[str]:
+    return {n.replace(",", "") for n in NUMBER.findall(text)}
+
+
+def quotes(path: Path) -> list[tuple[str, str]]:
+    """(sentence, RESULTS.md anchor) for each sentence of a paragraph that links an entry."""
+    found = []
+    prose = "\n".join(prose_lines(path.read_text(encoding="utf-8")))
+    for paragraph in re.split(r"\n\n|\n(?=[-*] |\d+\. )", prose):  # list items are paragraphs of their own
+        text = " ".join(paragraph.split())
+        for match in LINK.finditer(text):
+            file_part, _, anchor = match.group(2).partition("#")
+            if file_part.endswith("RESULTS.md") and anchor:
+                begin = max([0, *(m.end() for m in SENTENCE_END.finditer(text, 0, match.start()))])
+                found.append((LINK.sub(" ", text[begin:match.start()]), anchor))
+    return found
+
+
+def unquoted_numbers(path: Path) -> list[str]:
+    missing = []
+    for sentence, anchor in quotes(path):
+        entry = numbers(section(RESULTS, anchor))
+        missing += [f"{n} (#{anchor})" for n in sorted(numbers(sentence) - entry)]
+    return missing
+
+
+def test_the_readme_quotes_results_as_they_stand():
+    assert quotes(ROOT / "README.md"), "the README quotes no entry of benchmarks/RESULTS.md"
+    assert unquoted_numbers(ROOT / "README.md") == []
+
+
+def test_a_misquoted_number_is_caught(tmp_path: Path):
+    page = tmp_path / "README.md"
+    page.write_text("Intro 99. The suite took 19 min 32 s for 1,090 tests and 7.5 more "
+                    "([measured](benchmarks/RESULTS.md#test-suite)).\n", encoding="utf-8")
+    assert unquoted_numbers(page) == ["7.5 (#test-suite)"]
