@@ -1,4 +1,5 @@
-"""Differencing, the interleaved protocol and bootstrap CIs on synthetic timings."""
+"""Differencing, the interleaved protocol, and the cell's median CI (order statistics) and
+the percentile bootstrap kept for derived quantities, on synthetic timings."""
 from __future__ import annotations
 
 import math
@@ -6,8 +7,9 @@ import math
 import numpy as np
 import pytest
 
+from hostsweep.measure.intervals import median_ci, median_ci_ranks
 from hostsweep.measure.protocol import (
-    bootstrap_median_ci, random_prompts, run_protocol, step_time, summarize,
+    RepTiming, bootstrap_median_ci, random_prompts, run_protocol, step_time, summarize,
 )
 
 
@@ -63,11 +65,44 @@ def test_summary_reports_median_and_a_ci_that_brackets_it():
     clock_steps = 0.005 + rng.normal(0, 0.0005, size=12)
     long_walls = iter(0.2 + 32 * s for s in clock_steps)
     reps = run_protocol(lambda tokens: 0.2 if tokens == 1 else next(long_walls), T=33, warmups=0, reps=12)
-    m = summarize(reps, resamples=2000, level=0.95, seed=0)
+    m = summarize(reps, level=0.95)
     assert m.step_ms == pytest.approx(np.median(clock_steps) * 1e3)
     assert m.step_ci_low_ms <= m.step_ms <= m.step_ci_high_ms
     assert m.step_ci_low_ms < m.step_ci_high_ms
     assert m.wall_1_ms == pytest.approx(200.0)
+
+
+@pytest.mark.parametrize("n,ranks,coverage", [(6, (1, 6), 1 - 2 / 64), (8, (1, 8), 1 - 2 / 256),
+                                              (12, (3, 10), 1 - 2 * (1 + 12 + 66) / 4096)])
+def test_the_median_ci_is_the_narrowest_equal_tailed_order_statistic_pair_reaching_the_level(n, ranks, coverage):
+    low_rank, high_rank, exact = median_ci_ranks(n, 0.95)
+    assert (low_rank, high_rank) == ranks and exact == pytest.approx(coverage) and exact >= 0.95
+    assert median_ci_ranks(n, 0.90)[2] <= exact  # a lower level never needs a wider pair
+    values = np.random.default_rng(n).normal(size=n)
+    ci = median_ci(values, 0.95)
+    assert (ci.low, ci.high) == (np.sort(values)[ranks[0] - 1], np.sort(values)[ranks[1] - 1])
+    assert not ci.below_level
+
+
+def test_five_pairs_cannot_reach_95_percent_and_the_cell_says_so():
+    steps = [3.0, 3.1, 2.9, 3.05, 2.95]
+    ci = median_ci(steps, 0.95)
+    assert (ci.low, ci.high) == (2.9, 3.1) and ci.coverage == pytest.approx(1 - 2 / 32) and ci.below_level
+    m = summarize([RepTiming(k, k % 2 == 0, 0.01, 0.01 + 32 * s / 1e3, s / 1e3) for k, s in enumerate(steps)])
+    assert m.ci_coverage == pytest.approx(0.9375)
+
+
+def test_the_median_ci_refuses_no_values_and_a_level_outside_0_1():
+    with pytest.raises(ValueError, match="values"):
+        median_ci([], 0.95)
+    with pytest.raises(ValueError, match="level"):
+        median_ci_ranks(12, 1.0)
+
+
+def test_the_median_ci_narrows_with_more_reps():
+    rng = np.random.default_rng(3)
+    small, large = median_ci(rng.normal(0, 1, 12), 0.95), median_ci(rng.normal(0, 1, 400), 0.95)
+    assert (large.high - large.low) < (small.high - small.low) / 2
 
 
 def test_bootstrap_ci_covers_the_true_median_near_its_nominal_level():
