@@ -1,0 +1,199 @@
+"""How often hostsweep's statistical statements are wrong, measured against simulated truth.
+
+Every cell CI and stability test is run on synthetic pairs whose true step is known (1.0),
+over many seeds, and the tables print how often the CI covered the truth or the test fired:
+
+    median      a cell's median CI (order statistics) at n pairs, per noise shape
+    starts      the CI across k engine starts (t-interval on the starts' medians) with a
+                planted between-start spread
+    adaptive    adaptive repetitions (measure.target_ci_pct): fixed looks at the level that
+                splits the error across them, against Bonferroni over the same looks and
+                against checking after every pair at the plain level
+    drift       the drift rule (measure/stability.py): detection of a step shift with and
+                without an outlier pair, and its false-alarm rate with no shift
+
+Noise shapes (multiplicative, median exactly 1, so the truth is known): gauss; skewed
+(1 + s * (Exp(1) - ln 2), a long right tail like a timing's); t3 (Student's t with 3
+degrees of freedom, heavy tails); mix5 (gauss, each pair 1.5x slower with probability 5 %:
+the truth is the mixture's median); outlier1 (gauss, exactly one pair per start 1.5x
+slower: the truth stays 1).
+
+The diff stage's gate (family-wise false-alarm rate, power) adds its own section below
+the marked place; main() runs every section named in SECTIONS.
+
+    .venv/bin/python benchmarks/gate_calibration.py [--seeds 2000] [--part median ...]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from typing import Callable
+
+import numpy as np
+from scipy import optimize, stats
+
+from hostsweep.measure.intervals import (
+    between_starts_ci, look_level, median_ci_bounds, sequential_coverage, t_interval_bounds,
+)
+from hostsweep.measure.protocol import adaptive_looks, narrow_enough
+from hostsweep.measure.stability import StabilityRules, shift_flags
+
+NOISES = ("gauss", "skewed", "t3", "mix5", "outlier1")
+OUTLIER = 1.5  # an outlier pair's step over the cell's
+MIX = 0.05  # the share of outlier pairs in mix5
+
+
+def draw(rng: np.random.Generator, noise: str, shape: tuple[int, ...], scale: float) -> np.ndarray:
+    """Multiplicative noise of the named shape, median 1 before outliers, spread `scale`."""
+    if noise in ("gauss", "mix5", "outlier1"):
+        x = 1.0 + scale * rng.standard_normal(shape)
+    elif noise == "skewed":
+        x = 1.0 + scale * (rng.exponential(1.0, shape) - math.log(2.0))
+    elif noise == "t3":
+        x = 1.0 + scale * rng.standard_t(3, shape) / math.sqrt(3.0)
+    else:
+        raise ValueError(f"noise must be one of {NOISES}, got {noise!r}")
+    if noise == "mix5":
+        x = np.where(rng.random(shape) < MIX, x * OUTLIER, x)
+    if noise == "outlier1":
+        pos = rng.integers(0, shape[-1], shape[:-1])
+        np.put_along_axis(x, pos[..., None], np.take_along_axis(x, pos[..., None], -1) * OUTLIER, -1)
+    return x
+
+
+def true_median(noise: str, scale: float) -> float:
+    """The population median of one pair under `noise` (1, except mix5's mixture)."""
+    if noise != "mix5":
+        return 1.0
+    cdf = lambda x: (1 - MIX) * stats.norm.cdf((x - 1) / scale) + MIX * stats.norm.cdf((x / OUTLIER - 1) / scale)
+    return float(optimize.brentq(lambda x: cdf(x) - 0.5, 0.5, 2.0))
+
+
+def se(p: float, seeds: int) -> float:
+    return math.sqrt(max(p * (1 - p), 1e-9) / seeds)
+
+
+def median_section(seeds: int, level: float, scale: float) -> None:
+    """Coverage of the cell's median CI at n pairs: exact by construction for iid pairs."""
+    print(f"\n## median CI of one start's pairs (order statistics), {seeds} seeds, within-start noise {scale:.1%}")
+    print(f"{'n':>3} {'exact':>7} " + " ".join(f"{n:>9}" for n in NOISES))
+    for n in (5, 8, 12, 24):
+        rng = np.random.default_rng(n)
+        cells = []
+        for noise in NOISES:
+            x = draw(rng, noise, (seeds, n), scale)
+            low, high, exact = median_ci_bounds(x, level)
+            truth = true_median(noise, scale)
+            cells.append(f"{np.mean((low <= truth) & (truth <= high)):9.3f}")
+        flag = "  below level: flagged" if exact < level else ""
+        print(f"{n:>3} {exact:7.3f} " + " ".join(cells) + flag)
+
+
+def between_starts_section(seeds: int, level: float, scale: float) -> None:
+    """Coverage of the across-starts CI with a planted N(0, spread) shift per start."""
+    print(f"\n## CI across k engine starts (t on start medians, k-1 df), 12 pairs a start, {seeds} seeds")
+    print(f"{'k':>2} {'spread':>6} " + " ".join(f"{n:>9}" for n in NOISES) + "   one-start CI (gauss)")
+    for k in (2, 3, 5):
+        for spread in (0.0, 0.01, 0.02, 0.03):
+            rng = np.random.default_rng([k, int(spread * 1e4)])
+            cells = []
+            for noise in NOISES:
+                shift = 1.0 + spread * rng.standard_normal((seeds, k, 1))
+                medians = np.median(draw(rng, noise, (seeds, k, 12), scale) * shift, axis=-1)
+                _, low, high = t_interval_bounds(medians, level)
+                truth = true_median(noise, scale)
+                cells.append(f"{np.mean((low <= truth) & (truth <= high)):9.3f}")
+            one = draw(rng, "gauss", (seeds, 12), scale) * (1.0 + spread * rng.standard_normal((seeds, 1)))
+            low1, high1, _ = median_ci_bounds(one, level)
+            print(f"{k:>2} {spread:6.0%} " + " ".join(cells) + f"   {np.mean((low1 <= 1) & (1 <= high1)):9.3f}")
+    example = between_starts_ci([[1.00, 1.01, 0.99], [1.02, 1.03, 1.01], [0.98, 0.99, 0.97]], level)
+    print(f"(between_starts_ci on three starts of three pairs: point {example[0]:.3f} [{example[1]:.3f}, {example[2]:.3f}])")
+
+
+def adaptive_run(x: np.ndarray, looks: tuple[int, ...], target: float, each: float) -> tuple[np.ndarray, ...]:
+    """Stop each row at the first look whose CI at `each` is narrow enough (the last look
+    always reports): the pair count used and the reported CI."""
+    used, low, high = np.zeros(len(x), int), np.full(len(x), np.nan), np.full(len(x), np.nan)
+    live = np.ones(len(x), bool)
+    for n in looks:
+        lo, hi, _ = median_ci_bounds(x[:, :n], each)
+        stop = live & (narrow_enough(x[:, :n], target, each) | (n == looks[-1]))
+        used[stop], low[stop], high[stop] = n, lo[stop], hi[stop]
+        live &= ~stop
+    return used, low, high
+
+
+def adaptive_section(seeds: int, level: float, scale: float) -> None:
+    """Coverage after adaptive stopping: planned looks at their split level (hostsweep),
+    Bonferroni over the same looks, and a check after every pair from 8 on at the plain
+    level (stops on luck)."""
+    looks = adaptive_looks(1.0, 8, 48)
+    each, bonferroni = look_level(level, looks), 1 - (1 - level) / len(looks)
+    print(f"\n## adaptive repetitions, min_reps 8, max_reps 48, looks {looks[:3]}...{looks[-1]}: "
+          f"{len(looks)} looks at {each:.4f} (guaranteed >= {sequential_coverage(looks, level):.3f}); "
+          f"Bonferroni at {bonferroni:.4f}; {seeds} seeds")
+    print(f"{'noise':>9} {'target':>6} {'looks: cover':>12} {'mean n':>6}   {'Bonferroni':>10} {'mean n':>6}   "
+          f"{'every pair':>10} {'mean n':>6}")
+    for noise in NOISES:
+        for target in (1.0, 2.0, 4.0):
+            rng = np.random.default_rng([NOISES.index(noise), int(target * 10)])
+            x = draw(rng, noise, (seeds, 48), scale)
+            truth = true_median(noise, scale)
+            cover = lambda lo, hi: np.mean((lo <= truth) & (truth <= hi))
+            cells = []
+            for schedule, at in ((looks, each), (looks, bonferroni), (tuple(range(8, 49)), level)):
+                n, lo, hi = adaptive_run(x, schedule, target, at)
+                cells.append(f"{cover(lo, hi):10.3f} {n.mean():6.1f}")
+            print(f"{noise:>9} {target:5.0f}% " + "   ".join(cells))
+
+
+def drift_section(seeds: int, level: float, scale: float) -> None:
+    """The drift rule on a step shift halfway through the pairs (and none: A/A)."""
+    rules = StabilityRules(level=level)
+    print(f"\n## drift rule (Yuen trimmed-means test at {1 - level:.2f} and min_shift_pct "
+          f"{rules.min_shift_pct:g}), rate flagged over {seeds} seeds, step shift halfway")
+    print(f"{'noise':>8} {'scale':>5} {'n':>3} " + " ".join(f"{f'{s:.0%}':>5}{o:>5}" for s in (0.0, 0.05, 0.10)
+                                                           for o in ("", "+out")))
+    for noise in ("gauss", "t3"):
+        for within in (scale, 2 * scale):
+            for n in (6, 8, 12, 24):
+                cells = []
+                for s in (0.0, 0.05, 0.10):
+                    for outlier in (False, True):
+                        rng = np.random.default_rng([n, int(s * 100), outlier, int(within * 1e4)])
+                        x = draw(rng, "outlier1" if outlier and noise == "gauss" else noise, (seeds, n), within)
+                        if outlier and noise != "gauss":
+                            x[np.arange(seeds), rng.integers(0, n, seeds)] *= OUTLIER
+                        x[:, n // 2:] *= 1.0 + s
+                        h = n // 2
+                        cells.append(np.mean(shift_flags(x[:, :h], x[:, h:], rules.level, rules.min_shift_pct)))
+                print(f"{noise:>8} {within:5.1%} {n:>3} " + " ".join(f"{c:10.3f}" for c in cells))
+
+
+SECTIONS: dict[str, Callable[[int, float, float], None]] = {
+    "median": median_section,
+    "starts": between_starts_section,
+    "adaptive": adaptive_section,
+    "drift": drift_section,
+    # The diff stage's gate: family-wise false-alarm rate over unchanged cells and power
+    # against planted regressions. Add its section functions here, same signature.
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seeds", type=int, default=2000, help="simulated cells per configuration")
+    parser.add_argument("--level", type=float, default=0.95, help="the CI level (measure.ci_level)")
+    parser.add_argument("--scale", type=float, default=0.015, help="within-start noise, a fraction of the step")
+    parser.add_argument("--part", choices=sorted(SECTIONS), action="append", help="sections to run (default: all)")
+    args = parser.parse_args()
+    started = time.time()
+    for name in args.part or list(SECTIONS):
+        SECTIONS[name](args.seeds, args.level, args.scale)
+    print(f"\n({time.time() - started:.0f} s; a coverage over {args.seeds} seeds has a standard error of about "
+          f"{se(0.95, args.seeds):.3f} at 95 %)")
+
+
+if __name__ == "__main__":
+    main()
