@@ -163,7 +163,7 @@ def _raw_metrics(result: CellResult) -> dict[str, float]:
         "wall_1_ms": m.wall_1_ms, "wall_T_ms": m.wall_T_ms, "cell_duration_s": result.duration_s,
         "timed_s": m.timed_s, "reps_used": float(len(m.reps)), "ci_half_width_pct": m.ci_half_width_pct,
     }
-    if not math.isnan(m.ci_coverage):  # below measure.ci_level: too few pairs for the level claimed
+    if not math.isnan(m.ci_coverage):  # what the CI is guaranteed; below measure.ci_level: too few pairs
         metrics["ci_coverage"] = m.ci_coverage
     metrics.update(stability_metrics(result.stability))
     if result.split is not None:
