@@ -22,7 +22,7 @@ import numpy as np
 from hostsweep.config.grid import Cell
 from hostsweep.measure.intervals import between_starts_ci
 from hostsweep.measure.periods import (
-    DesignRecord, by_period, canary_shift_pct, clean_pairs, common_period_ratios, contended_rounds,
+    DesignRecord, ProfiledPair, by_period, canary_shift_pct, clean_pairs, common_period_ratios, contended_rounds,
     median_canary_ms, period_disagrees, period_medians_ms,
 )
 from hostsweep.measure.protocol import CellMeasurement, RepTiming, adaptive_looks, summarize
@@ -48,6 +48,8 @@ class TimedCell:
     stability: Stability
     earlier: tuple[tuple[RepTiming, ...], ...]  # pairs of attempts replaced (none: periods are pooled)
     started_at: float  # epoch seconds: when the group's measurement began
+    profiled: tuple[ProfiledPair, ...] = ()  # the split's pairs, taken in the group's rounds
+    traces: Optional[dict[str, bytes]] = None  # their trace files, when split.keep_traces
 
 
 class GroupMeasurement:
@@ -64,6 +66,8 @@ class GroupMeasurement:
         self.summaries: list[Optional[CellMeasurement]] = [None] * len(cells)
         self.verdicts: list[Stability] = [Stability()] * len(cells)
         self.group_reasons: set[str] = set()
+        self.profiled: list[list[ProfiledPair]] = [[] for _ in cells]
+        self.traces: list[Optional[dict[str, bytes]]] = [{} if options.split.keep_traces else None for _ in cells]
         self.replicate_step_ms: Optional[float] = None
 
     @property
@@ -147,5 +151,6 @@ class GroupMeasurement:
             start = self.final_from[i]
             spec = spec_summary(self.spec_logs[i][start:start + len(self.timings[i])], cell.T)
             cells[cell.key] = TimedCell(self.prompts[i], dataclasses.replace(self.summaries[i], timed_s=timed_s),
-                                        spec, self.verdicts[i], (), self.started_at)
+                                        spec, self.verdicts[i], (), self.started_at, tuple(self.profiled[i]),
+                                        self.traces[i])
         return cells

@@ -10,6 +10,9 @@ speed canary, and what each says about a cell.
   make one cell look fast because its pairs happened to fall in the quiet phase.
 - The **canary** (run/canary.py) is a fixed workload timed beside every pair: the
   machine's own speed. Its movement across the group's rounds is `canary_shift_pct`.
+- **Profiled pairs** (the device/host split's) are taken inside the first period's rounds,
+  right after a timed pair, in the same rounds for every cell (`profiled_rounds`), so the
+  device time and the step it is subtracted from come from one period of the machine.
 """
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 
 from hostsweep.measure.intervals import median_ci
+from hostsweep.measure.phases import PhaseTotals
 from hostsweep.measure.protocol import RepTiming
+from hostsweep.measure.traces import TraceTotals
 
 # A canary bucket (a half period) needs this many timings for its median to mean anything.
 MIN_CANARY_PER_BUCKET = 3
@@ -121,3 +126,30 @@ def period_disagrees(pairs: Sequence[RepTiming], common: Sequence[float], min_sh
         if disjoint and median > 0 and abs(float(np.median(later_steps)) / median - 1.0) * 100.0 > min_shift_pct:
             return True
     return False
+
+
+@dataclass(frozen=True)
+class ProfiledPair:
+    """One profiled T=1 / T pair of a cell: per-rank kernel totals of each generate, their
+    (profiler-inflated) walls, the phase totals when recorded, and when and how long it ran."""
+
+    short: tuple[TraceTotals, ...]
+    long: tuple[TraceTotals, ...]
+    wall_1_s: float
+    wall_T_s: float
+    phases_1: Optional[tuple[PhaseTotals, ...]]
+    phases_T: Optional[tuple[PhaseTotals, ...]]
+    round: int  # the round it followed the cell's timed pair in; -1: taken after the rounds
+    seconds: float  # what taking it cost: profiler start and stop, both generates, the traces read
+
+    def profiled_step_ms(self, T: int) -> float:
+        return (self.wall_T_s - self.wall_1_s) / (T - 1) * 1e3
+
+
+def profiled_rounds(reps: int, profiled: int) -> frozenset[int]:
+    """The rounds (0-based, of `reps`) after which a cell's `profiled` pairs are taken: spread
+    evenly over the rounds, one in every reps / profiled, the same rounds for every cell of
+    equal reps. More profiled pairs than rounds: every round, the rest after the rounds."""
+    if reps < 1 or profiled < 1:
+        return frozenset()
+    return frozenset(min(reps - 1, int((j + 0.5) * reps / profiled)) for j in range(min(profiled, reps)))

@@ -173,10 +173,13 @@ def slowing_worker(tmp_path, spec, slow_after: int, factor: float):
 
 def test_a_re_measure_times_the_whole_group_again_and_keeps_the_ratios_between_cells(tmp_path):
     # A CI target no measurement meets: the group is unstable (ci_width) and re-measured once.
-    cells, options = fake_study("measure.max_ci_pct=1e-9", "measure.remeasure_unstable=1")
+    # Cells 1, 2 and 4 times as slow, with steps long enough that a loaded machine's sleep
+    # jitter stays small beside them.
+    cells, options = fake_study("measure.max_ci_pct=1e-9", "measure.remeasure_unstable=1", "measure.T=17",
+                                "batch=[1,11,31]")
     worker, counts = slowing_worker(tmp_path, cells[0].engine, slow_after=3 * 9, factor=1.5)
     results = [worker.measure(cell, options, tuple(cells[i + 1:])) for i, cell in enumerate(cells)]
-    assert counts == {1: 17, 2: 17, 4: 17}  # warm-up, then 8 pairs in each of two periods, every cell
+    assert counts == {1: 17, 11: 17, 31: 17}  # warm-up, then 8 pairs in each of two periods, every cell
     steps = [r.measurement.step_ms for r in results]
     periods = [r.stability.design.period_medians_ms for r in results]
     assert all(len(p) == 2 for p in periods)
@@ -215,3 +218,42 @@ def test_the_console_line_names_the_periods_a_pooled_number_comes_from_and_the_c
     assert periods_note(Stability(design=DesignRecord(periods=1, period_medians_ms=(5.1,)))) == ""
     flagged = pooled.with_reason("machine_speed")
     assert unstable_note(flagged) == ", UNSTABLE: machine_speed (canary moved 31 %)"
+
+
+def spied_profiles(worker) -> list[tuple[int, int]]:
+    """(batch, round) of every profiled pair the worker takes, in the order taken."""
+    taken, profile = [], worker._profile_pair
+
+    def spy(cell, prompts, opts, keep, round_index=-1):
+        taken.append((cell.batch, round_index))
+        return profile(cell, prompts, opts, keep, round_index)
+
+    worker._profile_pair = spy
+    return taken
+
+
+def test_the_splits_profiled_pairs_are_taken_in_the_same_rounds_for_every_cell(tmp_path):
+    cells, options = fake_study("split.enabled=true", "split.reps=3", "measure.reps=8", "measure.remeasure_unstable=0")
+    worker, counts = slowing_worker(tmp_path, cells[0].engine, slow_after=10**9, factor=1.0)
+    taken = spied_profiles(worker)
+    results = [worker.measure(cell, options, tuple(cells[i + 1:])) for i, cell in enumerate(cells)]
+    assert sorted(taken) == sorted((b, r) for b in (1, 2, 4) for r in (1, 4, 6))  # in the rounds, alike
+    assert counts == {1: 9 + 3, 2: 9 + 3, 4: 9 + 3}  # the timed pairs, and one T generate per profiled pair
+    assert all(r.split is not None and r.split.split_s > 0 for r in results)
+
+
+def test_profiled_pairs_the_rounds_did_not_reach_are_taken_after_them(tmp_path):
+    cells, options = fake_study("split.enabled=true", "split.reps=3", "measure.reps=2", "measure.remeasure_unstable=0")
+    worker, _ = slowing_worker(tmp_path, cells[0].engine, slow_after=10**9, factor=1.0)
+    taken = spied_profiles(worker)
+    worker.measure(cells[0], options, tuple(cells[1:]))
+    assert sorted(taken) == sorted((b, r) for b in (1, 2, 4) for r in (0, 1, -1))  # -1: after the rounds
+
+
+def test_profiled_rounds_spread_over_the_rounds_and_more_pairs_than_rounds_take_every_round():
+    from hostsweep.measure.periods import profiled_rounds
+
+    assert sorted(profiled_rounds(12, 3)) == [2, 6, 10]
+    assert sorted(profiled_rounds(8, 1)) == [4]
+    assert sorted(profiled_rounds(2, 3)) == [0, 1]  # the third pair is taken after the rounds
+    assert profiled_rounds(0, 3) == frozenset()
