@@ -245,6 +245,22 @@ def in_code(name: str) -> bool:
     return concrete in names or any(p.fullmatch(concrete) for p in patterns)
 
 
+@functools.lru_cache(maxsize=1)
+def flags_in_code() -> frozenset[str]:
+    """The command-line flags hostsweep's and the benchmarks' parsers define (`--train-tp`)."""
+    flags = set()
+    for source in SOURCES:
+        for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"--[a-z][\w-]*", node.value):
+                flags.add(node.value)
+    return frozenset(flags)
+
+
+# A command of hostsweep's own: `hostsweep-model ...` or `python benchmarks/<script>.py ...`.
+OWN_COMMAND = re.compile(r"hostsweep-model\b|benchmarks/\w+\.py\b")
+FLAG = re.compile(r"(?<![\w-])--[a-z][\w-]*")
+
+
 def stages() -> set[str]:
     return {p.stem for p in (ROOT / "hostsweep" / "stages").glob("*.py") if p.stem != "__init__"}
 
@@ -273,6 +289,9 @@ def unknown_names(path: Path) -> list[str]:
                 continue
             if unknown_part(key.rstrip(".")) is not None:
                 unknown.append(key)
+        if OWN_COMMAND.search(span):
+            command = span[OWN_COMMAND.search(span).start():].split("#")[0]  # not a comment's words
+            unknown += [flag for flag in FLAG.findall(command) if flag not in flags_in_code()]
         name = span.strip()
         if SNAKE.match(name) and name.lower() not in NOT_HOSTSWEEP and not in_code(name):
             unknown.append(name)
@@ -307,6 +326,8 @@ def test_every_name_the_docs_give_exists_in_the_code(path: Path):
     ("`+experiment=<name>` `fit.json` `report.html` `ray.init`", []),
     ("`step_ms`, `phase_<name>_ms`, `spec_*`", []),
     ("`step_msec`", ["step_msec"]),
+    ("    hostsweep-model fit --cells a.csv --train-tp 2 --trian-sku h100   # --not-a-flag in a comment",
+     ["--trian-sku"]),
     ("- **metrics**: step_ms, host_frac and\n  wall_T_ms, step_msec;\n\nnot_listed_here", ["step_msec"]),
 ])
 def test_unknown_names_are_caught(tmp_path: Path, text: str, unknown: list[str]):
