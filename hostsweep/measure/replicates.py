@@ -11,15 +11,28 @@ against the merged step.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 from typing import Optional, Sequence
 
 import numpy as np
 
-from hostsweep.measure.intervals import between_starts_ci
+from hostsweep.measure.intervals import between_starts_ci, few_starts_warning
 from hostsweep.measure.protocol import CellMeasurement, summarize
 from hostsweep.measure.results import CellResult
 from hostsweep.measure.split import SplitResult
 from hostsweep.measure.stability import REASONS, StabilityRules, Stability, contention_summary
+
+
+log = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_few_starts(starts: int) -> None:
+    """Say once per process that cells merged from this few starts have a wide CI."""
+    warning = few_starts_warning(starts)
+    if warning:
+        log.warning(warning)
 
 
 def _steps_ms(result: CellResult) -> list[float]:
@@ -35,6 +48,7 @@ def merged_measurement(starts: Sequence[CellResult], rules: StabilityRules) -> C
     timed_s = sum(r.measurement.timed_s for r in starts)  # type: ignore[union-attr]
     if len(starts) == 1:
         return dataclasses.replace(summarize(reps, rules.level), timed_s=timed_s)
+    _warn_few_starts(len(starts))
     step, low, high = between_starts_ci([_steps_ms(r) for r in starts], rules.level)
     return CellMeasurement(
         step_ms=step, step_ci_low_ms=low, step_ci_high_ms=high,
