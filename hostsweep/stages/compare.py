@@ -24,12 +24,14 @@ from omegaconf import DictConfig
 
 from hostsweep.config.redact import redact
 from hostsweep.config.resolve import Study
+from hostsweep.config.schema import ConfigError
 from hostsweep.model.unstable import Exclusion, exclude_unstable
 from hostsweep.record.reports import ReportRun, load_fit_json
 from hostsweep.record.views import open_ui_line, runs_table_url, ui_base
 from hostsweep.record.selection import Selection, select_cells
 from hostsweep.report.document import to_html, to_markdown
 from hostsweep.report.fit_report import Context, build
+from hostsweep.report.inconclusive import inconclusive_document
 from hostsweep.stages.fit import fit_selection
 from hostsweep.stages import resolve_for_reading
 
@@ -84,11 +86,17 @@ def _note(fit: dict[str, Any], groups: pd.DataFrame) -> str:
 
 
 def compare_study(study: Study, run_dir: Path, keys: Optional[Iterable[str]] = None) -> int:
-    """Select, fit, report, log; returns the exit code."""
+    """Select, fit, report, log; returns the exit code. A fit that cannot be made because
+    unstable cells were left out still gets its report (inconclusive), exit code 1."""
     cfg = study.config
     selection = select_cells(study, keys)
-    fit, fit_run, sources, warnings = _fit(study, selection, run_dir)
     unstable = exclude_unstable(selection.cells, cfg.fit.exclude_unstable)[1]  # the report leaves them out too
+    try:
+        fit, fit_run, sources, warnings = _fit(study, selection, run_dir)
+    except ConfigError as exc:
+        if not unstable.count:
+            raise  # nothing measured was left out: the study itself cannot be fitted, bad input
+        return _inconclusive(study, selection, run_dir, str(exc), unstable)
     folder = run_dir / "compare"
     report_run = ReportRun(cfg.tracking.uri, selection.experiment, f"compare-{study.name}",
                            {"study": study.name, "fit_run": fit_run, "run_dir": str(run_dir)})
@@ -133,3 +141,33 @@ def _summary(fit: dict[str, Any], groups: pd.DataFrame, folder: Path, report_run
 def run(raw_cfg: DictConfig, run_dir: Path) -> int:
     study = resolve_for_reading(raw_cfg)
     return compare_study(study, run_dir)
+
+
+def _inconclusive(study: Study, selection: Selection, run_dir: Path, reason: str, unstable: Exclusion) -> int:
+    """The report of a study the fit could not be made for once its unstable cells were left
+    out: why, the cells, what to run (report/inconclusive.py), logged like any report."""
+    cfg = study.config
+    folder = run_dir / "compare"
+    folder.mkdir(parents=True, exist_ok=True)
+    report_run = ReportRun(cfg.tracking.uri, selection.experiment, f"compare-{study.name}",
+                           {"study": study.name, "run_dir": str(run_dir)})
+    try:
+        doc = inconclusive_document(study.name, reason, selection.cells, unstable, command_line())
+        (folder / "report.md").write_text(to_markdown(doc, folder))
+        (folder / "report.html").write_text(to_html(doc))
+        selection.cells.to_csv(folder / "cells.csv", index=False)
+        params = {"verdict": "inconclusive", "cells": len(selection.cells), "unstable_cells": unstable.flagged,
+                  "unstable_left_out": unstable.count, "reason": reason}
+        report_run.log(folder, params, {}, f"**inconclusive**: {reason}\n\n{unstable.describe()}")
+        report_run.finish()
+    except BaseException:
+        report_run.finish("FAILED")
+        raise
+    uri, port = cfg.tracking.uri, cfg.compare.ui_port
+    print("\n".join([f"verdict: inconclusive: the model could not be fitted: {reason}",
+                      f"cells: {unstable.describe()}",
+                      f"report: {folder / 'report.html'} and {folder / 'report.md'} (what to run next)",
+                      open_ui_line(uri, port),
+                      f"  the report: {runs_table_url(report_run.experiment_id, port, report_run.run_id, ui_base(uri, port))}"
+                      " (Artifacts)"]))
+    return 1
