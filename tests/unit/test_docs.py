@@ -338,7 +338,7 @@ def test_unknown_names_are_caught(tmp_path: Path, text: str, unknown: list[str])
 
 # ---------------------------------------------------------------------------------------
 # docs/development.md maps every module of the package, one line each, from the first
-# sentence of its docstring. Regenerate the table with `python tests/unit/test_docs.py`.
+# sentence of its docstring. Rewrite the table with `python tests/unit/test_docs.py --write`.
 
 DEVELOPMENT = ROOT / "docs" / "development.md"
 MAP_ROW = re.compile(r"^\| `(hostsweep/[\w/]+\.py)` \|")
@@ -374,11 +374,24 @@ def test_every_module_is_in_the_module_map():
               if (m := MAP_ROW.match(line))]
     on_disk = [p.relative_to(ROOT).as_posix() for p in modules()]
     missing, gone = sorted(set(on_disk) - set(mapped)), sorted(set(mapped) - set(on_disk))
-    assert (missing, gone) == ([], []), "regenerate the table: python tests/unit/test_docs.py"
+    assert (missing, gone) == ([], []), "regenerate the table: python tests/unit/test_docs.py --write"
+
+
+def write_module_map() -> None:
+    """Rewrite the module map's table in docs/development.md from the docstrings."""
+    text = DEVELOPMENT.read_text(encoding="utf-8")
+    start = text.index("| module | what it is for |")
+    end = text.index("\n\n", start) + 1
+    DEVELOPMENT.write_text(text[:start] + module_map() + text[end:], encoding="utf-8")
 
 
 if __name__ == "__main__":
-    print(module_map(), end="")
+    import sys
+
+    if "--write" in sys.argv[1:]:
+        write_module_map()
+    else:
+        print(module_map(), end="")
 
 
 # ---------------------------------------------------------------------------------------
