@@ -346,7 +346,11 @@ MAP_ROW = re.compile(r"^\| `(hostsweep/[\w/]+\.py)` \|")
 
 def first_sentence(path: Path) -> str:
     doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+    doc = re.sub(r"(?<=\w)-\n\s*(?=\w)", "-", doc)  # a word hyphenated across lines
     sentence = re.split(r"(?<=[.!?])\s", " ".join(doc.split()), maxsplit=1)[0]
+    head = sentence.split(": ", 1)[0]
+    if len(sentence) > 200 and head != sentence and len(head) >= 20:  # a long one: what comes before its colon
+        sentence = head + "."
     return sentence.replace("|", "\\|")
 
 
