@@ -1,0 +1,71 @@
+"""The two sides' machines compared by their speed canary (pure): how much slower or faster
+the head's machine ran than the base's, and each cell's ratio with that taken out.
+
+Every timed pair carries the canary (run/canary.py): a fixed workload timed beside it, the
+machine's own speed. Two studies measured minutes apart on a cloud VM meet machines tens of
+percent apart; the canary says so, and `diff.normalize=canary` divides each cell's ratio by
+the sides' canary ratio. The normalized ratio is shown beside the raw one, never instead:
+it assumes the step slows as the canary does, which holds for a hypervisor taking CPU time
+from the guest and need not hold for everything else (a slower memory path, another CPU).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+NORMALIZE = ("canary",)  # diff.normalize's values (None: raw ratios only)
+# A side's canary needs this many cells for its spread, and so its CI, to mean anything.
+MIN_CELLS = 3
+
+
+@dataclass(frozen=True)
+class SideCanary:
+    """A side's machine speed: the median of its cells' canary medians, and the standard
+    error of its log (the median's, from the spread of the cells' canaries)."""
+
+    ms: float
+    log_se: float
+    cells: int
+
+
+def side_canary(cells: pd.DataFrame) -> Optional[SideCanary]:
+    """The side's canary, or None with fewer than MIN_CELLS cells that carry one."""
+    if "canary_ms" not in cells:
+        return None
+    values = pd.to_numeric(cells["canary_ms"], errors="coerce").dropna()
+    values = np.log(values[values > 0].to_numpy(dtype=float))
+    if len(values) < MIN_CELLS:
+        return None
+    # the median's standard error is about 1.25 times the mean's for a bell-shaped spread
+    return SideCanary(float(np.exp(np.median(values))), 1.2533 * float(values.std(ddof=1)) / math.sqrt(len(values)),
+                      len(values))
+
+
+def machine_line(base: Optional[SideCanary], head: Optional[SideCanary]) -> Optional[str]:
+    """"the head's machine ran 31 % slower than the base's (speed canary 2.215 vs 1.691 ms)",
+    or None when either side has no canary."""
+    if base is None or head is None:
+        return None
+    change = (head.ms / base.ms - 1.0) * 100.0
+    how = "as fast as" if abs(change) < 0.5 else f"{abs(change):.0f} % {'slower' if change > 0 else 'faster'} than"
+    return f"the head's machine ran {how} the base's (speed canary {head.ms:.3f} vs {base.ms:.3f} ms)"
+
+
+def normalized_ratio(ratio: float, low: float, high: float, level: float, base: Optional[SideCanary],
+                     head: Optional[SideCanary]) -> tuple[float, float, float]:
+    """A cell's ratio and CI divided by the sides' canary ratio (head / base), the CI widened
+    by the canary ratio's own uncertainty (in log space, root-sum-square with the ratio's
+    half-width: an approximation that treats both as independent and the CI as symmetric in
+    log); nan without both sides' canaries."""
+    if base is None or head is None or not (0 < low <= ratio <= high):
+        return math.nan, math.nan, math.nan
+    centre = math.log(ratio) - math.log(head.ms / base.ms)
+    half = (math.log(high) - math.log(low)) / 2.0
+    z = float(stats.norm.ppf(0.5 + level / 2.0))
+    half = math.hypot(half, z * math.hypot(base.log_se, head.log_se))
+    return math.exp(centre), math.exp(centre - half), math.exp(centre + half)

@@ -1,0 +1,52 @@
+"""The diff's speed canary: a head measured on a slower machine is told so, and the
+normalized ratio takes the machine out, beside (not instead of) the raw ratio."""
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from hostsweep.report.diff_canary import machine_line, normalized_ratio, side_canary
+
+
+def side(canary_ms: float, n: int = 8, cv: float = 0.03, seed: int = 0) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    return pd.DataFrame({"canary_ms": canary_ms * np.exp(rng.normal(0, cv, n))})
+
+
+def test_a_head_on_a_machine_31_percent_slower_is_told_so():
+    base, head = side_canary(side(1.691)), side_canary(side(1.691 * 1.31, seed=1))
+    assert base.ms == pytest.approx(1.691, rel=0.03) and head.cells == 8
+    expected = round((head.ms / base.ms - 1) * 100)
+    assert abs(expected - 31) <= 2
+    assert machine_line(base, head) == (f"the head's machine ran {expected} % slower than the base's "
+                                        f"(speed canary {head.ms:.3f} vs {base.ms:.3f} ms)")
+    assert re.match(r"the head's machine ran 2\d % faster than the base's", machine_line(head, base))
+    assert machine_line(None, head) is None
+
+
+def test_too_few_cells_with_a_canary_give_no_side_canary():
+    assert side_canary(side(1.7, n=2)) is None
+    assert side_canary(pd.DataFrame({"step_ms": [1.0, 2.0, 3.0]})) is None
+    assert side_canary(pd.DataFrame({"canary_ms": [1.0, float("nan"), "", 1.1, 1.2]})).cells == 3
+
+
+def test_a_ratio_that_is_all_machine_normalizes_to_one_with_a_wider_ci():
+    base, head = side_canary(side(1.7)), side_canary(side(1.7 * 1.35, seed=2))
+    ratio, low, high = normalized_ratio(1.35, 1.30, 1.40, 0.95, base, head)
+    assert ratio == pytest.approx(1.0, abs=0.04) and low < 1.0 < high
+    assert math.log(high / low) > math.log(1.40 / 1.30)  # the canary's own uncertainty is added
+    assert all(math.isnan(v) for v in normalized_ratio(1.35, 1.30, 1.40, 0.95, None, head))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_normalized_ci_covers_a_planted_regression_the_machine_also_hid(seed):
+    """The head's code is 10 % slower, its machine 20 % faster: the raw ratio says 0.92, the
+    normalized one 1.10."""
+    base, head = side_canary(side(1.7, seed=seed)), side_canary(side(1.7 / 1.2, seed=seed + 10))
+    raw = 1.10 / 1.2
+    ratio, low, high = normalized_ratio(raw, raw * 0.97, raw * 1.03, 0.95, base, head)
+    assert low <= 1.10 <= high
