@@ -71,6 +71,15 @@ def test_the_ci_across_engine_starts_covers_within_93_to_97_percent(k, spread, k
     assert 0.93 <= np.mean((low <= 1) & (1 <= high)) <= 0.97
 
 
+@pytest.mark.parametrize("alternative", ["greater", "less"])
+def test_the_one_sided_bound_across_starts_covers_within_93_to_97_percent(alternative):
+    rng = np.random.default_rng(len(alternative))
+    medians = np.median(noise(rng, "skewed", (SEEDS, 3, 12)) * (1 + 0.02 * rng.standard_normal((SEEDS, 3, 1))), -1)
+    _, low, high = t_interval_bounds(medians, 0.95, alternative)
+    assert np.all(np.isinf(high if alternative == "greater" else low))
+    assert 0.93 <= np.mean((low <= 1) & (1 <= high)) <= 0.97
+
+
 def test_between_starts_ci_weighs_each_start_the_same_whatever_its_pair_count():
     point, low, high = between_starts_ci([[1.0] * 30 + [1.1], [2.0, 2.1, 1.9], [3.0]], 0.95)
     assert point == pytest.approx(2.0)  # the mean of the medians 1, 2, 3, not the pooled median
