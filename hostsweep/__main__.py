@@ -22,14 +22,20 @@ from omegaconf import DictConfig, OmegaConf
 
 from hostsweep.config.keys import check_known_keys
 from hostsweep.config.options import check_group_overrides
+from hostsweep.config.presets import preset_help
 from hostsweep.config.redact import redact, redact_console, redact_log_records
 from hostsweep.config.schema import ConfigError, register_configs
+from hostsweep.config.stages import stage_help
 from hostsweep.run import signals
 
 register_configs()
 # Run directories are named by time and pid (conf/config.yaml), so two sweeps started in
 # the same second never share one.
 OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
+# --help lists the stages and presets from their own declarations (conf/config.yaml's
+# help template): a new stage module or preset file is listed by being there.
+OmegaConf.register_new_resolver("hostsweep_stages", stage_help, replace=True)
+OmegaConf.register_new_resolver("hostsweep_presets", preset_help, replace=True)
 
 # Worst exit code over the jobs of this process: a multirun (-m) runs several sweeps
 # in one process, so a job must not exit before the others have run.

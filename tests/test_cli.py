@@ -183,8 +183,9 @@ def test_help_says_what_hostsweep_is_how_to_choose_skus_and_runs_and_the_main_ke
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
     assert text.startswith("hostsweep: where the time in one LLM decode step goes")
-    for needle in ("+sku=cpu|h100|h200", "-m (multirun)", "stage=sweep|fit|compare|all", "study=NAME",
-                   "verbose=true", "tracking.uri=", "Presets:", "keystone", "model: checkpoint", "summary.json"):
+    for needle in ("+sku=cpu|h100|h200", "-m (multirun)", "== Stages (stage=NAME", "  diff ", "study=NAME",
+                   "verbose=true", "tracking.uri=", "== Presets (+experiment=NAME", "  generalize-cpu ",
+                   "model: checkpoint", "summary.json"):
         assert needle in text, needle
     assert "_schema" not in text and "is powered by Hydra" not in text
 

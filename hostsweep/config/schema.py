@@ -12,10 +12,12 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from hostsweep.config.stages import DEFAULT_STAGE, stage_names
+
 CONFIG_GROUPS = ("sku", "model", "mode", "experiment", "calibration")
-# `stage=`: what the main command does (hostsweep/stages/<stage>.py). "all" is sweep, then
-# fit and compare on the cells of that sweep's grid. "diff": two studies or sweeps, cell by cell.
-STAGES = ("sweep", "fit", "compare", "all", "diff")
+# `stage=`: what the main command does, as each hostsweep/stages/<stage>.py declares it
+# (config/stages.py reads the declarations; `--help` lists them with their help).
+STAGES = stage_names()
 # Where the fit stage takes each SKU's roofs and H(N) from (see FitConfig).
 ROOF_SOURCES = ("auto", "datasheet", "measured")
 HOST_SOURCES = ("auto", "calibration", "cells")
@@ -414,7 +416,7 @@ class SweepConfig:
     verbose: bool = False
     output: OutputConfig = field(default_factory=OutputConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
-    stage: str = "sweep"  # sweep | fit | compare | all (STAGES)
+    stage: str = DEFAULT_STAGE  # one of STAGES
     # The fixed terms of the TP model: a Hydra group (calibration=seed002-h100), or none.
     calibration: Optional[CalibrationConfig] = None
     select: SelectConfig = field(default_factory=SelectConfig)

@@ -1,11 +1,9 @@
 """stages: the data flow wired end to end, one module per `stage=` of the main command.
 The only package that may import every other one; __main__ picks the stage.
 
-    sweep    measure the grid, record every cell to MLflow (the default)
-    fit      fit the TP model on the study's cells read back from MLflow, log it
-    compare  fit (or reuse a fit run), then the cross-SKU report with figures, logged to MLflow
-    all      sweep, then compare the cells of that sweep's grid
-    diff     two studies (or sweeps) cell by cell: ratios with bootstrap CIs, verdicts, a gate
+Each module declares itself in one line, `STAGE = StageInfo(name=..., help=...,
+sections=(...))` (hostsweep/config/stages.py reads those lines without importing the
+modules): `STAGES`, `--help` and docs/configuring.md's stage table come from them.
 """
 from __future__ import annotations
 

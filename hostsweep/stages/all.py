@@ -20,10 +20,16 @@ from hostsweep.calibrate.terms import base_calibration, host_source
 from hostsweep.config.grid import build_cells
 from hostsweep.config.resolve import Study
 from hostsweep.config.schema import ConfigError
+from hostsweep.config.stages import StageInfo
 from hostsweep.record.selection import fit_cells, planned_cells, train_selection
 from hostsweep.record.store import quiet_mlflow
 from hostsweep.stages import compare, sweep
 from hostsweep.stages.fit import fit_options
+
+STAGE = StageInfo(name="all", help="sweep, then fit and compare the cells of that sweep's grid",
+                  sections=("measure", "split", "linearity", "engine", "ray", "faults", "output", "report",
+                            "fit", "compare"),
+                  docs="tp-model.md")
 
 log = logging.getLogger(__name__)
 

@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 from hostsweep.config.redact import redact
 from hostsweep.config.resolve import Study
 from hostsweep.config.schema import ConfigError
+from hostsweep.config.stages import StageInfo
 from hostsweep.model.unstable import Exclusion, exclude_unstable
 from hostsweep.record.reports import ReportRun, load_fit_json
 from hostsweep.record.views import open_ui_line, runs_table_url, ui_base
@@ -34,6 +35,10 @@ from hostsweep.report.fit_report import Context, build
 from hostsweep.report.inconclusive import inconclusive_document
 from hostsweep.stages.fit import fit_selection
 from hostsweep.stages import resolve_for_reading
+
+STAGE = StageInfo(name="compare", help="fit (or reuse a fit run), then the cross-SKU report with figures",
+                  sections=("select", "fit", "compare"),
+                  docs="tp-model.md")
 
 log = logging.getLogger(__name__)
 

@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 from hostsweep.config.redact import redact
 from hostsweep.config.schema import ConfigError, DiffConfig
+from hostsweep.config.stages import StageInfo
 from hostsweep.record.readback import FilterRefused
 from hostsweep.record.reports import ReportRun
 from hostsweep.record.sides import Side, check_store, locate, read_cells, with_pairs
@@ -31,6 +32,10 @@ from hostsweep.report.diff_report import DiffContext, SideInfo, build, console, 
 from hostsweep.report.document import to_html, to_markdown
 from hostsweep.stages.compare import command_line
 from hostsweep.stages import resolve_for_reading
+
+STAGE = StageInfo(name="diff", help="two studies (or sweeps) cell by cell: ratios with CIs, verdicts, a release gate",
+                  sections=("diff",),
+                  docs="diff.md")
 
 log = logging.getLogger(__name__)
 GATE_FAILED = 1  # fail_on tripped (2 is bad input, as everywhere)

@@ -23,11 +23,16 @@ from hostsweep.calibrate.terms import FixedTerms, check_fit_sources, fixed_terms
 from hostsweep.config.redact import redact
 from hostsweep.config.resolve import Study
 from hostsweep.config.schema import ConfigError, FitConfig
+from hostsweep.config.stages import StageInfo
 from hostsweep.model.fit_console import render
 from hostsweep.model.study_fit import FitOptions
 from hostsweep.model.unstable import Exclusion, exclude_unstable
 from hostsweep.record.selection import Selection, fit_cells, select_cells, train_selection
 from hostsweep.stages import resolve_for_reading
+
+STAGE = StageInfo(name="fit", help="fit the TP model on the study's cells read back from MLflow, log it",
+                  sections=("select", "fit"),
+                  docs="tp-model.md")
 
 log = logging.getLogger(__name__)
 

@@ -35,6 +35,7 @@ from hostsweep.config.redact import error_line, redact
 from hostsweep.config.resolve import Study, resolve
 from hostsweep.config.schema import ConfigError
 from hostsweep.config.vllm_fields import ENGINE_ARG_FIELDS
+from hostsweep.config.stages import StageInfo
 from hostsweep.engines.vllm_engine import engine_arg_fields
 from hostsweep.measure.results import PART_METRICS, MeasureOptions, missing_parts, requested_parts, skipped_result
 from hostsweep.record.celltable import CellTable, ResumedRows
@@ -55,6 +56,10 @@ from hostsweep.run.rounds import ROUNDS_FOLDER
 from hostsweep.run.hygiene import descendant_pids, freeze_long_lived
 from hostsweep.run.winddown import WindDown
 from hostsweep.run.worklog import worker_log_folder
+
+STAGE = StageInfo(name="sweep", help="measure the grid and record every cell to MLflow and the run directory",
+                  sections=("measure", "split", "linearity", "engine", "ray", "faults", "output", "report"),
+                  docs="measurement.md")
 
 if TYPE_CHECKING:  # MLflow (1.5 s to import) loads only once a sweep records: bad input fails fast
     from hostsweep.record.tracking import SweepTracker
