@@ -2,10 +2,15 @@
 
 device_ms is the differenced kernel-time total per step, (kernels(T) - kernels(1)) /
 (T - 1), from profiled generates; host_ms = step_ms - device_ms is the host-exposed
-residual, with step_ms from the separate unprofiled reps.
+residual, with step_ms from the timed (unprofiled) pairs. `device_split` splits one
+profiled pair; `pooled_split` makes a cell's split of several, with the CIs, the regime and
+the checks of measure/split_stats.py. `device_floor_ms` is the physical floor of a step's
+device time: the T - 1 decode steps' kernels (CUDA kernels, or the CPU build's counted compute
+ops) are among the long generate's, so they take at least as long as that many of its shortest.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -13,6 +18,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from hostsweep.measure.phases import PhaseSplit
+from hostsweep.measure.split_stats import TimedStep, implausible_checks, split_stats
 from hostsweep.measure.traces import TraceTotals
 
 
@@ -35,6 +41,14 @@ class SplitResult:
     split_s: float = 0.0  # wall time of the whole split phase (the worker sets it)
     split_overhead_s: float = 0.0  # split_s minus as many unprofiled pairs (see SweepWorker._split)
     phases: Optional[PhaseSplit] = None  # host ms per named phase (measure/phases.py), when scoped
+    # Over the cell's profiled pairs (measure/split_stats.py); the CIs are None below 3 pairs.
+    pairs: int = 1
+    device_ci: Optional[tuple[float, float]] = None
+    host_ci: Optional[tuple[float, float]] = None
+    host_frac_ci: Optional[tuple[float, float]] = None
+    profiled_step_ci: Optional[tuple[float, float]] = None
+    device_floor_ms: float = 0.0  # no real step's device time is below this (device_floor_ms())
+    implausible: tuple[str, ...] = ()  # the split_stats.IMPLAUSIBLE_CHECKS it fails
 
     @property
     def possible(self) -> bool:
@@ -74,6 +88,16 @@ def differenced_top_ops(short: TraceTotals, long: TraceTotals, T: int, n: int) -
     return tuple((name, ms) for name, ms in diffs.most_common(n))
 
 
+def device_floor_ms(kernels_per_step: float, durations_us: Sequence[float], steps: int) -> float:
+    """The least device time per step that `steps` decode steps of `kernels_per_step` kernels
+    each can take: those kernels are among the trace's (`durations_us`, ascending), so together
+    they take at least the sum of that many of its shortest. 0 without kernels or durations."""
+    k = int(np.floor(kernels_per_step * steps)) if np.isfinite(kernels_per_step) and steps > 0 else 0
+    if k <= 0 or not len(durations_us):
+        return 0.0
+    return float(np.sum(np.asarray(durations_us[:k], dtype=float))) / steps / 1e3
+
+
 def device_split(
     ranks_1: Sequence[TraceTotals], ranks_T: Sequence[TraceTotals], T: int, step_ms: float,
     profiled_step_ms: float, host_bound_threshold: float, top_n: int = 15,
@@ -92,6 +116,7 @@ def device_split(
     union_ms = per_step(short.kernel_union_us, long.kernel_union_us, T) / 1e3
     host_ms = step_ms - device_ms
     host_frac = host_ms / step_ms
+    kernels_per_step = per_step(short.kernel_count, long.kernel_count, T)
     return SplitResult(
         kernel_source=long.kernel_source,
         device_ms=device_ms,
@@ -105,9 +130,31 @@ def device_split(
         regime="host-bound" if host_frac >= host_bound_threshold else "device-bound",
         per_rank_device_ms=tuple(per_rank),
         top_ops=differenced_top_ops(short, long, T, top_n),
-        kernels_per_step=per_step(short.kernel_count, long.kernel_count, T),
+        kernels_per_step=kernels_per_step,
         launches_per_step=per_step(short.launch_count, long.launch_count, T),
+        device_floor_ms=device_floor_ms(kernels_per_step, long.durations_us, T - 1),
     )
+
+
+def pooled_split(splits: Sequence[SplitResult], step: TimedStep, threshold: float,
+                 overhead_band: tuple[float, float], phases: Optional[PhaseSplit] = None) -> SplitResult:
+    """A cell's split from its profiled pairs' (device_split of each): device, host, host_frac,
+    the profiled step, their CIs and the regime over the pairs (split_stats); what is per pair
+    (ranks, top ops, overlap, copies, counts) from the pair with the median device time; the
+    floor the median of the pairs' floors; `phases` pooled by the caller (phases.over_pairs);
+    and the checks it fails (split_stats.implausible_checks)."""
+    if not splits:
+        raise ValueError("split: no profiled pairs to pool")
+    s = split_stats([p.device_ms for p in splits], [p.profiled_step_ms for p in splits], step, threshold)
+    chosen = sorted(splits, key=lambda p: p.device_ms)[(len(splits) - 1) // 2]
+    floor = float(np.median([p.device_floor_ms for p in splits]))
+    forward = None if phases is None else (phases.forward_compute_ms, phases.forward_compute_ci)
+    return dataclasses.replace(
+        chosen, device_ms=s.device_ms, host_ms=s.host_ms, host_frac=s.host_frac, profiled_step_ms=s.profiled_step_ms,
+        profiler_overhead=s.profiler_overhead, regime=s.regime, pairs=s.pairs, device_ci=s.device_ci,
+        host_ci=s.host_ci, host_frac_ci=s.host_frac_ci, profiled_step_ci=s.profiled_step_ci, device_floor_ms=floor,
+        phases=phases if phases is not None else chosen.phases,
+        implausible=implausible_checks(s, step, floor, forward, overhead_band))
 
 
 def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +64,9 @@ class TraceTotals:
     copy_bytes: float = 0.0
     by_name_us: Counter = field(default_factory=Counter)
     launch_count: int = 0  # host launch calls (cuda traces only)
+    # Every kernel's duration, ascending (float32: 4 bytes a kernel), for the physical floor of
+    # a step's device time (split.device_floor_ms).
+    durations_us: array = field(default_factory=lambda: array("f"), compare=False, repr=False)
 
 
 def load_trace(path: Path) -> dict[str, Any]:
@@ -155,4 +159,5 @@ def totals(trace: dict[str, Any]) -> TraceTotals:
         copy_bytes=copy_bytes,
         by_name_us=by_name,
         launch_count=launch_count(events) if source == "cuda" else 0,
+        durations_us=array("f", sorted(iv.end_us - iv.start_us for iv in kernels)),
     )
