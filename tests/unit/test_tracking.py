@@ -266,7 +266,7 @@ def test_direct_writes_false_logs_a_database_store_through_the_api(tmp_path, new
 
 
 def test_claims_are_batched_on_the_parent_run_and_a_second_sweep_skips_them(tmp_path, new_store):
-    from hostsweep.record import tracking
+    from hostsweep.record import liveruns
 
     uri = new_store(tmp_path / "store" / "mlflow.db")
     first, second = (SweepTracker(uri, "hostsweep-claims") for _ in range(2))
@@ -277,9 +277,9 @@ def test_claims_are_batched_on_the_parent_run_and_a_second_sweep_skips_them(tmp_
     keys = [f"cpu/tiny-llama/eager/tp1/b{i}/ctx{i}/T33/0123456789" for i in range(3000)]
     mine, others = first.claim(((key, {}) for key in keys), 300)
     assert list(mine) == keys and others == {}
-    assert len(calls) == 1 and calls[0] <= tracking.BATCH_TAGS  # 3,000 cells claimed in one call
+    assert len(calls) == 1 and calls[0] <= liveruns.BATCH_TAGS  # 3,000 cells claimed in one call
     tags = first.client.get_run(first.parent_run_id).data.tags
-    assert all(len(v) <= tracking.TAG_VALUE_LIMIT for k, v in tags.items() if k.startswith("claims."))
+    assert all(len(v) <= liveruns.TAG_VALUE_LIMIT for k, v in tags.items() if k.startswith("claims."))
     assert not first.client.search_runs([first.experiment_id], "tags.cell_key != ''")  # no run per cell
     second.start_sweep("second", "", {}, {})
     mine2, others2 = second.claim(((key, {}) for key in [*keys[:5], "new-cell"]), 300)
@@ -365,9 +365,9 @@ def _paged(tracker, monkeypatch, page: int) -> list[list]:
     import gc
     import weakref
 
-    from hostsweep.record import tracking
+    from hostsweep.record import experimentruns
 
-    monkeypatch.setattr(tracking, "SEARCH_PAGE", page)
+    monkeypatch.setattr(experimentruns, "SEARCH_PAGE", page)
     pages: list[list] = []
     search = tracker.client.search_runs
 
@@ -408,7 +408,7 @@ def test_a_database_store_is_read_back_a_page_at_a_time_with_plain_selects_as_se
     tracker.log_cell(CellResult("d", PARAMS, "FAILED", None, "boom", {}, 1.0), {})  # not FINISHED: not read
     pages = []
     stored_runs = dbread.stored_runs
-    monkeypatch.setattr("hostsweep.record.tracking.stored_runs",
+    monkeypatch.setattr("hostsweep.record.experimentruns.stored_runs",
                         lambda *a, **k: (pages.append(1), stored_runs(*a, **{**k, "page": 2}))[1])
     monkeypatch.setattr(tracker.client, "search_runs", None)  # never asked
     direct = tracker.finished_runs()
@@ -429,12 +429,12 @@ def test_a_database_store_is_read_back_a_page_at_a_time_with_plain_selects_as_se
 
 def test_read_back_falls_back_to_mlflows_search_when_the_database_read_fails(tracker, monkeypatch):
     _measured_twice(tracker)
-    monkeypatch.setattr("hostsweep.record.tracking.stored_runs", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr("hostsweep.record.experimentruns.stored_runs", lambda *a, **k: 1 / 0)
     assert sorted(tracker.finished_runs()) == ["a", "b", "c"]
 
 
 def test_claims_read_across_pages_keep_only_the_tags_liveness_reads(tracker, monkeypatch):
-    from hostsweep.record.tracking import LIVENESS_TAGS
+    from hostsweep.record.liveruns import LIVENESS_TAGS
 
     pages = _paged(tracker, monkeypatch, 2)
     mine, others = tracker.claim(((f"k{i}", {**PARAMS, "batch": i}) for i in range(5)), 300)

@@ -154,7 +154,8 @@ def test_a_delivery_takes_the_cells_already_waiting_together_each_once_never_wai
 def test_cells_logged_together_into_a_database_store_are_one_transaction(tmp_path, new_store, monkeypatch):
     from hostsweep.measure.protocol import CellMeasurement, RepTiming
     from hostsweep.measure.results import CellResult
-    from hostsweep.record.tracking import CELLS_PER_TRANSACTION, SweepTracker
+    from hostsweep.record.cellruns import CELLS_PER_TRANSACTION
+    from hostsweep.record.tracking import SweepTracker
 
     tracker = SweepTracker(new_store(tmp_path / "mlflow.db"), "hostsweep-batch")
     tracker.start_sweep("batch", "", {}, {})
