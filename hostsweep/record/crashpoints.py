@@ -1,5 +1,11 @@
 """Test-only fault injection: die at a named point of the recording path, as kill -9 would.
 
+TEST-ONLY, kept in the package on purpose: the process it kills is a real driver (a
+subprocess the crash tests start, `python -m hostsweep` in the integration one), so the
+points must be in the code that records, and only an environment variable reaches that
+process. Nothing else belongs here; what the tests check after a crash is in
+tests/crashes.py. Production never sets the variable.
+
 HOSTSWEEP_CRASH_AT=<point>:<n> (environment, read once when this module is imported) makes
 the process `os._exit(137)` the n-th time any thread reaches `point`: no cleanup, no
 flush, no atexit, no finally, which is what a kill -9, an OOM kill or a power cut leaves.
@@ -12,7 +18,8 @@ nor measured twice whatever the moment the driver dies. The points, in a cell's 
                 background logger's thread dies mid-upload)
     uploaded    MLflow has its run FINISHED; the journal does not yet say it was logged
 
-Unset (always, outside these tests) reaching a point costs one comparison.
+Unset (always, outside these tests), reaching a point costs one comparison. The callers:
+recorder.py (journaled, tabled, uploaded) and cellruns.py (uploading).
 """
 from __future__ import annotations
 
