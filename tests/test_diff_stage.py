@@ -24,7 +24,7 @@ GRID = ["+sku=cpu", "engine.name=fake", "engine.dtype=float32", "measure.T=17", 
         "ctx=[16,32]", "batch=[1,2]", "measure.bootstrap_resamples=200", "ray.exclusive=false",
         "tracking.heartbeat_s=0.5"]
 PLANTED = "b2-ctx32"
-DIFF = ["stage=diff", "diff.base=diffbase", "diff.head=diffhead", "diff.threshold_pct=15", "diff.resamples=500"]
+DIFF = ["stage=diff", "diff.base=diffbase", "diff.head=diffhead", "diff.threshold_pct=15", "diff.noise_floor_pct=2"]
 
 
 def swept(root, uri: str, study: str, reps: int) -> str:
@@ -45,6 +45,7 @@ def pin_stability(uri: str, study: str, unstable: tuple[str, ...] = ()) -> None:
     runs = mlflow.search_runs(experiment_names=[f"hostsweep-{study}"], filter_string="tags.cell_key != ''")
     for run_id, name in zip(runs["run_id"], runs["tags.mlflow.runName"]):
         client.set_tag(run_id, "stable", "false" if name in unstable else "true")
+        client.set_tag(run_id, "unstable_reasons", "drift" if name in unstable else "")
         client.set_tag(run_id, "git_sha", "0" * 40)
 
 
@@ -94,7 +95,10 @@ def test_what_differs_is_stated_first_and_the_gate_fails(gated):
     assert [d["name"] for d in data["differs"]] == ["reps"] and "batch" in data["matched_on"]
     assert lines[0] == "what differs: reps: 8 → 10"
     assert gated["code"] == diff_stage.GATE_FAILED and data["failing"] == [PLANTED]
-    assert f"diff.fail_on=slower: FAIL: 1 cell(s) slower (±15%): {PLANTED}\n" in gated["out"]
+    assert f"diff.fail_on=slower: FAIL: 1 cell(s) slower (±15%): {PLANTED}; 4 cell(s) judged at family-wise alpha " \
+           "0.05 (Holm)\n" in gated["out"]
+    assert data["between"]["base"] == "noise floor diff.noise_floor_pct=2"
+    assert all(c["mde_pct"] > 15 for c in data["cells"] if c["quantity"] == "step_ms")
     assert data["unmatched"] == [] and data["base"]["raw_missing"] == 0
 
 
@@ -111,18 +115,45 @@ def test_the_diff_run_holds_the_files_params_and_counts(store, gated):
     assert "data:image/png;base64," in html and "What differs" in html
 
 
-def test_sweeps_named_by_parent_run_id_and_unstable_cells_counted_apart(store):
+def test_sweeps_named_by_parent_run_id_and_an_unstable_slower_cell_fails_the_gate(store):
     pin_stability(store["uri"], "diffhead", unstable=(PLANTED,))
     try:
         code, out, run_dir = diff_in_process(store, "stage=diff", f"diff.base={store['base']}",
-                                             f"diff.head={store['head']}", "diff.threshold_pct=15", "diff.fail_on=slower")
+                                             f"diff.head={store['head']}", "diff.threshold_pct=15",
+                                             "diff.fail_on=slower", "diff.noise_floor_pct=2")
     finally:
         pin_stability(store["uri"], "diffhead")
     data = json.loads((run_dir / "diff" / "diff.json").read_text())
-    assert code == 0 and data["failing"] == []  # the slower cell is unstable: it never gates
+    assert code == diff_stage.GATE_FAILED and data["failing"] == [PLANTED]  # unstable does not exempt it
     assert data["base"]["kind"] == "sweep" and data["base"]["label"] == store["base"][:8]
     assert data["summary"]["step_ms"]["unstable_counts"]["slower"] == 1 and "1 unstable (counted apart: 1 slower" in out
-    assert "diff.fail_on=slower: pass: 3 stable cell(s) judged, none slower (±15%); 1 unstable cell(s) not judged" in out
+    assert f"FAIL: 1 cell(s) slower (±15%): {PLANTED} (unstable: drift)" in out
+
+
+def test_a_head_cell_that_failed_fails_the_gate_by_name(store):
+    client = MlflowClient(store["uri"])
+    runs = mlflow.search_runs(experiment_names=["hostsweep-diffhead"], filter_string="tags.cell_key != ''")
+    lost = runs[runs["tags.mlflow.runName"].str.contains("b1") & runs["tags.mlflow.runName"].str.contains("ctx16")]
+    run_id = lost["run_id"].iloc[0]
+    client.set_terminated(run_id, "FAILED")
+    try:
+        code, out, _ = diff_in_process(store, *DIFF, "diff.fail_on=slower")
+    finally:
+        client.set_terminated(run_id, "FINISHED")
+    assert code == diff_stage.GATE_FAILED
+    assert f"1 base cell(s) missing from head: b1-ctx16 (head run {run_id} FAILED)" in out
+
+
+def test_a_gate_without_any_between_start_estimate_refuses_with_exit_2(store, monkeypatch, capsys):
+    from hostsweep.report import diff as diff_report
+
+    # as sides measured with measure.replicate_first=false and one engine start would be
+    monkeypatch.setattr(diff_report, "between_component", lambda cells, options: diff_report.Between(
+        float("nan"), 0.0, "none"))
+    code, _, run_dir = diff_in_process(store, *DIFF[:-1], "diff.fail_on=slower")
+    assert code == diff_stage.GATE_REFUSED and "measure.replicates=3" in capsys.readouterr().err
+    assert (run_dir / "diff" / "diff.json").is_file()  # the report is still written
+    assert diff_in_process(store, *DIFF[:-1])[0] == 0  # no gate asked: a report, whatever the design
 
 
 MISTAKES = [

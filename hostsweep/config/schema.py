@@ -309,8 +309,8 @@ class CompareConfig:
 
 @dataclass
 class DiffConfig:
-    """Two studies (or sweeps) cell by cell: ratio head/base with bootstrap CIs and verdicts
-    (hostsweep/stages/diff.py, docs/diff.md)."""
+    """Two studies (or sweeps) cell by cell: ratio head/base with CIs, tested verdicts and a
+    release gate (hostsweep/stages/diff.py, docs/diff.md)."""
 
     base: Optional[str] = None  # a study name, or a sweep's parent run id
     head: Optional[str] = None  # the same, for the side judged against base
@@ -318,9 +318,11 @@ class DiffConfig:
     fail_on: Optional[str] = None  # slower: exit 1 when a stable cell's step_ms is slower; inconclusive: or inconclusive
     quantities: list[str] = field(default_factory=lambda: ["step_ms", "device_ms", "host_ms"])
     filter: Optional[str] = None  # an MLflow search filter applied to both sides
-    resamples: int = 2000
     ci_level: float = 0.95
-    seed: int = 0
+    alpha: float = 0.05  # the gate's family-wise error over the cells it judges (Holm)
+    # The step's spread (SD, %) between engine starts on this machine, from an A/A diff:
+    # widens one-start sides; null: their replicate-first re-measures (docs/diff.md)
+    noise_floor_pct: Optional[float] = None
     experiment: Optional[str] = None  # where the diff run is logged; null: the head's experiment
     ui_port: int = 5000
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import mlflow
 import numpy as np
@@ -33,7 +34,7 @@ RUN_ID = re.compile(r"[0-9a-f]{32}")
 STUDY_PREFIX = "hostsweep-"
 # Tags kept as columns: provenance and the per-cell stability flag (absent on older cells).
 CELL_TAGS = ("vllm_version", "torch_version", "hostsweep_version", "ray_version", "git_sha", "device_name",
-             "hostname", "stable", "cell_key", "mlflow.parentRunId", "mlflow.runName")
+             "hostname", "stable", "unstable_reasons", "cell_key", "mlflow.parentRunId", "mlflow.runName")
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,8 @@ class Located:
 class Side:
     located: Located
     cells: pd.DataFrame  # one row per cell: params, metrics, CELL_TAGS, run_id, start_time
-    raw: dict[str, np.ndarray]  # run id -> step_ms of every timed pair
+    raw: dict[str, list[np.ndarray]]  # run id -> step_ms of every timed pair, one array per engine start
+    failed: pd.DataFrame = field(default_factory=pd.DataFrame)  # cells whose newest run FAILED: params, run_id
 
     @property
     def parent_runs(self) -> tuple[str, ...]:
@@ -118,7 +120,9 @@ def read_cells(tracking_uri: str, where: Located, filter_string: Optional[str], 
         runs = mlflow.search_runs(experiment_ids=[where.experiment_id], filter_string=" and ".join(clauses))
     except MlflowException as exc:
         raise FilterRefused(error_line(exc)) from None
+    failed = pd.DataFrame()
     if not runs.empty and "tags.cell_key" in runs:
+        failed = _failed(runs)
         runs = runs[runs["tags.cell_key"].notna() & (runs["status"] == "FINISHED")]
     if runs.empty or "tags.cell_key" not in runs:
         scope = f"sweep {where.parent_run}" if where.parent_run else f"experiment {where.experiment!r}"
@@ -136,25 +140,60 @@ def read_cells(tracking_uri: str, where: Located, filter_string: Optional[str], 
             frame["stable"] = frame["stable"].where(frame["stable"].notna(), runs[other])
     frame = frame.rename(columns={"mlflow.parentRunId": "parent_run_id", "mlflow.runName": "run_name"})
     frame["run_id"], frame["start_time"] = runs["run_id"], runs["start_time"]
+    frame = frame.reset_index(drop=True)
+    frame.attrs["failed"] = failed  # read by with_pairs: a gate fails on them
+    return frame
+
+
+def _failed(runs: pd.DataFrame) -> pd.DataFrame:
+    """Cell runs that FAILED with no FINISHED run of their cell key: their params and run id."""
+    cells = runs[runs["tags.cell_key"].notna()]
+    done = set(cells.loc[cells["status"] == "FINISHED", "tags.cell_key"])
+    lost = cells[(cells["status"] == "FAILED") & ~cells["tags.cell_key"].isin(done)]
+    lost = lost.sort_values("start_time", ascending=False).drop_duplicates("tags.cell_key")
+    frame = pd.DataFrame({c[len("params."):]: lost[c] for c in lost if c.startswith("params.")})
+    frame["run_id"] = lost["run_id"]
     return frame.reset_index(drop=True)
 
 
-def timed_pairs(run_id: str) -> Optional[np.ndarray]:
-    """step_ms of every timed pair of a cell run (raw_timings.csv); None when it has none."""
+def timed_pairs(run_id: str) -> Optional[pd.DataFrame]:
+    """A cell run's raw_timings.csv (every timed pair); None when it has none."""
     try:
-        text = mlflow.artifacts.load_text(f"runs:/{run_id}/raw_timings.csv")
-        table = pd.read_csv(io.StringIO(text))
+        return pd.read_csv(io.StringIO(mlflow.artifacts.load_text(f"runs:/{run_id}/raw_timings.csv")))
     except Exception:  # noqa: BLE001 - an old or foreign run without the artifact
         return None
+
+
+def pairs_by_start(table: pd.DataFrame) -> Optional[list[np.ndarray]]:
+    """A raw_timings table's step_ms grouped by engine start, in start order."""
     if "step_ms" not in table or table["step_ms"].dropna().empty:
         return None
-    return table["step_ms"].dropna().to_numpy(dtype=float)
+    table = table[table["step_ms"].notna()]
+    if "replicate" not in table or table["replicate"].isna().all():
+        return [table["step_ms"].to_numpy(dtype=float)]
+    return [g["step_ms"].to_numpy(dtype=float) for _, g in table.groupby(table["replicate"].fillna(0), sort=True)]
+
+
+def period_spread(steps: Sequence[float], periods: Sequence[int]) -> tuple[float, float]:
+    """(variance, df) of the log medians of one cell's periods (the group timed again later
+    in the same engine start): nan, 0 with fewer than two periods."""
+    table: dict[int, list[float]] = {}
+    for step, period in zip(steps, periods):
+        if math.isfinite(step) and step > 0:
+            table.setdefault(int(period), []).append(step)
+    logs = [math.log(float(np.median(v))) for v in table.values()]
+    return (float(np.var(logs, ddof=1)), len(logs) - 1.0) if len(logs) > 1 else (math.nan, 0.0)
 
 
 def with_pairs(where: Located, cells: pd.DataFrame, key: str) -> Side:
     """The side with its cells' timed pairs (read_cells' frame, then each run's artifact)."""
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per cell on stderr otherwise
-    raw = {run_id: pairs for run_id in cells["run_id"] if (pairs := timed_pairs(run_id)) is not None}
+    tables = {run_id: table for run_id in cells["run_id"] if (table := timed_pairs(run_id)) is not None}
+    raw = {run_id: groups for run_id, table in tables.items() if (groups := pairs_by_start(table)) is not None}
+    spreads = {run_id: period_spread(*((t["step_ms"], t["period"]) if "period" in t else ([], [])))
+               for run_id, t in tables.items()}
+    cells = cells.assign(period_var=[spreads.get(r, (math.nan, 0.0))[0] for r in cells["run_id"]],
+                         period_df=[spreads.get(r, (math.nan, 0.0))[1] for r in cells["run_id"]])
     log.info("%s=%s: %d cells from %s, %d with raw timed pairs", key, where.given, len(cells), where.experiment,
              len(raw))
-    return Side(where, cells, raw)
+    return Side(where, cells, raw, cells.attrs.get("failed", pd.DataFrame()))

@@ -1,31 +1,37 @@
 """Two sides of measured cells compared cell by cell (pure): what differs between them,
-which cells match, and per matched cell and quantity the ratio head/base with a bootstrap
-CI from both cells' raw timed pairs and a verdict. What `stage=diff` computes.
+which cells match, and per matched cell and quantity the ratio head/base with a CI, the
+p-values behind its verdict, its minimum detectable effect, and the release gate.
 
-The rules, in one place:
-- A cell dimension (a cell param: sku, mode, engine_args, batch...) that holds one value on
-  each side, a different one on each, is *what differs*: it is left out of the matching.
-  Every other cell dimension is matched on, so cells the other side lacks stay unmatched.
-  Provenance (versions, git SHA, device, host) is never matched on, only reported.
-- step_ms: the ratio of the two medians of the timed pairs, its CI the percentile
-  bootstrap of that ratio, each side resampled on its own (they are independent runs).
-  host_ms: the same draws less each cell's device_ms, held fixed (the split has no raw
-  pairs). Other quantities: the point ratio only, with no verdict.
-- Verdict, with t = threshold_pct/100: `slower` when the CI lies above 1 and the ratio
-  above 1+t, `faster` when it lies below 1 and the ratio below 1−t, `same` when the whole
-  CI lies inside [1−t, 1+t], else `inconclusive`.
-- A cell flagged stable=false on either side keeps its verdict but is counted apart, and
-  never gates.
+The rules, in one place (the statistics in report/diff_stats.py):
+- A cell dimension (a cell param: sku, mode, engine_args, batch, replicates...) that holds
+  one value on each side, a different one on each, is *what differs*: it is left out of the
+  matching. Every other cell dimension is matched on, so cells the other side lacks stay
+  unmatched. Provenance (versions, git SHA, device, host) is never matched on, only reported.
+- step_ms: log(head/base) of the two sides' estimates. A side measured in several engine
+  starts is a t-interval over its starts' medians (k - 1 df); a one-start side is the median
+  of its pairs (Maritz–Jarrett variance) widened by a between-start component: the stated
+  noise floor (diff.noise_floor_pct) or, else, the side's replicate-first re-measures. With
+  neither, the diff still reports, but a gate refuses (exit 2) and says what to run.
+  host_ms: the same with each cell's device_ms held fixed. Other quantities: point only.
+- Verdicts, with t = threshold_pct/100, at alpha: `slower` when the one-sided p-value of
+  head > base, Holm-adjusted over the cells judged, is <= alpha and the ratio lies above
+  1 + t; `faster` the mirror; `same` when the equivalence test (TOST) at ±t rejects at
+  alpha; else `inconclusive`. No resampling: no seed decides a verdict.
+- The gate (fail_on): fails on every step_ms cell judged slower, stable or not; on an
+  unstable cell whose ratio lies above 1 + t (its CI vouches for nothing); on base cells the
+  head lacks or whose head run FAILED. `split_impossible` alone never makes step_ms unstable.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import pandas as pd
 
+from hostsweep.measure.detectable import mde_from_se, se_from_ci
+from hostsweep.report import diff_stats as S
 from hostsweep.report.diff_match import (  # noqa: F401 - re-exported: the rules live in one place for readers
     CELL_DIMS, PROVENANCE_DIMS, Difference, cell_label, dimensions, match_cells, text,
 )
@@ -35,89 +41,84 @@ FAIL_ON = ("slower", "inconclusive")
 GATED = "step_ms"  # the quantity fail_on judges: the one with raw pairs on both sides
 RAW, SUMMARY, HOST_FIXED, POINT = ("raw pairs", "summary CIs (approximate: no raw_timings.csv)",
                                    "step pairs, device_ms held fixed", "point only (no raw pairs)")
+# Reasons that do not touch the step's own number: a cell unstable only for these is judged
+# as stable on step_ms (its host_ms stays unstable).
+NOT_STEP_REASONS = frozenset({"split_impossible", "split_implausible"})
+RawPairs = Union[np.ndarray, Sequence[np.ndarray]]  # one start's pairs, or one array per start
 
 
 @dataclass(frozen=True)
 class DiffOptions:
     threshold_pct: float = 5.0
     quantities: tuple[str, ...] = ("step_ms", "device_ms", "host_ms")
-    resamples: int = 2000
     level: float = 0.95
-    seed: int = 0
+    alpha: float = 0.05
+    noise_floor_pct: Optional[float] = None  # between-start spread (SD, %) for one-start sides
     fail_on: Optional[str] = None
 
     def check(self) -> None:
         """ValueError naming the field (the stage makes it a one-line ConfigError)."""
         if not 0 < self.threshold_pct < 100:
             raise ValueError(f"threshold_pct must be in (0, 100), got {self.threshold_pct}")
-        if self.resamples < 100:
-            raise ValueError(f"resamples must be >= 100, got {self.resamples}")
         if not 0.5 <= self.level < 1:
             raise ValueError(f"ci_level must be in [0.5, 1), got {self.level}")
+        if not 0 < self.alpha <= 0.5:
+            raise ValueError(f"alpha must be in (0, 0.5], got {self.alpha}")
+        if self.noise_floor_pct is not None and not 0 <= self.noise_floor_pct < 100:
+            raise ValueError(f"noise_floor_pct must be in [0, 100) or null, got {self.noise_floor_pct}")
         if not self.quantities:
             raise ValueError("quantities must name at least one metric, e.g. [step_ms]")
         if self.fail_on is not None and self.fail_on not in FAIL_ON:
             raise ValueError(f"fail_on={self.fail_on!r} is not allowed; allowed: null, {', '.join(FAIL_ON)}")
 
 
-def median_draws(values: np.ndarray, resamples: int, rng: np.random.Generator) -> np.ndarray:
-    """Bootstrap medians of `values` (vectorized over resamples)."""
-    index = rng.integers(0, values.size, size=(resamples, values.size))
-    return np.median(values[index], axis=1)
+def starts_of(raw: Optional[RawPairs]) -> Optional[list[np.ndarray]]:
+    """A run's pairs as one array per engine start; None when it has fewer than 2 pairs."""
+    if raw is None:
+        return None
+    groups = [np.asarray(raw, dtype=float)] if isinstance(raw, np.ndarray) and np.ndim(raw) == 1 else \
+        [np.asarray(g, dtype=float) for g in raw]
+    groups = [g[np.isfinite(g) & (g > 0)] for g in groups]
+    groups = [g for g in groups if g.size]
+    return groups if sum(g.size for g in groups) >= 2 and all(g.size >= 1 for g in groups) else None
 
 
-def _positive_ratio(head: np.ndarray, base: np.ndarray) -> np.ndarray:
-    ok = (base > 0) & (head > 0)
-    return np.where(ok, head / np.where(ok, base, 1.0), np.nan)
+@dataclass(frozen=True)
+class Between:
+    """The between-start component a one-start side is widened by, and where it came from."""
+
+    var: float
+    df: float
+    source: str
+
+    @property
+    def known(self) -> bool:
+        return math.isfinite(self.var)
 
 
-def ratio_from_pairs(base: np.ndarray, head: np.ndarray, resamples: int, rng: np.random.Generator,
-                     base_shift: float = 0.0, head_shift: float = 0.0) -> tuple[float, np.ndarray]:
-    """(median(head) − head_shift) / (median(base) − base_shift) and its bootstrap draws."""
-    point = _positive_ratio(np.array([np.median(head) - head_shift]), np.array([np.median(base) - base_shift]))[0]
-    draws = _positive_ratio(median_draws(head, resamples, rng) - head_shift,
-                            median_draws(base, resamples, rng) - base_shift)
-    return float(point), draws
-
-
-def ratio_from_summaries(base: tuple[float, float, float], head: tuple[float, float, float], resamples: int,
-                         level: float, rng: np.random.Generator) -> tuple[float, np.ndarray]:
-    """Ratio draws from each side's (median, CI low, CI high) read as log-normal: the
-    fallback for cells logged without raw_timings.csv."""
-    z = _z(level)
-    spread = [(math.log(hi) - math.log(lo)) / (2 * z) for _, lo, hi in (base, head)]
-    point = head[0] / base[0]
-    return point, point * np.exp(rng.normal(0.0, math.hypot(*spread), size=resamples))
-
-
-def _z(level: float) -> float:
-    from statistics import NormalDist
-
-    return NormalDist().inv_cdf(0.5 + level / 2)
-
-
-def interval(draws: np.ndarray, level: float) -> tuple[float, float]:
-    """Percentile interval of the draws; NaN when under 90% of them are usable ratios."""
-    finite = draws[np.isfinite(draws)]
-    if draws.size == 0 or finite.size < 0.9 * draws.size:
-        return math.nan, math.nan
-    tail = (1.0 - level) / 2.0 * 100.0
-    low, high = np.percentile(finite, [tail, 100.0 - tail])
-    return float(low), float(high)
-
-
-def verdict(ratio: float, low: float, high: float, threshold_pct: float) -> str:
-    """faster, slower, same (the CI inside ±threshold) or inconclusive."""
-    t = threshold_pct / 100.0
-    if not all(math.isfinite(v) for v in (ratio, low, high)):
-        return "inconclusive"
-    if low > 1.0 and ratio > 1.0 + t:
-        return "slower"
-    if high < 1.0 and ratio < 1.0 - t:
-        return "faster"
-    if low >= 1.0 - t and high <= 1.0 + t:
-        return "same"
-    return "inconclusive"
+def between_component(cells: pd.DataFrame, options: DiffOptions) -> Between:
+    """A side's between-start component: the noise floor when stated; else what the study
+    shows of itself, pooled over its cells: the spread between the periods of re-measured
+    groups (columns period_var, period_df, from the raw pairs) and replicate-first re-measures
+    of one-cell groups; else none (nan). The study's own estimates see drift over time within
+    an engine start, not what a new engine start changes: the docs say so."""
+    if options.noise_floor_pct is not None:
+        return Between(math.log1p(options.noise_floor_pct / 100) ** 2, math.inf,
+                       f"noise floor diff.noise_floor_pct={options.noise_floor_pct:g}")
+    variances, dfs, named = [], [], []
+    if "period_var" in cells and "period_df" in cells:
+        v, d = S.pooled(cells["period_var"].tolist(), cells["period_df"].tolist())
+        variances, dfs = variances + [v], dfs + [d]
+        named += [f"{int(d)} between-period df"] if d else []
+    if "replicate_step_ms" in cells and GATED in cells:
+        v, d = S.replicate_component(cells[GATED].tolist(), cells["replicate_step_ms"].tolist())
+        variances, dfs = variances + [v], dfs + [d]
+        named += [f"{int(d)} replicate-first re-measure(s)"] if d else []
+    var, df = S.pooled(variances, dfs)
+    if not df:
+        return Between(math.nan, 0.0, "none")
+    return Between(var, df, f"the study's own re-measures ({', '.join(named)}: spread "
+                            f"{math.expm1(math.sqrt(var)) * 100:.1f}%)")
 
 
 def stable_flag(value: Any) -> Optional[bool]:
@@ -140,41 +141,80 @@ def _finite(row: Mapping[str, Any], name: str) -> Optional[float]:
 
 @dataclass(frozen=True)
 class Compared:
-    """One quantity of one matched cell."""
+    """One quantity of one matched cell: the ratio, and on log scale its difference d,
+    standard error se and df (nan: no test, point only)."""
 
     ratio: float
-    low: float
-    high: float
     source: str
-    verdict: Optional[str]  # None: no CI, so no verdict
-    draws: Optional[np.ndarray] = None
+    d: float = math.nan
+    se: float = math.nan
+    df: float = math.nan
+    between: str = ""  # the between-start component each one-start side was widened by
+    starts: tuple[int, int] = (0, 0)
 
 
-def compare_quantity(quantity: str, base: Mapping[str, Any], head: Mapping[str, Any], raw_base: Optional[np.ndarray],
-                     raw_head: Optional[np.ndarray], options: DiffOptions, rng: np.random.Generator) -> Compared:
-    """The ratio head/base of one quantity of a matched cell, its CI and its verdict."""
-    paired = raw_base is not None and raw_head is not None and raw_base.size >= 2 and raw_head.size >= 2
-    draws, source = None, POINT
-    if quantity == "step_ms" and paired:
-        ratio, draws = ratio_from_pairs(raw_base, raw_head, options.resamples, rng)
-        source = RAW
-    elif quantity == "step_ms" and all(_finite(r, n) for r in (base, head)
-                                       for n in ("step_ms", "step_ci_low_ms", "step_ci_high_ms")):
-        ratio, draws = ratio_from_summaries(*(tuple(float(r[n]) for n in ("step_ms", "step_ci_low_ms",
-                                                                            "step_ci_high_ms")) for r in (base, head)),
-                                            options.resamples, options.level, rng)
-        source = SUMMARY
-    elif quantity == "host_ms" and paired and _finite(base, "device_ms") and _finite(head, "device_ms"):
-        ratio, draws = ratio_from_pairs(raw_base, raw_head, options.resamples, rng,
-                                        float(base["device_ms"]), float(head["device_ms"]))
-        source = HOST_FIXED
+def _step_side(row: Mapping[str, Any], groups: Optional[list[np.ndarray]], between: Between,
+               level: float) -> Optional[tuple[S.LogEstimate, str]]:
+    """One side's log step (raw pairs, else its logged CI), a one-start side widened."""
+    if groups is not None:
+        e = S.side_estimate(groups, level)
+    elif all(_finite(row, n) and _finite(row, n) > 0 for n in ("step_ms", "step_ci_low_ms", "step_ci_high_ms")):
+        k = int(_finite(row, "replicates") or 1)
+        coverage = _finite(row, "ci_coverage") or level
+        se = se_from_ci(float(row["step_ms"]), float(row["step_ci_low_ms"]), float(row["step_ci_high_ms"]),
+                        coverage, k - 1 if k > 1 else math.inf)
+        e = S.LogEstimate(math.log(float(row["step_ms"])), se ** 2, k - 1.0 if k > 1 else math.inf, k, 0)
     else:
-        b, h = _finite(base, quantity), _finite(head, quantity)
-        ratio = h / b if b is not None and h is not None and b > 0 and h > 0 else math.nan
-    if draws is None:
-        return Compared(ratio, math.nan, math.nan, source, None)
-    low, high = interval(draws, options.level)
-    return Compared(ratio, low, high, source, verdict(ratio, low, high, options.threshold_pct), draws)
+        return None
+    if e.starts > 1:
+        return e, f"{e.starts} starts"
+    if not between.known:
+        return e, "one start, no between-start estimate"
+    var, df = S.widen(np.array(e.var), np.array(e.df), between.var, between.df)
+    return S.LogEstimate(e.est, float(var), float(df), 1, e.pairs), f"one start + {between.source}"
+
+
+def _host_side(e: S.LogEstimate, device_ms: Optional[float]) -> Optional[S.LogEstimate]:
+    """host = step - device_ms (device fixed): its log and variance by the delta method."""
+    step = math.exp(e.est)
+    if device_ms is None or step - device_ms <= 0:
+        return None
+    factor = step / (step - device_ms)
+    return S.LogEstimate(math.log(step - device_ms), e.var * factor ** 2, e.df, e.starts, e.pairs)
+
+
+def compare_quantity(quantity: str, base: Mapping[str, Any], head: Mapping[str, Any],
+                     raw_base: Optional[RawPairs], raw_head: Optional[RawPairs], options: DiffOptions,
+                     between: tuple[Between, Between] = (Between(math.nan, 0.0, "none"),) * 2) -> Compared:
+    """The ratio head/base of one quantity of a matched cell, with its log-scale test inputs."""
+    groups = starts_of(raw_base), starts_of(raw_head)
+    paired = groups[0] is not None and groups[1] is not None
+    if quantity in (GATED, "host_ms") and (paired or quantity == GATED):
+        sides = [_step_side(r, g if paired else None, w, options.level)
+                 for r, g, w in zip((base, head), groups, between)]
+        if all(sides):
+            (b, why_b), (h, why_h) = sides  # type: ignore[misc]
+            source = RAW if paired else SUMMARY
+            if quantity == "host_ms":
+                b, h, source = _host_side(b, _finite(base, "device_ms")), _host_side(h, _finite(head, "device_ms")), \
+                    HOST_FIXED
+            if b is not None and h is not None:
+                d = h.est - b.est
+                df = float(S.satterthwaite([np.array(b.var), np.array(h.var)], [np.array(b.df), np.array(h.df)]))
+                return Compared(math.exp(d), source, d, math.sqrt(b.var + h.var), df,
+                                f"base: {why_b}; head: {why_h}", (b.starts, h.starts))
+    b, h = _finite(base, quantity), _finite(head, quantity)
+    return Compared(h / b if b is not None and h is not None and b > 0 and h > 0 else math.nan, POINT)
+
+
+def step_unstable(flags: tuple[Optional[bool], Optional[bool]], reasons: tuple[str, str]) -> bool:
+    """Whether either side is unstable for its step: a cell flagged only split_impossible is
+    not (its step is fine; the split is what failed)."""
+    for flag, why in zip(flags, reasons):
+        named = {r.strip() for r in why.split(",") if r.strip()}
+        if flag is False and (not named or named - NOT_STEP_REASONS):
+            return True
+    return False
 
 
 @dataclass
@@ -188,105 +228,211 @@ class DiffResult:
     unmatched: pd.DataFrame
     summary: dict[str, dict[str, Any]] = field(default_factory=dict)  # per quantity
     warnings: list[str] = field(default_factory=list)
+    between: dict[str, str] = field(default_factory=dict)  # per side, the between-start component's source
+
+    def _gated(self) -> pd.DataFrame:
+        return self.cells[self.cells["quantity"] == GATED] if len(self.cells) else self.cells
+
+    def missing(self) -> pd.DataFrame:
+        """Base cells the head lacks, or whose head run FAILED: a gate fails on them."""
+        u = self.unmatched
+        return u[u["side"] == "base"] if len(u) else u
 
     def failing(self) -> pd.DataFrame:
-        """The GATED rows fail_on fails on. slower: stable cells judged slower. inconclusive:
-        every cell not shown stable and same or faster (unstable cells are inconclusive)."""
-        rows = self.cells[self.cells["quantity"] == GATED] if len(self.cells) else self.cells
+        """The GATED rows fail_on fails on. slower: every cell judged slower, and every
+        unstable cell whose ratio lies above 1 + t. inconclusive: every cell not shown
+        stable and same or faster."""
+        rows = self._gated()
         if self.options.fail_on is None or rows.empty:
             return rows.iloc[0:0]
         if self.options.fail_on == "slower":
-            return rows[~rows["unstable"] & (rows["verdict"] == "slower")]
+            beyond = rows["ratio"] > 1 + self.options.threshold_pct / 100
+            return rows[(rows["verdict"] == "slower") | (rows["unstable"] & beyond)]
         return rows[rows["unstable"] | ~rows["verdict"].isin(("same", "faster"))]
 
+    def refusal(self) -> Optional[str]:
+        """Why the gate cannot judge at all (one line, what to run), or None."""
+        rows = self._gated()
+        if self.options.fail_on is None or rows.empty:
+            return None
+        blind = rows[rows["between"].str.contains("no between-start estimate", regex=False)]
+        if blind.empty:
+            return None
+        return (f"diff.fail_on={self.options.fail_on}: {len(blind)} cell(s) have a side measured in one engine start "
+                "with no between-start estimate, so no false-alarm rate can be stated; measure both studies with "
+                "measure.replicates=3, or give diff.noise_floor_pct (the step's spread between engine starts, from "
+                "an A/A diff of this machine)")
+
     def gate(self) -> tuple[bool, str]:
-        """(failed, why) under fail_on. A gate with no stable cell to judge fails: a release
-        must not pass on no evidence."""
+        """(failed, why) under fail_on. Fails on failing() cells, on base cells the head lacks
+        or FAILED, when the gate refuses, and when there is no cell to judge."""
         if self.options.fail_on is None:
             return False, ""
-        rows = self.cells[self.cells["quantity"] == GATED] if len(self.cells) else self.cells
-        unstable = rows[rows["unstable"]] if len(rows) else rows
-        note = (f"; {len(unstable)} unstable cell(s) not judged ({int((unstable['verdict'] == 'slower').sum())} "
-                "measured slower: measure them again on a quiet machine)" if len(unstable) else "")
-        failing, t = self.failing(), self.options.threshold_pct
+        refused = self.refusal()
+        if refused:
+            return True, refused
+        rows, failing, missing, t = self._gated(), self.failing(), self.missing(), self.options.threshold_pct
+        s = self.summary.get(GATED, {})
+        level = f"{s.get('judged', 0)} cell(s) judged at family-wise alpha {self.options.alpha:g} (Holm)"
+        why = []
         if len(failing):
-            return True, (f"{len(failing)} cell(s) {self.options.fail_on} (±{t:g}%): "
-                          f"{', '.join(failing['cell'])}{note}")
-        judged = len(rows) - len(unstable)
-        if not judged:
-            return True, f"no stable matched cell to judge{note}"
-        return False, f"{judged} stable cell(s) judged, none {self.options.fail_on} (±{t:g}%){note}"
+            named = [c + (f" (unstable: {r or 'reason not recorded'})" if u else "")
+                     for c, u, r in zip(failing["cell"], failing["unstable"], failing["unstable_reasons"])]
+            why.append(f"{len(failing)} cell(s) {self.options.fail_on} (±{t:g}%): {', '.join(named)}")
+        if len(missing):
+            why.append(f"{len(missing)} base cell(s) missing from head: "
+                       + ", ".join(f"{_unmatched_label(r, self.label_dims)} ({r['reason'].split(' with ')[0]})"
+                                   for r in missing.to_dict("records")))
+        if why:
+            return True, "; ".join(why) + f"; {level}"
+        if rows.empty:
+            return True, "no matched cell to judge"
+        return False, f"{level}, none {self.options.fail_on} (±{t:g}%)"
 
 
-def _cell_rows(pairs: list[tuple[dict, dict]], raw: Mapping[str, np.ndarray], label_dims: Sequence[str],
-               options: DiffOptions) -> tuple[list[dict[str, Any]], dict[str, list[np.ndarray]]]:
+def _unmatched_label(row: Mapping[str, Any], dims: Sequence[str]) -> str:
+    return cell_label(row, [d for d in dims if d in row] or [d for d in ("batch", "ctx") if d in row])
+
+
+def _side_flags(b: Mapping[str, Any], h: Mapping[str, Any]) -> tuple[tuple, tuple[str, str]]:
+    flags = (stable_flag(b.get("stable")), stable_flag(h.get("stable")))
+    return flags, (text(b.get("unstable_reasons")), text(h.get("unstable_reasons")))
+
+
+def _cell_rows(pairs: list[tuple[dict, dict]], raw: Mapping[str, RawPairs], label_dims: Sequence[str],
+               options: DiffOptions, between: tuple[Between, Between]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    draws: dict[str, list[np.ndarray]] = {q: [] for q in options.quantities}
-    for i, (b, h) in enumerate(pairs):
-        flags = (stable_flag(b.get("stable")), stable_flag(h.get("stable")))
-        unstable = False in flags
-        for j, quantity in enumerate(options.quantities):
+    for b, h in pairs:
+        flags, reasons = _side_flags(b, h)
+        for quantity in options.quantities:
             if _finite(b, quantity) is None and _finite(h, quantity) is None:
                 continue  # neither cell has it (no split, no phases)
-            rng = np.random.default_rng([options.seed, i, j])
             c = compare_quantity(quantity, b, h, raw.get(str(b.get("run_id"))), raw.get(str(h.get("run_id"))),
-                                 options, rng)
+                                 options, between)
+            unstable = step_unstable(flags, reasons) if quantity == GATED else False in flags
             rows.append({"cell": cell_label(b, label_dims), "quantity": quantity, "base": _finite(b, quantity),
-                         "head": _finite(h, quantity), "ratio": c.ratio, "ci_low": c.low, "ci_high": c.high,
-                         "verdict": c.verdict, "ci_source": c.source, "unstable": unstable,
+                         "head": _finite(h, quantity), "ratio": c.ratio, "d": c.d, "se": c.se, "df": c.df,
+                         "ci_source": c.source, "between": c.between, "starts_base": c.starts[0],
+                         "starts_head": c.starts[1], "unstable": unstable,
+                         "unstable_reasons": ",".join(sorted({r.strip() for why in reasons for r in why.split(",")
+                                                              if r.strip()})),
                          "stable_flag": "unknown" if flags == (None, None) else "present",
                          "base_run": b.get("run_id"), "head_run": h.get("run_id"),
                          **{d: b.get(d) for d in label_dims}})
-            if c.draws is not None and not unstable and np.isfinite(c.draws).mean() >= 0.9:
-                draws[quantity].append(c.draws)
-    return rows, draws
+    return rows
 
 
-def geometric_mean(points: Sequence[float], draws: list[np.ndarray], level: float) -> tuple[float, float, float]:
-    """The geometric mean of the cells' ratios, its CI from the per-cell bootstrap draws
-    taken together resample by resample (the cells are fixed; their noise is resampled)."""
-    finite = np.array([p for p in points if p > 0 and math.isfinite(p)])
-    point = float(np.exp(np.log(finite).mean())) if finite.size else math.nan
-    if not draws:
+def judge(cells: pd.DataFrame, options: DiffOptions) -> pd.DataFrame:
+    """p-values, Holm over each quantity's tested cells, verdicts, CIs and the MDE per row."""
+    out = cells.copy()
+    for column in ("p_slower", "p_faster", "p_same", "p_slower_holm", "p_faster_holm", "ci_low", "ci_high",
+                   "mde_pct"):
+        out[column] = math.nan
+    out["verdict"] = None
+    for quantity in out["quantity"].unique() if len(out) else []:
+        mine = (out["quantity"] == quantity) & out["se"].notna() & (out["se"] > 0)
+        if not mine.any():
+            continue
+        d, se, df = (out.loc[mine, c].to_numpy(float) for c in ("d", "se", "df"))
+        slower, faster, same = S.pvalues(d, se, df, options.threshold_pct)
+        low, high = S.ci(d, se, df, options.level)
+        m = int(mine.sum())
+        out.loc[mine, ["p_slower", "p_faster", "p_same", "p_slower_holm", "p_faster_holm", "ci_low", "ci_high"]] = \
+            np.column_stack([slower, faster, same, S.holm(slower), S.holm(faster), low, high])
+        out.loc[mine, "verdict"] = S.verdicts(d, out.loc[mine, "p_slower_holm"].to_numpy(float),
+                                              out.loc[mine, "p_faster_holm"].to_numpy(float), same,
+                                              options.alpha, options.threshold_pct)
+        out.loc[mine, "mde_pct"] = [mde_from_se(e, f, options.alpha, m, threshold_pct=options.threshold_pct)
+                                    for e, f in zip(se, df)]
+    return out
+
+
+def geometric_mean(d: np.ndarray, se: np.ndarray, df: np.ndarray, level: float) -> tuple[float, float, float]:
+    """The geometric mean of the cells' ratios and its CI: the mean log-ratio, its standard
+    error from the cells' (independent) ones, Welch–Satterthwaite df."""
+    keep = np.isfinite(d)
+    if not keep.any():
+        return math.nan, math.nan, math.nan
+    d, se, df = d[keep], se[keep], df[keep]
+    point = float(np.exp(d.mean()))
+    if not np.isfinite(se).all():
         return point, math.nan, math.nan
-    low, high = interval(np.exp(np.nanmean(np.log(np.vstack(draws)), axis=0)), level)
-    return point, low, high
+    m = d.size
+    low, high = S.ci(np.array(d.mean()), np.array(math.sqrt((se ** 2).sum()) / m),
+                     S.satterthwaite(list((se / m) ** 2), list(df)), level)
+    return point, float(low), float(high)
 
 
-def _summary(rows: pd.DataFrame, draws: dict[str, list[np.ndarray]], options: DiffOptions) -> dict[str, dict]:
+def _summary(rows: pd.DataFrame, options: DiffOptions) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for quantity in options.quantities:
         mine = rows[rows["quantity"] == quantity] if len(rows) else rows
         if mine.empty:
             continue
         stable = mine[~mine["unstable"]]
-        with_ci = stable[stable["ci_low"].notna()] if draws[quantity] else stable
-        gm, low, high = geometric_mean(with_ci["ratio"].tolist(), draws[quantity], options.level)
-        counts = {v: int((stable["verdict"] == v).sum()) for v in VERDICTS}
+        tested = stable[stable["verdict"].notna()]
+        gm, low, high = geometric_mean(*(tested[c].to_numpy(float) for c in ("d", "se", "df")), options.level)
         everything = mine["ratio"][mine["ratio"] > 0].dropna()
         out[quantity] = {"geomean_ratio": gm, "ci_low": low, "ci_high": high, "cells": int(len(mine)),
                          "geomean_ratio_all": float(np.exp(np.log(everything).mean())) if len(everything) else math.nan,
-                         "cells_in_geomean": int(with_ci["ratio"].gt(0).sum()),
-                         "ci_source": ", ".join(sorted(set(mine["ci_source"]))), "counts": counts,
+                         "cells_in_geomean": int(len(tested)),
+                         "judged": int(mine["verdict"].notna().sum()), "alpha": options.alpha,
+                         "ci_source": ", ".join(sorted(set(mine["ci_source"]))),
+                         "counts": {v: int((stable["verdict"] == v).sum()) for v in VERDICTS},
                          "no_verdict": int(stable["verdict"].isna().sum()),
                          "unstable": int(mine["unstable"].sum()),
-                         "unstable_counts": {v: int((mine[mine["unstable"]]["verdict"] == v).sum()) for v in VERDICTS}}
+                         "unstable_counts": {v: int((mine[mine["unstable"]]["verdict"] == v).sum()) for v in VERDICTS},
+                         "mde_pct_median": float(mine["mde_pct"].median()) if mine["mde_pct"].notna().any()
+                         else math.nan}
     return out
 
 
-def diff(base: pd.DataFrame, head: pd.DataFrame, raw: Mapping[str, np.ndarray], options: DiffOptions) -> DiffResult:
+def with_replicates(base: pd.DataFrame, head: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Both sides with a `replicates` param (engine starts; absent means 1) when either has it,
+    so a one-start side is never matched silently against a several-start one."""
+    if "replicates" not in base and "replicates" not in head:
+        return base, head
+    fill = lambda f: f.assign(replicates=[text(v) or "1" for v in f.get("replicates", pd.Series([None] * len(f),  # noqa: E731
+                                                                                               index=f.index))])
+    return fill(base), fill(head)
+
+
+def _failed_reasons(unmatched: pd.DataFrame, failed: Optional[pd.DataFrame], on: Sequence[str]) -> pd.DataFrame:
+    """Base cells the head lacks: say so when the head has a FAILED run of the cell."""
+    if failed is None or failed.empty or unmatched.empty:
+        return unmatched
+    on = [d for d in on if d in failed]  # the params a failed run logged (all, from a sweep)
+    runs = {tuple(text(r.get(d)) for d in on): r.get("run_id") for r in failed.to_dict("records")}
+    keys = [tuple(text(r.get(d)) for d in on) for r in unmatched.to_dict("records")]
+    reasons = [f"head run {runs[k]} FAILED" if side == "base" and k in runs else why
+               for k, side, why in zip(keys, unmatched["side"], unmatched["reason"])]
+    return unmatched.assign(reason=reasons)
+
+
+COLUMNS = ["cell", "quantity", "base", "head", "ratio", "ci_low", "ci_high", "verdict", "p_slower", "p_slower_holm",
+           "p_faster", "p_faster_holm", "p_same", "mde_pct", "d", "se", "df", "ci_source", "between", "starts_base",
+           "starts_head", "unstable", "unstable_reasons", "stable_flag", "base_run", "head_run"]
+
+
+def diff(base: pd.DataFrame, head: pd.DataFrame, raw: Mapping[str, RawPairs], options: DiffOptions,
+         head_failed: Optional[pd.DataFrame] = None) -> DiffResult:
     """Compare two sides' cells (one row per cell: its params, metrics, provenance tags,
-    run_id and an optional `stable`); `raw` holds each run's timed step_ms pairs."""
+    run_id, an optional `stable` and `unstable_reasons`); `raw` holds each run's timed step_ms
+    pairs (one array, or one per engine start); head_failed the head's FAILED cell runs."""
+    base, head = with_replicates(base, head)
     matched_on, differs, shared = dimensions(base, head)
     pairs, unmatched, warnings = match_cells(base, head, matched_on)
+    unmatched = _failed_reasons(unmatched, head_failed, matched_on)
     label_dims = [d for d in matched_on if len({text(b.get(d)) for b, _ in pairs}) > 1] or \
         [d for d in ("batch", "ctx") if d in matched_on]  # one cell: still named b1-ctx128
-    rows, draws = _cell_rows(pairs, raw, label_dims, options)
-    columns = ["cell", "quantity", "base", "head", "ratio", "ci_low", "ci_high", "verdict", "ci_source", "unstable",
-               "stable_flag", "base_run", "head_run", *label_dims]
-    cells = pd.DataFrame(rows, columns=columns)
+    between = (between_component(base, options), between_component(head, options))
+    rows = _cell_rows(pairs, raw, label_dims, options, between)
+    cells = judge(pd.DataFrame(rows, columns=[c for c in COLUMNS if c not in ("ci_low", "ci_high", "verdict")
+                                              and not c.startswith(("p_", "mde"))] + list(label_dims)), options)
+    cells = cells[COLUMNS + list(label_dims)]
     if not pairs:
         warnings.append("no cell of one side matches a cell of the other on " + (", ".join(matched_on) or "anything"))
-    result = DiffResult(options, matched_on, differs, shared, label_dims, cells, unmatched, warnings=warnings)
-    result.summary = _summary(cells, draws, options)
+    result = DiffResult(options, matched_on, differs, shared, label_dims, cells, unmatched, warnings=warnings,
+                        between={"base": between[0].source, "head": between[1].source})
+    result.summary = _summary(cells, options)
     return result

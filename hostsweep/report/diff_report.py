@@ -64,7 +64,9 @@ def headline(result: DiffResult) -> str:
         return f"no matched cell has {GATED}"
     c = s["counts"]
     text = (f"{GATED} head/base geometric mean {fmt_ratio(s['geomean_ratio'], s['ci_low'], s['ci_high'])} over "
-            f"{s['cells_in_geomean']} stable cells; " + ", ".join(f"{c[v]} {v}" for v in VERDICTS))
+            f"{s['cells_in_geomean']} stable cells; " + ", ".join(f"{c[v]} {v}" for v in VERDICTS)
+            + f" ({s['judged']} cells judged at family-wise alpha {s['alpha']:g}, Holm; median MDE "
+            f"{s['mde_pct_median']:.1f}%)")
     if not s["unstable"]:
         return text
     slower = s["unstable_counts"]["slower"]
@@ -89,7 +91,8 @@ def cell_table(result: DiffResult, quantity: str) -> pd.DataFrame:
                          "base ms": rows["base"], "head ms": rows["head"], "ratio": rows["ratio"],
                          "95% CI": [fmt_ratio(1, lo, hi)[len("1.000× "):] if math.isfinite(lo) else "–"
                                     for lo, hi in zip(rows["ci_low"], rows["ci_high"])],
-                         "verdict": rows["verdict"].fillna("no CI"), "base run": rows["base_run"],
+                         "verdict": rows["verdict"].fillna("no CI"), "p slower (Holm)": rows["p_slower_holm"],
+                         "MDE %": rows["mde_pct"], "base run": rows["base_run"],
                          "head run": rows["head_run"]})
 
 
@@ -135,17 +138,23 @@ def _method(result: DiffResult) -> Bullets:
     return Bullets((
         f"Cells are matched on {', '.join(result.matched_on) or 'nothing'}: every cell param except what differs "
         "(a param with one value on each side, different values). Provenance is reported, never matched on.",
-        f"{RAW}: ratio of the medians of the two cells' timed pairs, {o.resamples} bootstrap resamples of each "
-        f"cell on its own, {o.level:.0%} percentile interval.",
+        f"{RAW}: on log scale, a side measured in several engine starts is the mean of its starts' medians with a "
+        "t-interval (k − 1 df, each start weighted equally); a one-start side is the median of its pairs "
+        "(Maritz–Jarrett standard error) widened by a between-start component "
+        f"(base: {result.between.get('base', '?')}; head: {result.between.get('head', '?')}). "
+        f"The sides' variances add; Welch–Satterthwaite df; {o.level:.0%} t CI of the ratio.",
         f"{HOST_FIXED}: host_ms = step − device_ms; the split has one profiled pair per cell, so device_ms "
         "is held fixed and only the step noise is in the CI.",
         f"{POINT}: the ratio of the logged metrics, no CI and no verdict. {SUMMARY}: each cell's logged CI read as "
         "log-normal.",
-        f"Verdicts (t = {o.threshold_pct:g}%): slower = CI above 1 and ratio above 1+t; faster = CI below 1 and "
-        "ratio below 1−t; same = the whole CI inside [1−t, 1+t]; else inconclusive.",
-        "Unstable cells (stable=false on either side) keep their verdict but are counted apart: fail_on=slower "
-        "judges stable cells only, fail_on=inconclusive counts unstable cells as inconclusive.",
-        f"fail_on={o.fail_on or 'null'} judges {GATED}; with no stable cell to judge it fails."))
+        f"Verdicts (t = {o.threshold_pct:g}%, alpha = {o.alpha:g}): slower = one-sided p-value of head > base, "
+        "Holm-adjusted over the cells judged, ≤ alpha, and ratio above 1+t; faster the mirror; same = the "
+        "equivalence test (TOST) at ±t rejects at alpha; else inconclusive.",
+        "mde_pct: the smallest slowdown this cell's gate calls slower 80% of the time at alpha / (cells judged) "
+        "and the threshold: choose threshold_pct at or above it.",
+        f"fail_on={o.fail_on or 'null'} judges {GATED}: it fails on every cell judged slower, on unstable cells whose "
+        "ratio lies beyond 1+t (split_impossible alone does not make step_ms unstable), and on base cells the head "
+        "lacks or FAILED."))
 
 
 def _sources(ctx: DiffContext) -> Table:
@@ -202,7 +211,10 @@ def to_json(result: DiffResult, ctx: DiffContext) -> dict[str, Any]:
         "matched_on": result.matched_on, "shared": result.shared,
         "options": {**result.options.__dict__, "quantities": list(result.options.quantities)},
         "summary": {q: {k: _clean(v) for k, v in s.items()} for q, s in result.summary.items()},
-        "failing": result.failing()["cell"].tolist(), "gate": dict(zip(("failed", "why"), result.gate())),
+        "failing": result.failing()["cell"].tolist(),
+        "gate": {**dict(zip(("failed", "why"), result.gate())), "refused": result.refusal(),
+                 "missing": len(result.missing())},
+        "between": result.between,
         "cells": [{k: _clean(v) for k, v in row.items()} for row in result.cells.to_dict("records")],
         "unmatched": [{k: _clean(v) for k, v in row.items()} for row in result.unmatched.to_dict("records")],
         "warnings": result.warnings,

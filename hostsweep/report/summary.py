@@ -20,7 +20,8 @@ SUMMARY_FORMAT = 1
 PARAMS = ("sku", "model", "mode", "tp", "batch", "ctx", "T", "reps", "warmups", "dtype", "engine", "workload")
 INT_PARAMS = ("tp", "batch", "ctx", "T", "reps", "warmups")
 STEP = {"median": "step_ms", "ci95_low": "step_ci_low_ms", "ci95_high": "step_ci_high_ms",
-        "p10": "step_p10_ms", "p25": "step_p25_ms", "p75": "step_p75_ms", "p90": "step_p90_ms"}
+        "p10": "step_p10_ms", "p25": "step_p25_ms", "p75": "step_p75_ms", "p90": "step_p90_ms",
+        "mde_pct": "mde_pct"}  # the minimum detectable effect (measure/detectable.py)
 SPLIT = ("device_ms", "host_ms", "host_frac", "regime", "kernel_source")
 WHERE = ("hostname", "device_name", "vllm_version", "torch_version")
 STABILITY = {"foreign_cpu_frac": "foreign_cpu_frac", "foreign_cpu_frac_max": "foreign_cpu_frac_max",

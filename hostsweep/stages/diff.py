@@ -1,5 +1,5 @@
-"""`stage=diff`: two studies (or two sweeps) side by side, cell by cell, with bootstrap CIs:
-did it get slower with the new vLLM, torch, driver, SKU, mode or engine argument?
+"""`stage=diff`: two studies (or two sweeps) side by side, cell by cell, with tested verdicts and a
+release gate: did it get slower with the new vLLM, torch, driver, SKU, mode or engine argument?
 
     python -m hostsweep stage=diff diff.base=nightly-0.31 diff.head=nightly-0.32
     python -m hostsweep stage=diff diff.base=<parent run id> diff.head=<parent run id> diff.fail_on=slower
@@ -8,13 +8,16 @@ Both sides are named and read back from MLflow first (record/sides.py; an unknow
 run is a one-line error, exit 2), compared by report/diff.py, written under
 <run dir>/diff/ (diff.md, diff.html, diff.json, figures/ratios.png) and logged as a run
 `diff-<base>-<head>` in the head's experiment. With diff.fail_on=slower the exit code is 1
-when any stable cell's step_ms is slower beyond diff.threshold_pct, or no cell is stable
-enough to judge (a release gate).
+when any cell's step_ms is judged slower (Holm over the cells at diff.alpha, beyond
+diff.threshold_pct), an unstable cell's ratio lies beyond the threshold, or the head lacks
+or FAILED cells the base has (a release gate); 2 when the gate cannot state its error rate
+(a one-start side with no between-start estimate: the line says what to run).
 """
 from __future__ import annotations
 
 import json
 import logging
+import sys
 from datetime import datetime
 from pathlib import Path
 
@@ -39,12 +42,13 @@ STAGE = StageInfo(name="diff", help="two studies (or sweeps) cell by cell: ratio
 
 log = logging.getLogger(__name__)
 GATE_FAILED = 1  # fail_on tripped (2 is bad input, as everywhere)
+GATE_REFUSED = 2  # fail_on cannot state a false-alarm rate: the studies lack a between-start estimate
 
 
 def diff_options(cfg: DiffConfig) -> DiffOptions:
     """The diff section as DiffOptions, checked (a bad value is a one-line ConfigError)."""
-    options = DiffOptions(float(cfg.threshold_pct), tuple(cfg.quantities), int(cfg.resamples), float(cfg.ci_level),
-                          int(cfg.seed), cfg.fail_on)
+    options = DiffOptions(float(cfg.threshold_pct), tuple(cfg.quantities), float(cfg.ci_level), float(cfg.alpha),
+                          None if cfg.noise_floor_pct is None else float(cfg.noise_floor_pct), cfg.fail_on)
     try:
         options.check()
     except ValueError as exc:
@@ -92,8 +96,11 @@ def _metrics(result: DiffResult) -> dict[str, float]:
         metrics |= {f"{prefix}geomean_ratio": s["geomean_ratio"], f"{prefix}geomean_ci_low": s["ci_low"],
                     f"{prefix}geomean_ci_high": s["ci_high"], f"{prefix}unstable": s["unstable"],
                     **{f"{prefix}{verdict}": n for verdict, n in s["counts"].items()}}
+    s = result.summary.get("step_ms", {})
     return metrics | {"failing": float(len(result.failing())), "gate_failed": float(result.gate()[0]),
-                      "unmatched": float(len(result.unmatched))}
+                      "unmatched": float(len(result.unmatched)), "missing": float(len(result.missing())),
+                      "judged": float(s.get("judged", 0)), "alpha": result.options.alpha,
+                      "mde_pct_median": s.get("mde_pct_median", float("nan"))}
 
 
 def write(result: DiffResult, ctx: DiffContext, folder: Path) -> None:
@@ -106,7 +113,7 @@ def write(result: DiffResult, ctx: DiffContext, folder: Path) -> None:
 def diff_sides(base: Side, head: Side, options: DiffOptions, uri: str, experiment: str, run_dir: Path
                ) -> tuple[DiffResult, DiffContext, ReportRun, Path]:
     """Compare, write the files, log the diff run."""
-    result = diff(base.cells, head.cells, {**base.raw, **head.raw}, options)
+    result = diff(base.cells, head.cells, {**base.raw, **head.raw}, options, head.failed)
     name = f"diff-{base.located.label}-{head.located.label}"
     run = ReportRun(uri, experiment, name, {"hostsweep.kind": "diff", "diff.base": base.located.given,
                                             "diff.head": head.located.given})
@@ -144,4 +151,8 @@ def run(raw_cfg: DictConfig, run_dir: Path) -> int:
     result, _, report_run, folder = diff_sides(base, head, options, uri, experiment, run_dir)
     print(console(result))
     print(_closing(result, report_run, folder, uri, cfg.ui_port))
+    refused = result.refusal()
+    if refused:
+        print(f"hostsweep: error: {refused}", file=sys.stderr)
+        return GATE_REFUSED
     return GATE_FAILED if result.gate()[0] else 0

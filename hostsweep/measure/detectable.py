@@ -1,0 +1,68 @@
+"""The minimum detectable effect of a cell (pure): the smallest slowdown a diff gate at level
+alpha calls `slower` with the stated power (80 % by default), given the noise of the cell.
+
+A diff (report/diff_stats.py) judges the log of head/base against a Student t reference:
+it calls `slower` when log(ratio) / se > q, q the one-sided quantile at alpha (alpha / cells,
+Bonferroni's worst case of Holm's first step, when the gate judges `cells` cells), and the
+ratio lies above 1 + threshold. A true slowdown e is then found with probability `power` when
+
+    log(1 + e) = max(q * se, log(1 + threshold)) + z_power * se
+
+which is what minimum_detectable_effect_pct returns. Release owners read it to choose
+diff.threshold_pct: a threshold below a cell's MDE asks for a change the study cannot see.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from scipy import stats
+
+
+def mde_from_se(se: float, df: float = math.inf, alpha: float = 0.05, cells: int = 1, power: float = 0.8,
+                threshold_pct: float = 0.0) -> float:
+    """The MDE in % for a log-ratio with standard error se and df degrees of freedom; nan
+    when se is not a finite non-negative number."""
+    if not (math.isfinite(se) and se >= 0) or not 0 < alpha < 1 or not 0 < power < 1 or cells < 1:
+        return math.nan
+    q = stats.t.isf(alpha / cells, df)
+    z = stats.t.ppf(power, df)
+    return (math.exp(max(q * se, math.log1p(threshold_pct / 100)) + z * se) - 1) * 100
+
+
+def se_from_ci(step_ms: float, low_ms: float, high_ms: float, coverage: float, df: float = math.inf) -> float:
+    """The standard error of log(step) implied by a two-sided CI of that coverage (a t
+    reference with df degrees of freedom; infinite: normal)."""
+    if not all(math.isfinite(v) and v > 0 for v in (step_ms, low_ms, high_ms)) or not 0 < coverage < 1:
+        return math.nan
+    return (math.log(high_ms) - math.log(low_ms)) / (2 * stats.t.ppf(0.5 + coverage / 2, df))
+
+
+def minimum_detectable_effect_pct(step_ms: float, low_ms: float, high_ms: float, coverage: float = 0.95,
+                                  ci_df: float = math.inf, between_start_pct: float = 0.0, alpha: float = 0.05,
+                                  cells: int = 1, power: float = 0.8, threshold_pct: float = 0.0) -> float:
+    """The smallest slowdown (%) of this cell a diff against a study of equal noise calls
+    `slower` with probability `power` at level alpha: the cell's log-scale standard error
+    from its CI (coverage, ci_df) plus a between-start spread (%, the standard deviation
+    of the step from one engine start to the next, 0 when the CI already spans starts),
+    doubled in variance for the two sides."""
+    se = se_from_ci(step_ms, low_ms, high_ms, coverage, ci_df)
+    between = math.log1p(max(between_start_pct, 0.0) / 100)
+    # two sides of equal variance and ci_df each: Welch–Satterthwaite gives 2 * ci_df
+    return mde_from_se(math.sqrt(2 * (se ** 2 + between ** 2)), 2 * ci_df, alpha, cells, power, threshold_pct)
+
+
+def cell_mde_pct(step_ms: float, low_ms: float, high_ms: float, coverage: float, starts: int = 1,
+                 periods: int = 1, replicate_step_ms: Optional[float] = None) -> float:
+    """A measured cell's MDE (what cells.csv and summary.json report as mde_pct), at the gate's
+    default level (alpha 0.05, one cell, 80 % power, no threshold). A CI over several engine
+    starts (or periods) is a t-interval with one df fewer than them, and already spans what
+    changes between them; a one-start cell adds the spread its replicate-first re-measure shows,
+    when it has one (|log(replicate / step)| / sqrt(2)), and otherwise holds within-start noise
+    only: a diff widens it by the study's between-start component (docs/diff.md)."""
+    groups = max(starts, periods)
+    df = groups - 1.0 if groups > 1 else math.inf
+    between = 0.0
+    if groups == 1 and replicate_step_ms is not None and replicate_step_ms > 0 and step_ms > 0:
+        between = math.expm1(abs(math.log(replicate_step_ms / step_ms)) / math.sqrt(2)) * 100
+    return minimum_detectable_effect_pct(step_ms, low_ms, high_ms, coverage, df, between)

@@ -1,0 +1,194 @@
+"""The statistics of `stage=diff` (pure, vectorized over the last axis or over cells): each
+side of a cell as a log-scale estimate with its variance and degrees of freedom, their
+difference (the log of head/base), one-sided p-values for slower and faster, the
+equivalence test (TOST) for `same`, Holm's step-down adjustment over the judged cells, and
+the between-start component a one-start side is widened by.
+
+Why log scale: a ratio's CI is symmetric there, variances of two independent sides add,
+and a between-start spread quoted in % is a standard deviation of the log step.
+
+- One engine start: the median of the log pairs (the log of the cell's median), its
+  variance by the Maritz–Jarrett estimate (beta weights over the order statistics: smooth,
+  no resampling, so no seed), n - 1 degrees of freedom.
+- Several starts: intervals.between_starts_ci on the log pairs grouped by start (each
+  start's median, a t-interval with k - 1 degrees of freedom, every start weighted equally);
+  the variance is read back from the interval's half-width.
+- A one-start side cannot see what changes between engine starts, so its variance gets a
+  between-start component added (a stated noise floor, or the study's replicate-first
+  re-measures); the degrees of freedom of a sum of variances by Welch–Satterthwaite.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+from scipy import stats
+
+from hostsweep.measure.intervals import between_starts_ci
+
+INF = math.inf
+
+
+@dataclass(frozen=True)
+class LogEstimate:
+    """One side of one cell on log scale: estimate, variance, degrees of freedom, starts."""
+
+    est: float
+    var: float
+    df: float
+    starts: int
+    pairs: int
+
+
+@functools.lru_cache(maxsize=256)
+def mj_weights(n: int) -> np.ndarray:
+    """Maritz–Jarrett weights of the sorted values for the median's standard error: the
+    probability mass of Beta(m - 1, n - m), m = floor(n/2 + 0.5), on each ((i-1)/n, i/n]."""
+    m = int(n / 2 + 0.5)
+    edges = stats.beta.cdf(np.arange(n + 1) / n, max(m - 1, 1e-9), max(n - m, 1e-9))
+    return np.diff(edges)
+
+
+def median_log(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(median, Maritz–Jarrett variance, n - 1 df) of log(values) over the last axis."""
+    logs = np.sort(np.log(np.asarray(values, dtype=float)), axis=-1)
+    n = logs.shape[-1]
+    w = mj_weights(n)
+    first, second = logs @ w, (logs ** 2) @ w
+    return np.median(logs, axis=-1), np.maximum(second - first ** 2, 0.0), np.full(logs.shape[:-1], n - 1.0)
+
+
+def start_medians_log(medians: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(mean, variance of the mean, k - 1 df) of log start medians over the last axis."""
+    logs = np.log(np.asarray(medians, dtype=float))
+    k = logs.shape[-1]
+    return logs.mean(axis=-1), logs.var(axis=-1, ddof=1) / k, np.full(logs.shape[:-1], k - 1.0)
+
+
+def side_estimate(groups: Sequence[np.ndarray], level: float) -> LogEstimate:
+    """A side of a cell from its timed pairs grouped by engine start (one group: one start)."""
+    groups = [np.asarray(g, dtype=float) for g in groups if len(g)]
+    pairs = sum(g.size for g in groups)
+    if len(groups) == 1:
+        est, var, df = median_log(groups[0])
+        return LogEstimate(float(est), float(var), float(df), 1, pairs)
+    point, low, high = between_starts_ci([np.log(g) for g in groups], level)
+    k = len(groups)
+    se = (high - low) / (2 * stats.t.ppf(0.5 + level / 2, k - 1))
+    return LogEstimate(point, float(se ** 2), k - 1.0, k, pairs)
+
+
+def satterthwaite(variances: Sequence[np.ndarray], dfs: Sequence[np.ndarray]) -> np.ndarray:
+    """Welch–Satterthwaite degrees of freedom of a sum of independent variance estimates
+    (an infinite df: a variance taken as known)."""
+    total = sum(np.asarray(v, dtype=float) for v in variances)
+    parts = sum(np.where(np.isinf(d), 0.0, np.asarray(v, dtype=float) ** 2 / np.where(np.isinf(d), 1.0, d))
+                for v, d in zip(variances, dfs))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(parts > 0, total ** 2 / np.where(parts > 0, parts, 1.0), INF)
+
+
+def widen(var: np.ndarray, df: np.ndarray, between_var: float, between_df: float) -> tuple[np.ndarray, np.ndarray]:
+    """A one-start side's variance plus the between-start component, with its df."""
+    return var + between_var, satterthwaite([var, np.full_like(np.asarray(var, float), between_var)],
+                                            [df, np.full_like(np.asarray(df, float), between_df)])
+
+
+def pvalues(d: np.ndarray, se: np.ndarray, df: np.ndarray, threshold_pct: float
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(p_slower, p_faster, p_same) for log-ratios d with standard errors se and df:
+    p_slower tests H0 head <= base, p_faster H0 head >= base, p_same the equivalence test
+    (TOST) of H0 |ratio| outside [1 - t, 1 + t], the larger of its two one-sided p-values."""
+    d, se, df = (np.asarray(x, dtype=float) for x in (d, se, df))
+    safe = np.where(se > 0, se, np.nan)
+    up, down = math.log(1 + threshold_pct / 100), math.log(1 - threshold_pct / 100)
+    p_slower = stats.t.sf(d / safe, df)
+    p_faster = stats.t.cdf(d / safe, df)
+    p_same = np.maximum(stats.t.cdf((d - up) / safe, df), stats.t.sf((d - down) / safe, df))
+    return p_slower, p_faster, p_same
+
+
+def holm(p: np.ndarray) -> np.ndarray:
+    """Holm's step-down adjusted p-values over the last axis (NaN: not judged, left NaN and
+    not counted in the family): reject where adjusted <= alpha controls the family-wise
+    error at alpha for any dependence between the cells."""
+    p = np.asarray(p, dtype=float)
+    finite = np.isfinite(p)
+    m = finite.sum(axis=-1, keepdims=True)
+    order = np.argsort(np.where(finite, p, np.inf), axis=-1)
+    ranked = np.take_along_axis(np.where(finite, p, 1.0), order, axis=-1)  # the not judged sort last
+    factor = m - np.arange(p.shape[-1])
+    adjusted = np.minimum(np.maximum.accumulate(np.clip(ranked * factor, 0, 1), axis=-1), 1.0)
+    out = np.empty_like(p)
+    np.put_along_axis(out, order, adjusted, axis=-1)
+    return np.where(finite, out, np.nan)
+
+
+def verdicts(d: np.ndarray, p_slower_adj: np.ndarray, p_faster_adj: np.ndarray, p_same: np.ndarray,
+             alpha: float, threshold_pct: float) -> np.ndarray:
+    """slower: Holm-significant increase and the ratio beyond 1 + t; faster the mirror;
+    same: TOST at alpha (per cell: proving every cell the same is an intersection-union
+    test, which needs no adjustment); else inconclusive."""
+    ratio = np.exp(np.asarray(d, dtype=float))
+    t = threshold_pct / 100
+    out = np.full(ratio.shape, "inconclusive", dtype=object)
+    out[np.asarray(p_same) <= alpha] = "same"
+    out[(np.asarray(p_faster_adj) <= alpha) & (ratio < 1 - t)] = "faster"
+    out[(np.asarray(p_slower_adj) <= alpha) & (ratio > 1 + t)] = "slower"
+    return out
+
+
+def ci(d: np.ndarray, se: np.ndarray, df: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarray]:
+    """The ratio's two-sided CI at `level` from the log-ratio's t reference."""
+    q = stats.t.ppf(0.5 + level / 2, df)
+    return np.exp(d - q * se), np.exp(d + q * se)
+
+
+def pooled(variances: Sequence[float], dfs: Sequence[float]) -> tuple[float, float]:
+    """Variance estimates pooled by their df (nan, 0 when there are none)."""
+    parts = [(v, d) for v, d in zip(variances, dfs) if d > 0 and math.isfinite(v)]
+    total = sum(d for _, d in parts)
+    return (sum(v * d for v, d in parts) / total, total) if total else (math.nan, 0.0)
+
+
+def replicate_component(step_ms: Sequence[float], replicate_step_ms: Sequence[float]) -> tuple[float, float]:
+    """(variance, df) from replicate-first re-measures of cells that are alone in their engine
+    group (a group's re-measure is of its first cell, and every cell of the group carries it,
+    so only a group of one says whose it is): half the mean squared log difference, each
+    difference holding two measures' noise (so it errs wide), one df per difference."""
+    counts: dict[float, int] = {}
+    for r in replicate_step_ms:
+        if r is not None and math.isfinite(r):
+            counts[r] = counts.get(r, 0) + 1
+    pairs = [(s, r) for s, r in zip(step_ms, replicate_step_ms) if r is not None and math.isfinite(r)
+             and counts[r] == 1 and s is not None and math.isfinite(s) and s > 0 and r > 0]
+    if not pairs:
+        return math.nan, 0.0
+    d = np.log([r / s for s, r in pairs])
+    return float(np.mean(d ** 2) / 2), float(len(pairs))
+
+
+def side_arrays(pairs: np.ndarray, between_var: float = math.nan, between_df: float = math.inf
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(est, var, df) of many cells' sides at once: pairs shaped (..., k starts, n pairs).
+    One start: median and Maritz–Jarrett variance, widened by the between-start component
+    when it is known; several: the t on the starts' medians, as side_estimate does."""
+    pairs = np.asarray(pairs, dtype=float)
+    if pairs.shape[-2] == 1:
+        est, var, df = median_log(pairs[..., 0, :])
+        return (est, *widen(var, df, between_var, between_df)) if math.isfinite(between_var) else (est, var, df)
+    return start_medians_log(np.median(pairs, axis=-1))
+
+
+def judge_arrays(base: np.ndarray, head: np.ndarray, threshold_pct: float, alpha: float,
+                 between_var: float = math.nan, between_df: float = math.inf) -> np.ndarray:
+    """The verdicts report/diff.py gives, for many simulated studies at once: base and head
+    shaped (studies, cells, k starts, n pairs); Holm over each study's cells."""
+    (eb, vb, fb), (eh, vh, fh) = side_arrays(base, between_var, between_df), side_arrays(head, between_var, between_df)
+    d, se = eh - eb, np.sqrt(vb + vh)
+    df = satterthwaite([vb, vh], [fb, fh])
+    slower, faster, same = pvalues(d, se, df, threshold_pct)
+    return verdicts(d, holm(slower), holm(faster), same, alpha, threshold_pct)
