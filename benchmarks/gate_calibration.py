@@ -28,9 +28,11 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Optional
 
 import numpy as np
+import pandas as pd
 from scipy import optimize, stats
 
 from hostsweep.measure.intervals import (
@@ -171,13 +173,163 @@ def drift_section(seeds: int, level: float, scale: float) -> None:
                 print(f"{noise:>8} {within:5.1%} {n:>3} " + " ".join(f"{c:10.3f}" for c in cells))
 
 
+# --- the diff stage's gate (report/diff_stats.py): family-wise false alarms and power -----
+
+GATE_CELLS = 100  # cells a release grid judges at once
+PLANTED_CELLS = 10  # of them, regressed by the planted shift in the power runs
+CHUNK = 250  # simulated studies per vectorized batch (memory: CHUNK * cells * 2 * k * n floats)
+DESIGNS = (  # (label, engine starts per side, the noise floor the diff is told: True = the planted spread)
+    ("1 start, no widening", 1, None), ("1 start + floor", 1, True), ("3 starts", 3, None), ("5 starts", 5, None))
+
+
+def gate_side(rng: np.random.Generator, noise: str, studies: int, k: int, n: int, scale: float, spread: float,
+              shift: np.ndarray) -> np.ndarray:
+    """Pairs of one side of many simulated studies: (studies, cells, k, n), each engine start
+    shifted by N(0, spread) on log scale, each cell by its planted shift."""
+    x = draw(rng, noise, (studies, GATE_CELLS, k, n), scale)
+    return x * np.exp(spread * rng.standard_normal((studies, GATE_CELLS, k, 1))) * shift[None, :, None, None]
+
+
+def gate_rates(seeds: int, noise: str, k: int, floor: Optional[float], spread: float, scale: float, planted: float,
+               threshold: float, alpha: float, n: int = 12) -> tuple[float, float, float]:
+    """(family-wise false-alarm rate over the unchanged cells, power per planted cell, share of
+    unchanged cells shown `same`) of the gate over `seeds` simulated studies."""
+    from hostsweep.report.diff_stats import judge_arrays
+
+    shift = np.ones(GATE_CELLS)
+    shift[:PLANTED_CELLS] = planted
+    rng = np.random.default_rng([k, int(spread * 1e4), int(planted * 100), NOISES.index(noise)])
+    between = math.nan if floor is None else math.log1p(floor) ** 2
+    alarms, found, same = [], [], []
+    for start in range(0, seeds, CHUNK):
+        m = min(CHUNK, seeds - start)
+        v = judge_arrays(gate_side(rng, noise, m, k, n, scale, spread, np.ones(GATE_CELLS)),
+                         gate_side(rng, noise, m, k, n, scale, spread, shift), threshold, alpha, between)
+        unchanged = slice(PLANTED_CELLS, None) if planted != 1.0 else slice(None)
+        alarms.append((v[:, unchanged] == "slower").any(axis=1))
+        found.append((v[:, :PLANTED_CELLS] == "slower").mean(axis=1))
+        same.append((v[:, unchanged] == "same").mean(axis=1))
+    return float(np.concatenate(alarms).mean()), float(np.concatenate(found).mean()), float(np.concatenate(same).mean())
+
+
+def gate_section(seeds: int, level: float, scale: float) -> None:
+    """The gate (fail_on=slower, threshold 5 %, alpha 1 - level, Holm over 100 cells): how often
+    it fails with nothing changed, and how often it finds planted +5 % / +10 % regressions."""
+    alpha = 1 - level
+    print(f"\n## diff gate over {GATE_CELLS} cells, threshold 5 %, alpha {alpha:.2f} (Holm), 12 pairs a start, "
+          f"within-start noise {scale:.1%}, {seeds} simulated studies per row")
+    print(f"{'noise':>8} {'design':>22} {'spread':>6} {'FWER':>6} {'same':>6} {'power+5%':>9} {'power+10%':>9} "
+          f"{'FWER(+10%)':>10}")
+    for noise in ("gauss", "outlier1"):
+        for label, k, floor in DESIGNS:
+            for spread in (0.0, 0.01, 0.02, 0.03):
+                told = (math.expm1(spread) if floor else None) if k == 1 else None  # the SD of log step, in %
+                fwer, _, same = gate_rates(seeds, noise, k, told, spread, scale, 1.0, 5.0, alpha)
+                _, p5, _ = gate_rates(seeds, noise, k, told, spread, scale, 1.05, 5.0, alpha)
+                fwer10, p10, _ = gate_rates(seeds, noise, k, told, spread, scale, 1.10, 5.0, alpha)
+                print(f"{noise:>8} {label:>22} {spread:6.0%} {fwer:6.3f} {same:6.3f} {p5:9.3f} {p10:9.3f} "
+                      f"{fwer10:10.3f}")
+
+
+# --- part (b): this machine's real pairs (tests/data/raw_timings), resampled -------------
+
+REAL = Path(__file__).resolve().parent.parent / "tests" / "data" / "raw_timings"
+
+
+def real_cells() -> dict[str, dict[str, pd.DataFrame]]:
+    """study -> cell (b1-ctx128 ...) -> its raw_timings table, from the kept real sweeps."""
+    out: dict[str, dict[str, pd.DataFrame]] = {}
+    for path in sorted(REAL.glob("*.csv")):
+        study, cell = path.stem.rsplit("-", 2)[0], "-".join(path.stem.rsplit("-", 2)[1:])
+        out.setdefault(study, {})[cell] = pd.read_csv(path)
+    return out
+
+
+def replay_resampled(seeds: int, alpha: float, threshold: float) -> None:
+    """A/A and planted shifts on each real cell's own pairs: both sides drawn (12 pairs, with
+    replacement) from one start's real pairs, so the noise shape is this machine's (outliers,
+    bursts) and the truth is known (ratio 1, or the planted shift); one cell judged at a time."""
+    from hostsweep.report.diff_stats import judge_arrays
+
+    print(f"\n## replayed real pairs: both sides resampled from one cell's pairs of one engine start "
+          f"(12 pairs a side), {seeds} draws, one cell judged at alpha {alpha:.2f}, threshold {threshold:g} %")
+    print(f"{'study/cell':>24} {'pairs':>5} {'spread':>6} {'slower A/A':>10} {'same A/A':>8} {'power+5%':>8} "
+          f"{'power+10%':>9} {'power+20%':>9}")
+    for study, cells in real_cells().items():
+        for cell, table in cells.items():
+            pool = table.loc[table.get("replicate", 0) == 0, "step_ms"].dropna().to_numpy(float)
+            rng = np.random.default_rng(zlib_key(study + cell))
+            rates = []
+            for planted in (1.0, 1.05, 1.10, 1.20):
+                base = rng.choice(pool, (seeds, 1, 1, 12))
+                head = rng.choice(pool, (seeds, 1, 1, 12)) * planted
+                v = judge_arrays(base, head, threshold, alpha, 0.0)
+                rates.append(((v == "slower").mean(), (v == "same").mean()))
+            spread = (np.percentile(pool, 75) - np.percentile(pool, 25)) / np.median(pool)
+            print(f"{study + '/' + cell:>24} {pool.size:5d} {spread:6.1%} {rates[0][0]:10.3f} {rates[0][1]:8.3f} "
+                  f"{rates[1][0]:8.3f} {rates[2][0]:9.3f} {rates[3][0]:9.3f}")
+
+
+def zlib_key(text: str) -> int:
+    import zlib
+
+    return zlib.crc32(text.encode())
+
+
+def real_side(cells: dict[str, pd.DataFrame], version: str) -> tuple[pd.DataFrame, dict[str, list[np.ndarray]]]:
+    """One kept study as the diff reads a side: a row per cell, its pairs by engine start."""
+    from hostsweep.record.sides import pairs_by_start, period_spread
+
+    rows, raw = [], {}
+    for cell, table in cells.items():
+        batch, ctx = cell.split("-")
+        run = f"{version}-{cell}"
+        raw[run] = pairs_by_start(table)
+        var, df = period_spread(table["step_ms"], table["period"]) if "period" in table else (math.nan, 0.0)
+        starts = len(raw[run])
+        rows.append({"batch": batch[1:], "ctx": ctx[3:], "step_ms": float(table["step_ms"].median()),
+                     "run_id": run, "period_var": var, "period_df": df, "vllm_version": version,
+                     **({"replicates": str(starts)} if starts > 1 else {})})
+    return pd.DataFrame(rows), raw
+
+
+def replay_studies(level: float, threshold: float) -> None:
+    """The kept studies diffed against each other as they are (nothing changed between them,
+    minutes apart on the same machine): the gate's verdicts, and each cell's MDE."""
+    from hostsweep.report.diff import DiffOptions, diff
+
+    studies = real_cells()
+    print(f"\n## replayed real studies diffed as they are (A/A: nothing changed between them), "
+          f"threshold {threshold:g} %, alpha {1 - level:.2f}")
+    print(f"{'base -> head':>26} {'cell':>10} {'ratio':>6} {'CI':>15} {'verdict':>12} {'MDE %':>6}  between-start "
+          "component")
+    names = sorted(studies)
+    for b, h in [(x, y) for i, x in enumerate(names) for y in names[i + 1:]]:
+        base, raw_b = real_side(studies[b], b)
+        head, raw_h = real_side(studies[h], h)
+        result = diff(base, head, {**raw_b, **raw_h}, DiffOptions(threshold, ("step_ms",), level, 1 - level,
+                                                                   fail_on="slower"))
+        for row in result.cells.to_dict("records"):
+            print(f"{b + ' -> ' + h:>26} {row['cell']:>10} {row['ratio']:6.3f} "
+                  f"[{row['ci_low']:.3f}, {row['ci_high']:.3f}] {row['verdict']:>12} {row['mde_pct']:6.1f}  "
+                  f"{row['between']}")
+        print(f"{'':>26} gate: {'FAIL' if result.gate()[0] else 'pass'}: {result.gate()[1]}")
+
+
+def replay_section(seeds: int, level: float, scale: float) -> None:
+    replay_resampled(seeds, 1 - level, 5.0)
+    replay_studies(level, 5.0)
+
+
 SECTIONS: dict[str, Callable[[int, float, float], None]] = {
     "median": median_section,
     "starts": between_starts_section,
     "adaptive": adaptive_section,
     "drift": drift_section,
     # The diff stage's gate: family-wise false-alarm rate over unchanged cells and power
-    # against planted regressions. Add its section functions here, same signature.
+    # against planted regressions; then this machine's real pairs replayed.
+    "gate": gate_section,
+    "replay": replay_section,
 }
 
 
