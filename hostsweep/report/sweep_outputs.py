@@ -4,6 +4,10 @@ the parent run's description, figures and files in MLflow, and the console's las
 
 Everything here is read back from cells.csv, so it costs the same whatever the sweep's
 size, and none of it may cost a measurement: a failure is one warning line.
+
+Like the rest of report/, it imports no record/ code: what it writes to MLflow and says of
+the store goes through the sweep's record the stage hands it (RecordedSweep, which
+record/tracking.SweepTracker is), and of the cell table it needs only the file's path.
 """
 from __future__ import annotations
 
@@ -11,25 +15,49 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol, Sequence
 
 import pandas as pd
 
-from hostsweep.config.redact import error_line, redact
+from hostsweep.config.redact import error_line
 from hostsweep.config.resolve import Study
-from hostsweep.record.celltable import CellTable
-from hostsweep.record.provenance import package_version
-from hostsweep.record.views import absolute_store_uri, open_ui_line
 from hostsweep.report.modes import finished_cells
 from hostsweep.report.summary import SUMMARY_FILE, build_summary, stability_counts, stability_line, sweep_description
 from hostsweep.report.tables import MAX_PRINTED_ROWS, format_overview, format_table, host_phase_table, phase_columns
 
-if TYPE_CHECKING:  # MLflow (1.5 s to import) loads only once a sweep records: bad input fails fast
-    from hostsweep.record.tracking import SweepTracker
-
 log = logging.getLogger(__name__)
 FIGURES_FOLDER = "figures"
 PHASES_FILE = "host_phases.csv"  # report/tables.host_phase_table, beside cells.csv
+
+
+class RecordedSweep(Protocol):
+    """What a finished sweep's outputs read of its MLflow record and write to it: the
+    stage's SweepTracker (record/tracking.py)."""
+
+    experiment: str
+    experiment_id: str
+    parent_run_id: Optional[str]
+
+    @property
+    def mlflow_version(self) -> str: ...
+
+    def store_label(self) -> str: ...
+
+    def open_ui_line(self, port: int = 5000) -> str: ...
+
+    def run_url(self, run_id: str, port: int = 5000) -> str: ...
+
+    def runs_table_url(self, port: int = 5000) -> str: ...
+
+    def describe_sweep(self, markdown: str) -> None: ...
+
+    def log_sweep_files(self, files: Sequence[Path], figures: Sequence[Path] = ()) -> None: ...
+
+
+class TableFile(Protocol):
+    """The cell table as the outputs use it: where cells.csv is (record/celltable.CellTable)."""
+
+    path: Path
 
 
 def engines_label(study: Study, tps: list[int]) -> str:
@@ -47,7 +75,7 @@ def _values(cells: pd.DataFrame, column: str) -> str:
     return ",".join(sorted({str(v) for v in cells[column].dropna() if str(v)}))
 
 
-def sweep_meta(study: Study, tracker: SweepTracker, cells: pd.DataFrame, run_dir: Path, status: str,
+def sweep_meta(study: Study, tracker: RecordedSweep, cells: pd.DataFrame, run_dir: Path, status: str,
                tags: dict[str, str], started: float) -> dict[str, Any]:
     cfg = study.config
     tps = [int(t) for t in cells["tp"].dropna()] if "tp" in cells else []
@@ -58,11 +86,11 @@ def sweep_meta(study: Study, tracker: SweepTracker, cells: pd.DataFrame, run_dir
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "ended": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "run_dir": str(run_dir),
-        "versions": {"hostsweep": tags.get("hostsweep_version", package_version("hostsweep")),
+        "versions": {"hostsweep": tags.get("hostsweep_version", "unknown"),  # record/provenance.driver_tags
                      "vllm": _values(cells, "vllm_version"), "torch": _values(cells, "torch_version"),
-                     "ray": tags.get("ray_version", package_version("ray")), "mlflow": package_version("mlflow")},
+                     "ray": tags.get("ray_version", "unknown"), "mlflow": tracker.mlflow_version},
         "git_sha": tags.get("git_sha", "unknown"),
-        "mlflow": {"tracking_uri": redact(absolute_store_uri(tracker.tracking_uri)), "experiment": tracker.experiment,
+        "mlflow": {"tracking_uri": tracker.store_label(), "experiment": tracker.experiment,
                    "experiment_id": tracker.experiment_id, "parent_run_id": tracker.parent_run_id,
                    "runs_table": tracker.runs_table_url()},
     }
@@ -85,7 +113,7 @@ def sweep_figures(study: Study, rows: pd.DataFrame) -> dict[str, Any]:
     return figs
 
 
-def write_results(study: Study, tracker: SweepTracker, table: CellTable, cells: pd.DataFrame, run_dir: Path,
+def write_results(study: Study, tracker: RecordedSweep, table: TableFile, cells: pd.DataFrame, run_dir: Path,
                   status: str, tags: dict[str, str], started: float, mlflow_up: bool) -> Optional[Path]:
     """summary.json and figures/*.png in the run directory and, when MLflow answers, on the
     parent run with its description, from `cells` (the cell table in the grid's order, as
@@ -126,7 +154,7 @@ def _close(figs: dict[str, Any]) -> None:
         plt.close(fig)
 
 
-def where_results_are(tracker: SweepTracker, table: CellTable, summary: Optional[Path],
+def where_results_are(tracker: RecordedSweep, table: TableFile, summary: Optional[Path],
                       unrecorded: Optional[str] = None) -> str:
     """The lines that say where the results are and how to browse them; `unrecorded` in
     place of the MLflow lines when MLflow did not get the cells."""
@@ -137,13 +165,13 @@ def where_results_are(tracker: SweepTracker, table: CellTable, summary: Optional
     if unrecorded:
         return "\n".join([*lines, unrecorded])
     lines += [f"MLflow: experiment {tracker.experiment} ({tracker.experiment_id}), parent run {tracker.parent_run_id} "
-              f"in {redact(absolute_store_uri(tracker.tracking_uri))}"]
-    lines.append(open_ui_line(tracker.tracking_uri))
+              f"in {tracker.store_label()}"]
+    lines.append(tracker.open_ui_line())
     lines.append(f"  then browse {tracker.runs_table_url()}")
     return "\n".join(lines)
 
 
-def print_results(rows: pd.DataFrame, resumed: int, tracker: SweepTracker, table: CellTable,
+def print_results(rows: pd.DataFrame, resumed: int, tracker: RecordedSweep, table: TableFile,
                   summary: Optional[Path], unrecorded: Optional[str] = None) -> None:
     """The console's last lines: where things are, then the table itself."""
     print(where_results_are(tracker, table, summary, unrecorded))

@@ -61,6 +61,15 @@ def test_the_model_imports_only_the_pure_core(path):
     assert hostsweep_imports(path) <= {"config", "measure", "model"}
 
 
+@pytest.mark.parametrize("path", [p for p in modules() if package_of(p) in PURE_PACKAGES],
+                         ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_pure_core_imports_only_the_pure_core(path):
+    """config, measure, model and report import none of engines, run, record or calibrate,
+    not even their MLflow-free modules: what a report writes to MLflow goes through an object
+    the stage hands it (report/sweep_outputs.RecordedSweep)."""
+    assert hostsweep_imports(path) <= set(PURE_PACKAGES)
+
+
 def pure_modules() -> list[str]:
     names = []
     for path in modules():
