@@ -31,6 +31,7 @@ import numpy as np
 import pandas as pd
 
 from hostsweep.measure.detectable import mde_from_se, se_from_ci
+from hostsweep.measure.intervals import few_starts_warning
 from hostsweep.report import diff_stats as S
 from hostsweep.report.diff_match import (  # noqa: F401 - re-exported: the rules live in one place for readers
     CELL_DIMS, PROVENANCE_DIMS, Difference, cell_label, dimensions, match_cells, text,
@@ -432,6 +433,9 @@ def diff(base: pd.DataFrame, head: pd.DataFrame, raw: Mapping[str, RawPairs], op
     cells = cells[COLUMNS + list(label_dims)]
     if not pairs:
         warnings.append("no cell of one side matches a cell of the other on " + (", ".join(matched_on) or "anything"))
+    two = cells[(cells["quantity"] == GATED) & ((cells["starts_base"] == 2) | (cells["starts_head"] == 2))]
+    if len(two):
+        warnings.append(f"{len(two)} cell(s): {few_starts_warning(2)}")
     result = DiffResult(options, matched_on, differs, shared, label_dims, cells, unmatched, warnings=warnings,
                         between={"base": between[0].source, "head": between[1].source})
     result.summary = _summary(cells, options)

@@ -250,6 +250,15 @@ def test_sides_measured_in_several_starts_are_judged_over_their_starts():
     assert steps.loc["b1-ctx128", "verdict"] == "slower" and "replicates" in result.matched_on
 
 
+def test_sides_of_two_starts_are_judged_with_a_warning_that_the_interval_is_wide():
+    base, raw_b = side("a", {}, 8)
+    head, raw_h = side("b", {}, 8)
+    starts = {run: np.split(p, 2) for run, p in {**raw_b, **raw_h}.items()}
+    result = diff(base.assign(replicates="2"), head.assign(replicates="2"), starts, DiffOptions())
+    assert any("2 engine starts" in w and "measure.replicates >= 3" in w for w in result.warnings)
+    assert (result.cells[result.cells["quantity"] == GATED]["df"] < 3).all()
+
+
 def test_a_one_start_side_is_never_matched_silently_against_a_several_start_side():
     base, raw_b = side("a", {}, 7)
     head, raw_h = side("b", {}, 7)
