@@ -1,8 +1,8 @@
 """The grid: cells and engine specs expanded from a resolved Study (pure).
 
-A cell is one (sku, model, mode, tp, batch, ctx, workload) point measured with one
-protocol. Cells that share (sku, model, mode, tp) share one engine, so one worker serves
-them. A cell whose SKU cannot run its mode (in a multi-mode study) carries the reason in
+A cell is one point of the grid's axes (CELL_AXES: sku, model, mode, tp, batch, ctx,
+workload) measured with one protocol. Cells that share the engine axes (sku, model, mode,
+tp) share one engine, so one worker serves them. A cell whose SKU cannot run its mode (in a multi-mode study) carries the reason in
 `skip` and is recorded, never dispatched.
 """
 from __future__ import annotations
@@ -19,6 +19,23 @@ from hostsweep.config.engine_args import (
 )
 from hostsweep.config.resolve import Study
 from hostsweep.config.schema import ModeConfig, ModelConfig, SkuConfig
+
+# The cell's identity, defined here once: every table, report, read-back and selection
+# names a cell by these (a new axis is added here, as a field of EngineSpec or Cell of the
+# same name, and in build_cells). Engine axes: one engine serves every cell that shares
+# them. Load axes: what one engine is asked for, cell by cell.
+ENGINE_AXES = ("sku", "model", "mode", "tp")
+LOAD_AXES = ("batch", "ctx", "workload")
+CELL_AXES = (*ENGINE_AXES, *LOAD_AXES)
+# Logged with every cell beside its axes (MLflow params, cells.csv columns, in this
+# order): the protocol (summary.json's params too) and how the engine runs. A measurement
+# is the same only if these are too.
+PROTOCOL_PARAMS = ("T", "reps", "warmups", "dtype", "engine")
+ENGINE_PARAMS = ("tp_executor", "engine_args")
+CELL_PARAMS = (*CELL_AXES, *PROTOCOL_PARAMS, *ENGINE_PARAMS)
+INT_PARAMS = ("tp", "batch", "ctx", "T", "reps", "warmups")
+# What a run logged before an axis existed stands for (cells read back from older sweeps).
+LEGACY_AXIS_VALUES = {"mode": "eager", "workload": "random"}
 
 
 @dataclass(frozen=True)
@@ -115,17 +132,16 @@ class Cell:
 
     def params(self) -> dict[str, object]:
         """The parameters users filter by, as logged to MLflow and the cell table."""
-        e = self.engine
         adaptive = {} if self.target_ci_pct is None else \
             {"target_ci_pct": self.target_ci_pct, "min_reps": self.min_reps, "max_reps": self.reps}
-        return {
-            "sku": e.sku, "model": e.model, "mode": e.mode, "tp": e.tp,
-            "batch": self.batch, "ctx": self.ctx, "T": self.T,
-            "reps": self.reps, "warmups": self.warmups, "dtype": e.dtype, "engine": e.engine,
-            "tp_executor": e.tp_executor, "workload": self.workload,
-            "engine_args": canonical_json(e.keyed_args), **adaptive,
-            **({"replicates": self.replicates} if self.replicates != 1 else {}),
-        }
+        return {**{name: self.param(name) for name in CELL_PARAMS}, **adaptive,
+                **({"replicates": self.replicates} if self.replicates != 1 else {})}
+
+    def param(self, name: str) -> Any:
+        """One of CELL_PARAMS: the engine's value where the engine has one, else the cell's."""
+        if name == "engine_args":  # the user's arguments, not every resolved one
+            return canonical_json(self.engine.keyed_args)
+        return getattr(self.engine, name) if hasattr(self.engine, name) else getattr(self, name)
 
 
 def engine_spec(study: Study, sku: SkuConfig, tp: int, mode: Optional[ModeConfig] = None,

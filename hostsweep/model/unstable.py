@@ -17,8 +17,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from hostsweep.config.grid import CELL_AXES
+
 UNSTABLE_VALUES = {"false", "0", "no"}
-IDENTITY = ("sku", "model", "mode", "tp", "batch", "ctx", "run_id")
+IDENTITY = (*CELL_AXES, "run_id")  # how a left-out cell is named (config/grid.py, then its MLflow run)
 
 
 def _unstable(value: Any) -> bool:

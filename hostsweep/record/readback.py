@@ -10,6 +10,7 @@ import pandas as pd
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from hostsweep.config.grid import CELL_PARAMS, INT_PARAMS, LEGACY_AXIS_VALUES
 from hostsweep.config.redact import error_line
 from hostsweep.record.dbread import is_database, stored_runs
 
@@ -47,10 +48,7 @@ def read_cells(tracking_uri: str, experiments: list[str], parent_run_id: Optiona
     cells = cells.sort_values("start_time", ascending=False).drop_duplicates("tags.cell_key").sort_index()
     nan = pd.Series(float("nan"), index=cells.index)
     frame = pd.DataFrame({
-        "sku": cells["params.sku"], "model": cells["params.model"],
-        "mode": cells.get("params.mode", pd.Series("eager", index=cells.index)),
-        "tp": cells["params.tp"].astype(int), "batch": cells["params.batch"].astype(int),
-        "ctx": cells["params.ctx"].astype(int), "T": cells["params.T"].astype(int), "dtype": cells["params.dtype"],
+        **cell_params(cells),
         "step_ms": cells["metrics.step_ms"].astype(float),
         **{name: cells.get(f"metrics.{name}", nan).astype(float) for name in CELL_METRICS},
         "cell_key": cells["tags.cell_key"], "run_id": cells["run_id"],
@@ -65,6 +63,18 @@ def read_cells(tracking_uri: str, experiments: list[str], parent_run_id: Optiona
     others = {c[len("metrics."):]: cells[c].astype(float) for c in cells if c.startswith("metrics.")
               and c[len("metrics."):] not in frame}
     return frame.assign(**others).reset_index(drop=True)
+
+
+def cell_params(runs: pd.DataFrame) -> dict[str, pd.Series]:
+    """The runs' CELL_PARAMS (config/grid.py) as columns, integers typed; an axis a run
+    logged before it existed takes the value it stood for then, another missing param is NaN."""
+    params = {}
+    for name in CELL_PARAMS:
+        column = runs.get(f"params.{name}", pd.Series(float("nan"), index=runs.index))
+        if name in LEGACY_AXIS_VALUES:
+            column = column.fillna(LEGACY_AXIS_VALUES[name])
+        params[name] = column.astype(int) if name in INT_PARAMS and column.notna().all() else column
+    return params
 
 
 def direct_runs(tracking_uri: str, experiments: list[str], parent_run_id: Optional[str]) -> Optional[pd.DataFrame]:

@@ -11,7 +11,7 @@ from typing import Iterable, Optional
 
 import pandas as pd
 
-from hostsweep.config.grid import Cell
+from hostsweep.config.grid import CELL_AXES, Cell
 from hostsweep.config.redact import redact
 from hostsweep.config.resolve import Study
 from hostsweep.config.schema import ConfigError, FitConfig
@@ -71,8 +71,12 @@ def select_cells(study: Study, keys: Optional[Iterable[str]] = None) -> Selectio
         raise ConfigError(f"select: no FINISHED cell runs in experiment {name!r}{' (' + where + ')' if where else ''}"
                           f" of {redact(uri)}; run the sweep first (stage=sweep) or change select.*")
     log.info("selected %d cells from experiment %s", len(cells), name)
-    return Selection(cells.sort_values(["sku", "model", "mode", "tp", "batch", "ctx"]).reset_index(drop=True),
-                     name, known[name], uri)
+    return Selection(in_grid_order(cells), name, known[name], uri)
+
+
+def in_grid_order(cells: pd.DataFrame) -> pd.DataFrame:
+    """The cells sorted by the grid's axes (config/grid.py), as the fit and report list them."""
+    return cells.sort_values([a for a in CELL_AXES if a in cells]).reset_index(drop=True)
 
 
 def planned_cells(cells: list[Cell]) -> pd.DataFrame:

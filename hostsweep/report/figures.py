@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from hostsweep.config.grid import ENGINE_AXES  # noqa: E402
 from hostsweep.model.unstable import unstable_mask  # noqa: E402  (cells drawn hollow or hatched)
 from hostsweep.report.tables import phase_columns  # noqa: E402
 
@@ -241,7 +242,7 @@ MAX_LABELS = 16
 SAVE_KWARGS = {"dpi": 110, "bbox_inches": "tight"}
 # The sweep's split, in the comparison figures' host red; device time a muted blue.
 SPLIT_COLORS = {"device": "#4c72b0", "host": "#d62728"}
-ENGINE_KEYS = ["sku", "model", "mode", "tp"]
+ENGINE_KEYS = list(ENGINE_AXES)  # one panel per engine (config/grid.py)
 
 
 def _engines(cells: pd.DataFrame) -> list[tuple[tuple, pd.DataFrame]]:
@@ -250,8 +251,7 @@ def _engines(cells: pd.DataFrame) -> list[tuple[tuple, pd.DataFrame]]:
 
 
 def _engine_title(key: tuple) -> str:
-    sku, model, mode, tp = key
-    return f"{sku} {model} {mode} TP-{tp}"
+    return " ".join(f"TP-{value}" if axis == "tp" else str(value) for axis, value in zip(ENGINE_KEYS, key))
 
 
 def split_composition(cells: pd.DataFrame) -> Figure:

@@ -20,8 +20,11 @@ from typing import Any, Iterable, Mapping, Optional
 import numpy as np
 import pandas as pd
 
-AXES = ("sku", "model", "tp", "batch", "ctx", "workload")
-INT_COLUMNS = ("tp", "batch", "ctx")
+from hostsweep.config.grid import CELL_AXES, ENGINE_AXES, INT_PARAMS, LEGACY_AXIS_VALUES
+
+# A mode's cells meet their baseline's on every other axis of the cell (config/grid.py).
+AXES = tuple(a for a in CELL_AXES if a != "mode")
+INT_COLUMNS = tuple(a for a in CELL_AXES if a in INT_PARAMS)
 
 
 def finished_cells(rows: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
@@ -30,9 +33,8 @@ def finished_cells(rows: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
     if frame.empty or "status" not in frame:
         return pd.DataFrame(columns=[*AXES, "mode"])
     frame = frame[frame["status"] == "FINISHED"].copy()
-    if "workload" not in frame:
-        frame["workload"] = "random"
-    frame["workload"] = frame["workload"].fillna("random")
+    for axis, value in LEGACY_AXIS_VALUES.items():  # rows logged before the axis existed
+        frame[axis] = frame[axis].fillna(value) if axis in frame else value
     for column in INT_COLUMNS:
         frame[column] = frame[column].astype(int)
     for column in frame.columns:
@@ -81,10 +83,12 @@ def _split_columns(pairs: pd.DataFrame) -> pd.DataFrame:
 
 
 def crossover_batches(table: pd.DataFrame, threshold: float) -> pd.DataFrame:
-    """Per (sku, model, tp, ctx, workload), the smallest batch from which the reduction stays
-    below `threshold` at every larger batch of the grid (NaN: it never falls below)."""
+    """Per value of the other axes (sku, model, tp, ctx, workload), the smallest batch from
+    which the reduction stays below `threshold` at every larger batch of the grid (NaN: it
+    never falls below)."""
     rows = []
-    for group, cells in table.groupby(["sku", "model", "tp", "ctx", "workload"], sort=True):
+    others = [a for a in AXES if a != "batch"]
+    for group, cells in table.groupby(others, sort=True):
         cells = cells.sort_values("batch")
         below = (cells["reduction"] < threshold).to_numpy()
         crossover = np.nan
@@ -92,7 +96,7 @@ def crossover_batches(table: pd.DataFrame, threshold: float) -> pd.DataFrame:
             if below[i:].all():
                 crossover = float(cells["batch"].iloc[i])
                 break
-        rows.append({**dict(zip(["sku", "model", "tp", "ctx", "workload"], group)),
+        rows.append({**dict(zip(others, group)),
                      "crossover_batch": crossover, "threshold": threshold})
     return pd.DataFrame(rows)
 
@@ -158,16 +162,18 @@ def tp_floor(cells: pd.DataFrame) -> tuple[dict[str, pd.DataFrame], dict[str, fl
     smallest (batch, ctx) cell. Empty when the study has one TP degree."""
     if cells.empty or cells["tp"].nunique() < 2:
         return {}, {}
-    keep = [c for c in ("sku", "model", "mode", "workload", "batch", "ctx", "tp", "step_ms", "host_ms", "device_ms",
-                        "host_frac", "allreduce_backend") if c in cells]
-    table = cells[keep].sort_values(["sku", "model", "mode", "workload", "batch", "ctx", "tp"]).reset_index(drop=True)
+    engine = [a for a in ENGINE_AXES if a != "tp" and a in cells]  # one row of figures per engine but TP
+    axes = [a for a in CELL_AXES if a != "tp" and a in cells] + ["tp"]  # TP last: the floor reads down it
+    keep = [*axes, *(c for c in ("step_ms", "host_ms", "device_ms", "host_frac", "allreduce_backend") if c in cells)]
+    table = cells[keep].sort_values(axes).reset_index(drop=True)
     summary: dict[str, float] = {}
-    for (sku, model, mode), group in table.groupby(["sku", "model", "mode"]):
+    for key, group in table.groupby(engine):
         first = group[(group["batch"] == group["batch"].min()) & (group["ctx"] == group["ctx"].min())]
+        name = "/".join(map(str, key if isinstance(key, tuple) else (key,)))
         for _, row in first.iterrows():
             for column in ("step_ms", "host_ms", "device_ms"):
                 if column in row and pd.notna(row[column]):
-                    summary[f"{sku}/{model}/{mode}/tp{int(row['tp'])}/{column}"] = float(row[column])
+                    summary[f"{name}/tp{int(row['tp'])}/{column}"] = float(row[column])
     return {"tp_floor": table}, summary
 
 

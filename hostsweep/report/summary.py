@@ -13,12 +13,12 @@ from typing import Any, Callable, Optional
 
 import pandas as pd
 
+from hostsweep.config.grid import CELL_AXES, INT_PARAMS, PROTOCOL_PARAMS
 from hostsweep.report.tables import format_markdown
 
 SUMMARY_FILE = "summary.json"
 SUMMARY_FORMAT = 1
-PARAMS = ("sku", "model", "mode", "tp", "batch", "ctx", "T", "reps", "warmups", "dtype", "engine", "workload")
-INT_PARAMS = ("tp", "batch", "ctx", "T", "reps", "warmups")
+PARAMS = (*CELL_AXES, *PROTOCOL_PARAMS)  # a cell's "params" in summary.json (config/grid.py)
 STEP = {"median": "step_ms", "ci95_low": "step_ci_low_ms", "ci95_high": "step_ci_high_ms",
         "p10": "step_p10_ms", "p25": "step_p25_ms", "p75": "step_p75_ms", "p90": "step_p90_ms",
         "mde_pct": "mde_pct"}  # the minimum detectable effect (measure/detectable.py)

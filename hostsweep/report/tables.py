@@ -11,8 +11,16 @@ from typing import Callable, Iterable, Optional
 
 import pandas as pd
 
-COLUMNS = ("sku", "model", "mode", "tp", "batch", "ctx", "step_ms", "ci95_ms", "device_ms", "host_frac",
+from hostsweep.config.grid import CELL_AXES
+
+# Axes shown only when some cell is off their usual value (random prompts).
+VARIED_ONLY = {"workload": "random"}
+# The cell's axes (config/grid.py), then what was measured.
+COLUMNS = (*(a for a in CELL_AXES if a not in VARIED_ONLY), "step_ms", "ci95_ms", "device_ms", "host_frac",
            "regime", "hostname", "status")
+# The grid's inner axes vary within a sweep's table; any other axis the same for every cell
+# is said once, above it (the run's name).
+INNER_AXES = ("batch", "ctx")
 
 
 def _number(value: object) -> Optional[float]:
@@ -36,7 +44,7 @@ def display_row(row: dict[str, object]) -> dict[str, str]:
         shown["device_ms"], shown["host_frac"] = f"{device:.3f}", f"{frac:.3f}"
     else:
         shown["device_ms"], shown["host_frac"], shown["regime"] = "-", "-", "-"
-    shown["workload"] = str(row.get("workload") or "random")
+    shown.update({axis: str(row.get(axis) or usual) for axis, usual in VARIED_ONLY.items()})
     shown["stable"] = stable_mark(row)
     return shown
 
@@ -56,8 +64,9 @@ def table_columns(rows: list[dict[str, object]]) -> list[str]:
     """COLUMNS, with a workload column when a study has a workload other than random prompts,
     and a stable column when its cells were judged (measure/stability.py)."""
     columns = list(COLUMNS)
-    if any(str(r.get("workload") or "random") != "random" for r in rows):
-        columns.insert(columns.index("ctx") + 1, "workload")
+    for axis, usual in VARIED_ONLY.items():
+        if any(str(r.get(axis) or usual) != usual for r in rows):
+            columns.insert(sum(c in CELL_AXES for c in columns), axis)  # after the last axis shown
     if any(stable_mark(r) for r in rows):
         columns.append("stable")
     return columns
@@ -99,7 +108,7 @@ def format_markdown(rows: Iterable[dict[str, object]], max_chars: int,
     for a row's batch cell (its MLflow run)."""
     rows = list(rows)
     # What is the same for every cell is said once, above the table (the run's name).
-    same = {c for c in ("sku", "model", "mode", "tp", "workload") if len({str(r.get(c)) for r in rows}) == 1}
+    same = {c for c in CELL_AXES if c not in INNER_AXES and len({str(r.get(c)) for r in rows}) == 1}
     columns = [c for c in table_columns(rows) if c != "hostname" and c not in same]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     budget = max_chars - len(overflow) - 40
@@ -117,7 +126,6 @@ def format_markdown(rows: Iterable[dict[str, object]], max_chars: int,
     return "\n".join(lines)
 
 
-SHAPE_COLUMNS = ("sku", "model", "mode", "tp", "batch", "ctx")
 FRONTEND_COLUMN = "overlapped_frontend_process_outputs_ms"
 
 
@@ -139,7 +147,7 @@ def host_phase_table(cells: pd.DataFrame) -> pd.DataFrame:
     if not columns:
         return pd.DataFrame()
     rows = cells.dropna(subset=columns, how="all")
-    shown = {c: c for c in SHAPE_COLUMNS if c in rows}
+    shown = {c: c for c in CELL_AXES if c in rows}
     shown.update({c: c for c in ("step_ms", "device_ms") if c in rows})
     shown.update({c: c[len("phase_"):-len("_ms")] for c in columns})
     if FRONTEND_COLUMN in rows:
