@@ -23,7 +23,7 @@ import psutil
 from hostsweep.config.machine import local_sku_name
 from hostsweep.config.resolve import Study
 from hostsweep.config.schema import ConfigError
-from hostsweep.record.store import check_store, check_writable_folder
+from hostsweep.record.store import check_store_answers, check_writable_folder
 from hostsweep.run.cluster import check_address_answers
 
 log = logging.getLogger(__name__)
@@ -175,5 +175,5 @@ def preflight(study: Study, run_dir: Path) -> Optional[IO[str]]:
     check_local_gpus(study)
     if cfg.ray.address:
         check_address_answers(cfg.ray.address)
-    check_store(cfg.tracking.uri)
+    check_store_answers(cfg.tracking.uri)
     return lock_machine(study, run_dir)

@@ -72,7 +72,7 @@ def _check_database(uri: str, scheme: str, timeout_s: float) -> None:
     check_listening(host, port, timeout_s, f"tracking.uri={redact(uri)}")
 
 
-def check_store(uri: str, timeout_s: float = TIMEOUT_S) -> None:
+def check_store_answers(uri: str, timeout_s: float = TIMEOUT_S) -> None:
     """ConfigError (one line) unless the store answers: a server's /health, a database's
     port, a sqlite file's folder writable. (config.validation checked the scheme.)"""
     scheme = store_scheme(uri)
