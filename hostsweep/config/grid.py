@@ -33,6 +33,9 @@ CELL_AXES = (*ENGINE_AXES, *LOAD_AXES)
 PROTOCOL_PARAMS = ("T", "reps", "warmups", "dtype", "engine")
 ENGINE_PARAMS = ("tp_executor", "engine_args")
 CELL_PARAMS = (*CELL_AXES, *PROTOCOL_PARAMS, *ENGINE_PARAMS)
+# Logged only off their default (adaptive repetitions, several engine starts): a cell
+# without them was measured with the default.
+OPTIONAL_PARAMS = ("target_ci_pct", "min_reps", "max_reps", "replicates")
 INT_PARAMS = ("tp", "batch", "ctx", "T", "reps", "warmups")
 # What a run logged before an axis existed stands for (cells read back from older sweeps).
 LEGACY_AXIS_VALUES = {"mode": "eager", "workload": "random"}

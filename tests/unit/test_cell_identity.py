@@ -10,7 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hostsweep.config.grid import CELL_AXES, CELL_PARAMS, ENGINE_AXES, INT_PARAMS, LOAD_AXES, build_cells
+from hostsweep.config.grid import (
+    CELL_AXES, CELL_PARAMS, ENGINE_AXES, INT_PARAMS, LOAD_AXES, OPTIONAL_PARAMS, build_cells,
+)
 from tests.conftest import compose_typed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,6 +64,8 @@ def test_the_identity_is_engine_axes_then_load_axes_within_the_logged_params():
     cell = build_cells(compose_typed(["+sku=cpu"]))[0]
     assert list(cell.params())[:len(CELL_PARAMS)] == list(CELL_PARAMS)
     assert all(isinstance(cell.params()[name], int) for name in INT_PARAMS)
+    adaptive = build_cells(compose_typed(["+sku=cpu", "measure.target_ci_pct=2", "measure.replicates=3"]))[0]
+    assert list(adaptive.params()) == [*CELL_PARAMS, *OPTIONAL_PARAMS]
 
 
 def test_a_new_axis_written_once_reaches_every_place_that_names_a_cell(tmp_path):
