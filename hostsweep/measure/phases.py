@@ -152,14 +152,26 @@ class PhaseSplit:
     # which the EngineCore's next step overlaps; what of it delays the step is the host phase
     # frontend_exposed.
     overlapped_ms: dict[str, float] = field(default_factory=dict)
+    # The timed step's host time over the profiled pairs' (profiled step - device): host_ms and
+    # ci_ms are as profiled; times scale they apportion the timed host_ms (timed_ms, the metrics).
+    scale: float = 1.0
+    forward_compute_ci: Optional[tuple[float, float]] = None  # over 3 or more pairs
+
+    @property
+    def timed_ms(self) -> dict[str, float]:
+        """Host ms per phase scaled to the timed step (host_ms x scale)."""
+        return {name: ms * self.scale for name, ms in self.host_ms.items()}
 
     @property
     def largest(self) -> Optional[tuple[str, float]]:
-        return max(self.host_ms.items(), key=lambda kv: kv[1]) if self.host_ms else None
+        """(phase, ms scaled to the timed step) of the largest phase."""
+        return max(self.timed_ms.items(), key=lambda kv: kv[1]) if self.host_ms else None
 
     def ordered(self) -> list[tuple[str, float]]:
-        known = [(p, self.host_ms[p]) for p in PHASE_ORDER if p in self.host_ms]
-        return known + sorted((p, v) for p, v in self.host_ms.items() if p not in PHASE_ORDER)
+        """(phase, ms scaled to the timed step) in the order a step runs them."""
+        timed = self.timed_ms
+        known = [(p, timed[p]) for p in PHASE_ORDER if p in timed]
+        return known + sorted((p, v) for p, v in timed.items() if p not in PHASE_ORDER)
 
 
 def per_step_ms(total_1_us: float, total_T_us: float, T: int) -> float:
@@ -274,45 +286,48 @@ def without_scheduler(totals: PhaseTotals) -> PhaseTotals:
                        totals.compute_total_us)
 
 
-def over_pairs(pairs: list[PhaseSplit], host_ms: float, resamples: int, level: float, seed: int) -> PhaseSplit:
-    """Several profiled pairs' phases as one: per phase the median over the pairs with a
-    percentile-bootstrap CI of it (measure.protocol's), a phase missing from a pair counting
-    as 0 there; attributed_frac from the medians. One pair is returned as it is."""
-    if len(pairs) == 1:
-        return pairs[0]
-    import numpy as np  # lazily: this module stays stdlib-only for benchmarks/gpu_check.py
+def over_pairs(pairs: list[PhaseSplit], host_ms: float, level: float, scale: float = 1.0) -> PhaseSplit:
+    """Several profiled pairs' phases as one: per phase the mean over the pairs, a phase
+    missing from a pair counting as 0 there, with Student's t-interval from 3 pairs on (none
+    below: a CI of 2 pairs would not cover, measure/split_stats.py). `scale` = the timed host
+    time / the profiled pairs' host time is kept with them (PhaseSplit.scale): the profiled
+    step is slower (the profiler's overhead), and the phases scaled by it apportion the timed
+    host_ms in the proportions the profiled pairs measured. attributed_frac: the scaled
+    phases' sum over host_ms."""
+    from hostsweep.measure.split_stats import mean_t_ci  # lazily: stdlib-only for benchmarks/gpu_check.py
 
-    from hostsweep.measure.protocol import bootstrap_median_ci
-
-    rng = np.random.default_rng(seed)
     cis: dict[str, tuple[float, float]] = {}
 
-    def medians_of(per_pair: list[dict[str, float]]) -> dict[str, float]:
-        medians = {}
+    def means_of(per_pair: list[dict[str, float]]) -> dict[str, float]:
+        means = {}
         for name in sorted(set().union(*per_pair)):
-            values = [p.get(name, 0.0) for p in per_pair]
-            medians[name] = float(np.median(values))
-            cis[name] = bootstrap_median_ci(values, resamples, level, rng)
-        return medians
+            means[name], ci, _ = mean_t_ci([p.get(name, 0.0) for p in per_pair], level)
+            if ci is not None:
+                cis[name] = ci
+        return means
 
-    medians = medians_of([p.host_ms for p in pairs])
-    overlapped = medians_of([p.overlapped_ms for p in pairs])
-    forward = float(np.median([p.forward_compute_ms for p in pairs]))
-    attributed = sum(medians.values()) / host_ms if host_ms > 0 else float("nan")
-    return PhaseSplit(medians, forward, attributed, cis, len(pairs), overlapped)
+    means = means_of([p.host_ms for p in pairs])
+    overlapped = means_of([p.overlapped_ms for p in pairs])
+    forward, forward_ci, _ = mean_t_ci([p.forward_compute_ms for p in pairs], level)
+    attributed = sum(means.values()) * scale / host_ms if host_ms > 0 else float("nan")
+    return PhaseSplit(means, forward, attributed, cis, len(pairs), overlapped, scale, forward_ci)
 
 
 def phase_metrics(split: PhaseSplit, profiled_host_ms: Optional[float] = None) -> dict[str, float]:
-    """phase_<name>_ms per phase, forward_compute_ms and attributed_frac; with the profiled
-    pair's own host time (its step minus device_ms), attributed_frac_profiled: the phases come
-    from profiled generates, which the profiler slows, so they may name more than the timed
-    host_ms (attributed_frac > 1) while closing on the profiled step (attributed_frac_profiled ~ 1)."""
+    """phase_<name>_ms per phase and their CIs, scaled to the timed host time (PhaseSplit.scale,
+    logged as phase_scale: divide by it for the profiled values), forward_compute_ms and
+    attributed_frac; with the profiled pairs' own host time (profiled step minus device_ms),
+    attributed_frac_profiled: how much of it the phases name (~1 when the scopes cover the step)."""
     metrics = {f"phase_{name}_ms": ms for name, ms in split.ordered()}
     metrics.update({f"overlapped_{name}_ms": ms for name, ms in sorted(split.overlapped_ms.items())})
     for name, (low, high) in split.ci_ms.items():
-        kind = "overlapped" if name in split.overlapped_ms else "phase"
-        metrics[f"{kind}_{name}_ci_low_ms"], metrics[f"{kind}_{name}_ci_high_ms"] = low, high
-    metrics.update(forward_compute_ms=split.forward_compute_ms, attributed_frac=split.attributed_frac)
+        overlapped = name in split.overlapped_ms  # beside the step, not host time: as profiled
+        kind, scale = ("overlapped", 1.0) if overlapped else ("phase", split.scale)
+        metrics[f"{kind}_{name}_ci_low_ms"], metrics[f"{kind}_{name}_ci_high_ms"] = low * scale, high * scale
+    metrics.update(forward_compute_ms=split.forward_compute_ms, attributed_frac=split.attributed_frac,
+                   phase_scale=split.scale)
+    if split.forward_compute_ci is not None:
+        metrics["forward_compute_ci_low_ms"], metrics["forward_compute_ci_high_ms"] = split.forward_compute_ci
     if profiled_host_ms is not None and profiled_host_ms > 0:
         metrics["attributed_frac_profiled"] = sum(split.host_ms.values()) / profiled_host_ms
     return metrics

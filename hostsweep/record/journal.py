@@ -53,7 +53,9 @@ def decode_result(data: dict) -> CellResult:
     sp = data["split"]
     split = None if sp is None else SplitResult(**{**sp, "per_rank_device_ms": tuple(sp["per_rank_device_ms"]),
                                                    "top_ops": tuple(tuple(op) for op in sp["top_ops"]),
-                                                   "phases": decode_phases(sp.get("phases"))})
+                                                   "phases": decode_phases(sp.get("phases")),
+                                                   "implausible": tuple(sp.get("implausible", ())),
+                                                   **{k: _pair(sp.get(k)) for k in SPLIT_CIS}})
     lin = data["linearity"]
     linearity = None if lin is None else LinearityResult(**{**lin, **{k: tuple(lin[k]) for k in
                                                                        ("tokens", "wall_ms", "kernel_ms")}})
@@ -71,10 +73,18 @@ def decode_result(data: dict) -> CellResult:
     )
 
 
+SPLIT_CIS = ("device_ci", "host_ci", "host_frac_ci", "profiled_step_ci")
+
+
+def _pair(value: Optional[list]) -> Optional[tuple]:
+    return None if value is None else tuple(value)
+
+
 def decode_phases(data: Optional[dict]) -> Optional[PhaseSplit]:
     if data is None:
         return None
-    return PhaseSplit(**{**data, "ci_ms": {name: tuple(ci) for name, ci in data.get("ci_ms", {}).items()}})
+    return PhaseSplit(**{**data, "ci_ms": {name: tuple(ci) for name, ci in data.get("ci_ms", {}).items()},
+                         "forward_compute_ci": _pair(data.get("forward_compute_ci"))})
 
 
 def decode_timings(reps: list[dict]) -> tuple[RepTiming, ...]:

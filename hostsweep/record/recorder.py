@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
 from hostsweep.config.validation import is_server
-from hostsweep.measure.results import CellResult, cell_metrics, cell_row
+from hostsweep.measure.results import CellResult, cell_metrics, cell_row, split_is_possible
 from hostsweep.measure.phases import phase_metrics
 from hostsweep.measure.stability import Stability
 from hostsweep.record import crashpoints
@@ -45,12 +45,7 @@ def describe(result: CellResult, shown: Optional[dict[str, float]] = None) -> st
     shown = cell_metrics(result) if shown is None else shown  # as cells.csv and the table have them
     step = f"{shown['step_ms']:.3f} ms/step{periods_note(result.stability)}" if result.measurement else result.status
     if result.split is not None:
-        # An impossible split (device time below zero or above the step) has no host_frac
-        # (measure/stability.py's split_impossible): the line says so rather than showing one.
-        host_frac = shown.get("host_frac")
-        impossible = "device time < 0" if result.split.device_ms < 0 else "host time < 0"
-        step += f", device {shown['device_ms']:.3f} ms, " + \
-            (f"host_frac {host_frac:.3f}" if host_frac is not None else f"no host_frac ({impossible})")
+        step += f", device {shown['device_ms']:.3f} ms, " + host_frac_note(result, shown)
         step += largest_phase_note(result)
     if result.status != "FINISHED" and result.error:
         step += f": {result.error.strip().splitlines()[0][:300]}"
@@ -63,18 +58,33 @@ def describe(result: CellResult, shown: Optional[dict[str, float]] = None) -> st
     return step
 
 
+def host_frac_note(result: CellResult, shown: dict[str, float]) -> str:
+    """'host_frac 0.613 [0.55, 0.68] host-bound', or why there is none: an impossible split
+    (device time below zero or above the step: split_impossible) or an implausible one
+    (split_implausible, with the checks it failed) has no host_frac (measure/stability.py)."""
+    split, host_frac = result.split, shown.get("host_frac")
+    if host_frac is None:
+        if split.implausible and split.possible:
+            return f"no host_frac (implausible: {', '.join(split.implausible)})"
+        return f"no host_frac ({'device time < 0' if split.device_ms < 0 else 'host time < 0'})"
+    ci = f" [{split.host_frac_ci[0]:.2f}, {split.host_frac_ci[1]:.2f}]" if split.host_frac_ci else " (no CI)"
+    return f"host_frac {host_frac:.3f}{ci} {split.regime}"
+
+
 def largest_phase_note(result: CellResult) -> str:
-    """', largest host phase forward_dispatch 1.82 ms (phases cover 0.99 of the profiled host
-    time)', or '' without phases. The coverage is against the profiled pair's own host time:
-    against the timed step's host_ms it mixes two moments of a shared host (attributed_frac)."""
-    phases = result.split.phases if result.split is not None else None
-    if phases is None or phases.largest is None:
+    """', largest host phase forward_dispatch 0.55 of the host time (2.10 of 3.82 ms; phases
+    name 1.00 of it)', or '' without phases or a host time to share. The phases come from the
+    profiled pairs, whose steps the profiler slows; scaled to the timed step (PhaseSplit.scale)
+    they are shares of the host_ms this line shows, not of a slower profiled step."""
+    split = result.split
+    phases = split.phases if split is not None else None
+    if phases is None or phases.largest is None or split.host_ms <= 0 or not split_is_possible(result):
         return ""
     name, ms = phases.largest
-    profiled_host_ms = result.split.profiled_step_ms - result.split.device_ms
+    profiled_host_ms = split.profiled_step_ms - split.device_ms
     coverage = phase_metrics(phases, profiled_host_ms).get("attributed_frac_profiled")
-    covered = f" (phases cover {coverage:.2f} of the profiled host time)" if coverage is not None else ""
-    return f", largest host phase {name} {ms:.2f} ms{covered}"
+    covered = f"; phases name {coverage:.2f} of it" if coverage is not None else ""
+    return f", largest host phase {name} {ms / split.host_ms:.2f} of the host time ({ms:.2f} of {split.host_ms:.2f} ms{covered})"
 
 
 def unstable_note(stability: Stability) -> str:

@@ -40,9 +40,11 @@ def display_row(row: dict[str, object]) -> dict[str, str]:
     shown["step_ms"] = f"{step:.3f}" if step is not None else "-"
     shown["ci95_ms"] = f"[{low:.3f}, {high:.3f}]" if low is not None and high is not None else "-"
     device, frac = _number(row.get("device_ms")), _number(row.get("host_frac"))
-    if device is not None and frac is not None:
-        shown["device_ms"], shown["host_frac"] = f"{device:.3f}", f"{frac:.3f}"
-    else:
+    if device is not None and frac is not None:  # host_frac with its CI over the profiled pairs, when it has one
+        low, high = _number(row.get("host_frac_ci_low")), _number(row.get("host_frac_ci_high"))
+        ci = f" [{low:.2f}, {high:.2f}]" if low is not None and high is not None else ""
+        shown["device_ms"], shown["host_frac"] = f"{device:.3f}", f"{frac:.3f}{ci}"
+    else:  # no split, or an impossible or implausible one (measure/results.split_is_possible)
         shown["device_ms"], shown["host_frac"], shown["regime"] = "-", "-", "-"
     shown.update({axis: str(row.get(axis) or usual) for axis, usual in VARIED_ONLY.items()})
     shown["stable"] = stable_mark(row)
@@ -142,11 +144,17 @@ def phase_columns(cells: pd.DataFrame) -> list[str]:
 def host_phase_table(cells: pd.DataFrame) -> pd.DataFrame:
     """Per cell with host phases, ms per decode step: device, each host phase in the order a
     step runs them, the front-end's work beside the step (overlapped, not part of host_ms)
-    and the share of host_ms the phases name. Empty when no cell has phases."""
+    and the share of host_ms the phases name. Empty when no cell has phases. A negative phase
+    whose CI holds 0 is noise around zero and shows as 0 (its CI stays in cells.csv)."""
     columns = phase_columns(cells)
     if not columns:
         return pd.DataFrame()
-    rows = cells.dropna(subset=columns, how="all")
+    rows = cells.dropna(subset=columns, how="all").copy()
+    for column in columns:
+        low, high = (f"{column[:-len('_ms')]}_ci_{end}_ms" for end in ("low", "high"))
+        if {low, high} <= set(rows):
+            noise = (rows[column] < 0) & (rows[low] <= 0) & (rows[high] >= 0)
+            rows.loc[noise, column] = 0.0
     shown = {c: c for c in CELL_AXES if c in rows}
     shown.update({c: c for c in ("step_ms", "device_ms") if c in rows})
     shown.update({c: c[len("phase_"):-len("_ms")] for c in columns})

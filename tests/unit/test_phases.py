@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
+from scipy import stats
 
 from hostsweep.measure.phases import PhaseTotals, phase_metrics, phase_name, phase_split, phase_totals
 
@@ -149,19 +151,37 @@ def test_without_engine_steps_the_engine_cores_own_phases_still_count():
     assert engine_phases(empty, empty, core(1), core(5), 5) == pytest.approx({"schedule": 0.08})
 
 
-def test_several_pairs_give_median_phases_with_a_ci_and_one_pair_is_kept_as_it_is():
+def test_several_pairs_give_mean_phases_with_a_t_interval_scaled_to_the_timed_host_time():
     from hostsweep.measure.phases import PhaseSplit, over_pairs
 
     pairs = [PhaseSplit({"sample": v, "preprocess": 1.0}, 2.0, 0.0) for v in (0.1, 0.2, 0.3, 0.4, 0.5)]
     pairs.append(PhaseSplit({"preprocess": 1.0}, 2.0, 0.0))  # no sample in this pair: 0 there
-    merged = over_pairs(pairs, host_ms=2.5, resamples=500, level=0.95, seed=0)
+    merged = over_pairs(pairs, host_ms=2.5, level=0.95)
     assert merged.host_ms == pytest.approx({"sample": 0.25, "preprocess": 1.0}) and merged.pairs == 6
     low, high = merged.ci_ms["sample"]
-    assert 0.0 <= low <= 0.25 <= high <= 0.5 and merged.ci_ms["preprocess"] == (1.0, 1.0)
+    half = stats.t.ppf(0.975, 5) * np.std([0.1, 0.2, 0.3, 0.4, 0.5, 0.0], ddof=1) / np.sqrt(6)
+    assert (low, high) == pytest.approx((0.25 - half, 0.25 + half)) and merged.ci_ms["preprocess"] == (1.0, 1.0)
     assert merged.attributed_frac == pytest.approx(1.25 / 2.5)
     metrics = phase_metrics(merged)
     assert metrics["phase_sample_ci_low_ms"] == low and metrics["phase_sample_ci_high_ms"] == high
-    assert over_pairs(pairs[:1], 2.5, 500, 0.95, 0) is pairs[0]
+    # The profiled step is slower: scale 0.8 maps its host time onto the timed one, CIs alike.
+    scaled = over_pairs(pairs, host_ms=1.0, level=0.95, scale=0.8)
+    assert scaled.host_ms == merged.host_ms and scaled.scale == 0.8  # kept as profiled
+    assert scaled.timed_ms == pytest.approx({"sample": 0.2, "preprocess": 0.8})
+    assert scaled.largest == ("preprocess", pytest.approx(0.8))
+    metrics = phase_metrics(scaled, profiled_host_ms=1.25)
+    assert metrics["phase_sample_ms"] == pytest.approx(0.2) and metrics["phase_scale"] == 0.8
+    assert (metrics["phase_sample_ci_low_ms"], metrics["phase_sample_ci_high_ms"]) == pytest.approx((0.8 * low, 0.8 * high))
+    assert metrics["attributed_frac"] == pytest.approx(1.0) and metrics["attributed_frac_profiled"] == pytest.approx(1.0)
+
+
+def test_fewer_than_three_pairs_give_phases_without_a_ci():
+    from hostsweep.measure.phases import PhaseSplit, over_pairs
+
+    pairs = [PhaseSplit({"sample": v}, 2.0, 0.0) for v in (0.1, 0.3)]
+    merged = over_pairs(pairs, host_ms=1.0, level=0.95)
+    assert merged.host_ms == pytest.approx({"sample": 0.2}) and merged.ci_ms == {}
+    assert merged.forward_compute_ci is None and "forward_compute_ci_low_ms" not in phase_metrics(merged)
 
 
 def loop_trace(loop: str, start: float, end: float, scopes: list[tuple[str, float, float]] = ()) -> dict:

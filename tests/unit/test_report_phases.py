@@ -42,17 +42,20 @@ def test_no_phases_no_stack():
     assert not [ax for ax in figures.host_phases(frame).axes if ax.patches]
 
 
-def test_the_console_line_names_the_largest_host_phase():
+def test_the_console_line_gives_the_largest_host_phase_as_a_share_of_the_timed_host_time():
     from types import SimpleNamespace
 
     from hostsweep.record.recorder import largest_phase_note
 
-    # coverage against the profiled pair's own host time: 2.2 ms of phases over 5.0 - 2.8 ms
-    split = SimpleNamespace(phases=PhaseSplit({"sample": 0.4, "forward_dispatch": 1.8}, 2.0, 0.93),
-                            profiled_step_ms=5.0, device_ms=2.8)
-    assert largest_phase_note(SimpleNamespace(split=split)) == \
-        ", largest host phase forward_dispatch 1.80 ms (phases cover 1.00 of the profiled host time)"
-    assert largest_phase_note(SimpleNamespace(split=None)) == ""
+    # Profiled: 2.2 ms of phases over 5.0 - 2.8 ms of host time; timed: 1.76 ms of host time,
+    # so the phases are scaled by 0.8 and forward_dispatch is 1.44 ms, 0.82 of the host time.
+    phases = PhaseSplit({"sample": 0.4, "forward_dispatch": 1.8}, 2.0, 1.0, scale=0.8)
+    split = SimpleNamespace(phases=phases, profiled_step_ms=5.0, device_ms=2.8, host_ms=1.76)
+    assert largest_phase_note(SimpleNamespace(split=split, stability=None)) == \
+        ", largest host phase forward_dispatch 0.82 of the host time (1.44 of 1.76 ms; phases name 1.00 of it)"
+    assert largest_phase_note(SimpleNamespace(split=None, stability=None)) == ""
+    no_host = SimpleNamespace(phases=phases, profiled_step_ms=5.0, device_ms=2.8, host_ms=-0.1)
+    assert largest_phase_note(SimpleNamespace(split=no_host, stability=None)) == ""
 
 
 def test_the_phase_table_has_a_row_per_cell_with_phases_in_step_order_and_the_front_end_beside():
@@ -74,3 +77,12 @@ def test_the_parent_description_points_at_the_phase_table_only_when_there_are_ph
     assert "`host_phases.csv`" in sweep_description(meta, rows)
     bare = [{k: v for k, v in row.items() if not k.startswith(("phase_", "overlapped_"))} for row in rows]
     assert "host_phases.csv" not in sweep_description(meta, bare)
+
+
+def test_a_negative_phase_within_noise_shows_as_zero_and_one_beyond_it_as_measured():
+    frame = cells()
+    frame.loc[0, ["phase_sample_ms", "phase_sample_ci_low_ms", "phase_sample_ci_high_ms"]] = [-0.006, -0.02, 0.01]
+    frame.loc[1, ["phase_sample_ms", "phase_sample_ci_low_ms", "phase_sample_ci_high_ms"]] = [-0.3, -0.4, -0.2]
+    table = host_phase_table(frame)
+    assert list(table["sample"][:2]) == [0.0, -0.3]
+    assert frame.loc[0, "phase_sample_ms"] == -0.006  # the cells' own value is left as measured

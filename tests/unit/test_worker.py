@@ -97,10 +97,13 @@ def test_host_phases_through_the_fake_profiler_have_the_known_shares(tmp_path):
     assert phases.host_ms == pytest.approx(expected, rel=1e-6, abs=1e-9)
     assert phases.overlapped_ms == pytest.approx({"frontend_process_outputs": FakeEngine.frontend_share * cycle_ms})
     assert phases.forward_compute_ms == pytest.approx(FakeEngine.device_share * cycle_ms, rel=1e-6)
-    # All of the fake's host time is named: attributed_frac is the traces' host over the timed one.
-    assert phases.attributed_frac == pytest.approx(0.6 * cycle_ms / result.split.host_ms, rel=1e-6)
+    # The phases scaled to the timed step (scale: timed host / profiled host) name as much of the
+    # timed host time as the traces' 0.6 cycle names of the profiled one.
+    split = result.split
+    assert phases.scale == pytest.approx(split.host_ms / (split.profiled_step_ms - split.device_ms), rel=1e-9)
+    assert phases.attributed_frac == pytest.approx(0.6 * cycle_ms * phases.scale / split.host_ms, rel=1e-6)
     metrics = cell_metrics(result)
-    assert metrics["phase_sample_ms"] == pytest.approx(0.1 * cycle_ms, abs=1e-3) and "attributed_frac" in metrics
+    assert metrics["phase_sample_ms"] == pytest.approx(0.1 * cycle_ms * phases.scale, abs=1e-3)
     assert metrics["overlapped_frontend_process_outputs_ms"] == pytest.approx(0.08 * cycle_ms, abs=1e-3)
 
 
