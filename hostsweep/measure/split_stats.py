@@ -21,7 +21,7 @@ step ms, and the cell's timed step (its point, its CI and how many timed pairs i
 - **checks** (IMPLAUSIBLE_CHECKS): what no real step can show: device time below the
   physical floor (split.device_floor_ms), compute inside the forward below zero, a
   profiled step faster than the timed one beyond both CIs, a profiler overhead outside
-  split.profiler_overhead_band. Any of them makes the split `split_implausible`.
+  split.min_profiler_overhead..max_profiler_overhead. Any of them makes the split `split_implausible`.
 """
 from __future__ import annotations
 
@@ -35,6 +35,8 @@ MIN_PAIRS_FOR_CI = 3
 HOST_BOUND, DEVICE_BOUND, UNDETERMINED = "host-bound", "device-bound", "undetermined"
 REGIMES = (HOST_BOUND, DEVICE_BOUND, UNDETERMINED)
 IMPLAUSIBLE_CHECKS = ("device_below_floor", "forward_compute_negative", "profiled_faster", "profiler_overhead")
+# The floor sums float32 durations: a device time this close to it is at it, not below.
+FLOOR_TOLERANCE = 1e-4
 
 Interval = tuple[float, float]
 ArrayLike = Union[float, np.ndarray]
@@ -133,11 +135,15 @@ def split_stats(device_ms: Sequence[float], profiled_step_ms: Sequence[float], s
     if len(device_ms) != len(profiled_step_ms) or not device_ms:
         raise ValueError(f"split: need one device and one profiled step per pair, got {len(device_ms)} and "
                          f"{len(profiled_step_ms)}")
-    if step.step_ms <= 0:
-        raise ValueError(f"split: step_ms must be > 0, got {step.step_ms}")
     n, level = len(device_ms), step.level
     device, device_ci, device_se = mean_t_ci(device_ms, level)
     profiled, profiled_ci, _ = mean_t_ci(profiled_step_ms, level)
+    # A step at or below zero (noise swamping a tiny step) leaves no fraction: the split is then
+    # impossible (host time < 0) and flagged so by the caller, not an error of the cell.
+    if step.step_ms <= 0:
+        nan = float("nan")
+        return SplitStats(n, device, device_ci, step.step_ms - device, None, nan, None, profiled, profiled_ci, nan,
+                          UNDETERMINED)
     host, host_frac = step.step_ms - device, 1.0 - device / step.step_ms
     host_ci = frac_ci = None
     if device_ci is not None:
@@ -154,11 +160,12 @@ def implausible_checks(s: SplitStats, step: TimedStep, device_floor_ms: float,
                        forward_compute: Optional[tuple[float, Optional[Interval]]],
                        overhead_band: tuple[float, float]) -> tuple[str, ...]:
     """The IMPLAUSIBLE_CHECKS this split fails. Each compares against its noise: with CIs the
-    whole interval must lie on the wrong side; without, the point does.
+    whole interval must lie on the wrong side; without, the point does (the overhead: its
+    range over both CIs, overhead_range, must lie outside the band).
     forward_compute: (compute ms inside the forward scope, its CI), when phases were taken."""
     failed = []
     device_high = s.device_ci[1] if s.device_ci is not None else s.device_ms
-    if device_high < device_floor_ms:
+    if device_high < device_floor_ms * (1.0 - FLOOR_TOLERANCE):
         failed.append("device_below_floor")
     if forward_compute is not None:
         point, ci = forward_compute
@@ -168,6 +175,16 @@ def implausible_checks(s: SplitStats, step: TimedStep, device_floor_ms: float,
     if profiled_high < step.ci_low_ms:
         failed.append("profiled_faster")
     low, high = overhead_band
-    if not low <= s.profiler_overhead <= high:
+    least, most = overhead_range(s, step)
+    if most < low or least > high:
         failed.append("profiler_overhead")
     return tuple(failed)
+
+
+def overhead_range(s: SplitStats, step: TimedStep) -> tuple[float, float]:
+    """The profiler overhead's range over both CIs: the profiled step's (its point below 3
+    pairs) over the timed step's. Unbounded above where the timed CI reaches 0."""
+    p_low, p_high = s.profiled_step_ci if s.profiled_step_ci is not None else (s.profiled_step_ms,) * 2
+    if step.ci_low_ms <= 0:
+        return (p_low / step.ci_high_ms if step.ci_high_ms > 0 else float("-inf")), float("inf")
+    return p_low / step.ci_high_ms, p_high / step.ci_low_ms

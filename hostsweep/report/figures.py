@@ -20,7 +20,7 @@ Both:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import matplotlib
 
@@ -171,7 +171,9 @@ def heldout_mape(table: pd.DataFrame, families: dict[str, str] | None = None) ->
 
 def regime_map(table: pd.DataFrame, threshold: float = 0.5) -> Figure:
     """Host fraction as a heat map: rows (model by size, TP), columns batch, one panel per
-    (SKU, mode); cells at or above `threshold` are host-bound."""
+    (SKU, mode); each square says its regime (report/fit_tables.regime_table): bold host-bound,
+    '?' undetermined (its CI straddles `threshold`, or too few profiled pairs for one), '~'
+    mixed over its contexts."""
     if table.empty:
         return empty("no split cells (split.enabled=false): no host fraction to map")
     groups = list(table.groupby(["sku", "mode"]))
@@ -182,16 +184,20 @@ def regime_map(table: pd.DataFrame, threshold: float = 0.5) -> Figure:
         size = dict(zip(cells["model"], cells["params_M"]))
         batches = sorted(cells["batch"].unique())
         grid = np.full((len(rows), len(batches)), np.nan)
+        regime: dict[tuple[int, int], str] = {}
         for r in cells.itertuples():
-            grid[rows.index((r.model, r.tp)), batches.index(r.batch)] = r.host_frac
+            at = rows.index((r.model, r.tp)), batches.index(r.batch)
+            grid[at] = r.host_frac
+            regime[at] = str(getattr(r, "regime", "")) or ("host-bound" if r.host_frac >= threshold else "device-bound")
         image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn_r", aspect="auto")
         for (i, j), value in np.ndenumerate(grid):
             if np.isfinite(value):
-                ax.text(j, i, f"{value:.0%}", ha="center", va="center", fontsize=8,
-                        fontweight="bold" if value >= threshold else "normal")
+                mark = {"undetermined": " ?", "mixed": " ~"}.get(regime[i, j], "")
+                ax.text(j, i, f"{value:.0%}{mark}", ha="center", va="center", fontsize=8,
+                        fontweight="bold" if regime[i, j] == "host-bound" else "normal")
         ax.set_xticks(range(len(batches)), [f"N={b}" for b in batches])
         ax.set_yticks(range(len(rows)), [f"{m} ({size[m]:g} M) TP-{k}" for m, k in rows], fontsize=8)
-        ax.set_title(f"{sku} {mode}: host fraction (bold: host-bound)", fontsize=10)
+        ax.set_title(f"{sku} {mode}: host fraction (bold host-bound, ? undetermined, ~ mixed)", fontsize=10)
         ax.grid(False)
         fig.colorbar(image, ax=ax, fraction=0.04)
     return fig
@@ -286,8 +292,9 @@ def split_composition(cells: pd.DataFrame) -> Figure:
 
 
 def host_fraction_by_batch(cells: pd.DataFrame, threshold: float = 0.5) -> Figure:
-    """Host fraction against batch, a line per ctx, one panel per engine; at or above
-    `threshold` (dashed) a cell is host-bound."""
+    """Host fraction against batch with its 95% CI, a line per ctx, one panel per engine: a cell
+    whose CI lies at or above `threshold` (dashed) is host-bound, below it device-bound, across
+    it undetermined ('?'). Implausible and impossible splits have no host_frac: not drawn."""
     split = cells.dropna(subset=["host_frac"]) if "host_frac" in cells else cells.iloc[0:0]
     if split.empty:
         return empty("no split cells (split.enabled=false): no host fraction to plot")
@@ -296,8 +303,13 @@ def host_fraction_by_batch(cells: pd.DataFrame, threshold: float = 0.5) -> Figur
     for ax, (key, rows) in zip(axes, groups):
         palette = colors(sorted(rows["ctx"].unique()))
         for ctx, line in rows.sort_values("batch").groupby("ctx"):
-            ax.plot(line["batch"], line["host_frac"], marker="o", color=palette[ctx], label=f"ctx {ctx}")
+            ax.errorbar(line["batch"], line["host_frac"], yerr=_frac_yerr(line), marker="o", color=palette[ctx],
+                        capsize=3, label=f"ctx {ctx}")
             _hollow_unstable(ax, line["batch"], line["host_frac"], line, palette[ctx])
+            undetermined = (line["regime"] == "undetermined").to_numpy(bool) if "regime" in line else []
+            if np.any(undetermined):
+                for b, f in zip(line["batch"][undetermined], line["host_frac"][undetermined]):
+                    ax.annotate("?", (b, f), textcoords="offset points", xytext=(5, 5), fontsize=8, color=palette[ctx])
         ax.axhline(threshold, color="k", ls="--", lw=1, label=f"host-bound at {threshold:g}")
         batches = sorted(rows["batch"].unique())
         ax.set_xscale("log", base=2)
@@ -307,8 +319,18 @@ def host_fraction_by_batch(cells: pd.DataFrame, threshold: float = 0.5) -> Figur
         ax.set_ylabel("host_frac (host / step)")
         ax.set_title(_engine_title(key), fontsize=10)
         ax.legend(fontsize=7)
-    fig.suptitle("Host fraction against batch, per context length", fontsize=11)
+    fig.suptitle("Host fraction against batch with 95% CI, per context length (?: undetermined)", fontsize=11)
     return fig
+
+
+def _frac_yerr(rows: pd.DataFrame) -> Optional[np.ndarray]:
+    """host_frac's CI as errorbar lengths (0 where a cell has none), None without CI columns."""
+    if not {"host_frac_ci_low", "host_frac_ci_high"} <= set(rows):
+        return None
+    frac = rows["host_frac"].to_numpy(float)
+    low = np.nan_to_num(frac - rows["host_frac_ci_low"].to_numpy(float), nan=0.0).clip(min=0)
+    high = np.nan_to_num(rows["host_frac_ci_high"].to_numpy(float) - frac, nan=0.0).clip(min=0)
+    return np.vstack([low, high])
 
 
 def host_phases(cells: pd.DataFrame) -> Figure:
@@ -344,7 +366,7 @@ def host_phases(cells: pd.DataFrame) -> Figure:
         ax.set_title(_engine_title(key), fontsize=10)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside right center", fontsize=7)
-    fig.suptitle("Decode step = device + host phases (profiled pairs; other: host_ms the phases do not name)",
-                 fontsize=10)
+    fig.suptitle("Decode step = device + host phases (from the profiled pairs, scaled to the timed host time; "
+                 "other: host_ms the phases do not name)", fontsize=10)
     return fig
 

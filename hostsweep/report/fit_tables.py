@@ -171,14 +171,29 @@ def parameters_m(models: pd.Series) -> pd.Series:
 
 def regime_table(cells: pd.DataFrame, threshold: float = 0.5) -> pd.DataFrame:
     """Host fraction per (SKU, mode, model, TP, batch), the mean over contexts, with the
-    model's size: where the step is host-bound (host_frac >= threshold)."""
+    model's size, the envelope of the contexts' host_frac CIs (host_frac_ci_low/high, absent
+    cells' CIs: NaN) and the regime: the contexts' own (measure/split_stats.regime_of) when
+    they agree, `mixed` when determined ones differ, `undetermined` when any is. Rows logged
+    without a regime get one from their point (host_frac >= threshold)."""
     split = cells[cells["host_frac"].notna()] if "host_frac" in cells else cells.iloc[0:0]
     if split.empty:
         return pd.DataFrame(columns=["sku", "mode", "model", "params_M", "tp", "batch", "host_frac", "regime"])
+    point = np.where(split["host_frac"] >= threshold, "host-bound", "device-bound")
+    regimes = split["regime"].where(split["regime"].notna(), point) if "regime" in split else pd.Series(point, split.index)
+    split = split.assign(regime=regimes, **{c: split[c] if c in split else np.nan
+                                           for c in ("host_frac_ci_low", "host_frac_ci_high")})
     table = (split.groupby(["sku", "mode", "model", "tp", "batch"])
-             .agg(host_frac=("host_frac", "mean"), host_ms=("host_ms", "mean"), device_ms=("device_ms", "mean"),
-                  step_ms=("step_ms", "mean"), contexts=("ctx", "nunique"))
+             .agg(host_frac=("host_frac", "mean"), host_frac_ci_low=("host_frac_ci_low", "min"),
+                  host_frac_ci_high=("host_frac_ci_high", "max"), host_ms=("host_ms", "mean"),
+                  device_ms=("device_ms", "mean"), step_ms=("step_ms", "mean"), contexts=("ctx", "nunique"),
+                  regime=("regime", _group_regime))
              .reset_index())
     table.insert(3, "params_M", parameters_m(table["model"]))
-    table["regime"] = np.where(table["host_frac"] >= threshold, "host-bound", "device-bound")
     return table.sort_values(["sku", "mode", "params_M", "tp", "batch"]).reset_index(drop=True)
+
+
+def _group_regime(regimes: pd.Series) -> str:
+    found = set(regimes)
+    if "undetermined" in found:
+        return "undetermined"
+    return found.pop() if len(found) == 1 else "mixed"

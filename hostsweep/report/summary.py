@@ -22,7 +22,10 @@ PARAMS = (*CELL_AXES, *PROTOCOL_PARAMS)  # a cell's "params" in summary.json (co
 STEP = {"median": "step_ms", "ci95_low": "step_ci_low_ms", "ci95_high": "step_ci_high_ms",
         "p10": "step_p10_ms", "p25": "step_p25_ms", "p75": "step_p75_ms", "p90": "step_p90_ms",
         "mde_pct": "mde_pct"}  # the minimum detectable effect (measure/detectable.py)
-SPLIT = ("device_ms", "host_ms", "host_frac", "regime", "kernel_source")
+# The split and its CIs over the profiled pairs (none below 3 pairs: measure/split_stats.py).
+SPLIT = ("device_ms", "device_ci_low_ms", "device_ci_high_ms", "host_ms", "host_ci_low_ms", "host_ci_high_ms",
+         "host_frac", "host_frac_ci_low", "host_frac_ci_high", "regime", "split_pairs", "device_floor_ms",
+         "kernel_source")
 WHERE = ("hostname", "device_name", "vllm_version", "torch_version")
 STABILITY = {"foreign_cpu_frac": "foreign_cpu_frac", "foreign_cpu_frac_max": "foreign_cpu_frac_max",
              "steal_frac": "steal_frac", "load1_max": "load1_max", "attempts": "stability_attempts",
@@ -122,6 +125,9 @@ def build_summary(cells: pd.DataFrame, meta: dict[str, Any],
         **meta,
         "units": {"*_ms": "milliseconds per decode step (per output token), to the microsecond",
                   "host_frac": "host_ms / step_ms, a fraction",
+                  "*_ci_low*, *_ci_high*": "95% CI over the split's profiled pairs (null below 3 pairs)",
+                  "regime": "host-bound / device-bound when host_frac's CI lies on one side of "
+                            "split.host_bound_threshold, undetermined when it straddles it or there is no CI",
                   "step_ms": "median over the timed reps with its bootstrap 95% CI, and percentiles of the reps",
                   "foreign_cpu_frac": "CPU time of processes outside the engine and the sweep over the timed "
                                       "pairs, a fraction of the machine's CPU time"},

@@ -99,8 +99,12 @@ def test_a_cell_near_the_threshold_is_undetermined_and_one_far_from_it_is_not():
 def test_bad_input_names_the_field():
     with pytest.raises(ValueError, match="one device and one profiled step per pair"):
         split_stats([1.0], [], step(), 0.5)
-    with pytest.raises(ValueError, match="step_ms"):
-        split_stats([1.0], [1.0], TimedStep(0.0, 0.0, 0.0, 12, 0.95), 0.5)
+
+
+def test_a_step_at_or_below_zero_gives_no_fraction_and_no_regime_rather_than_an_error():
+    s = split_stats([1.0, 1.1, 0.9], [1.0] * 3, TimedStep(-0.3, -0.5, 0.1, 12, 0.95), 0.5)
+    assert s.host_ms == pytest.approx(-1.3) and np.isnan(s.host_frac) and s.host_frac_ci is None
+    assert s.regime == UNDETERMINED
 
 
 def checks(s: SplitStats, floor: float = 0.5, forward=None, band=(0.9, 3.0)) -> tuple[str, ...]:

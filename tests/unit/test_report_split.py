@@ -1,0 +1,89 @@
+"""The split as the reports show it: host_frac with its CI, the three-valued regime in the
+table, the regime table and figures, and no host number for an implausible split anywhere."""
+from __future__ import annotations
+
+import dataclasses
+
+import matplotlib
+import pandas as pd
+import pytest
+
+from hostsweep.measure.protocol import CellMeasurement
+from hostsweep.measure.results import CellResult, cell_metrics, cell_row
+from hostsweep.measure.split import SplitResult
+from hostsweep.measure.stability import Stability
+from hostsweep.report import figures
+from hostsweep.report.fit_tables import regime_table
+from hostsweep.report.summary import cell_entry
+from hostsweep.report.tables import format_table
+
+matplotlib.use("Agg")
+
+PARAMS = {"sku": "cpu", "model": "tiny-llama", "mode": "eager", "tp": 1, "batch": 2, "ctx": 128,
+          "T": 33, "reps": 12, "warmups": 2, "dtype": "float32", "engine": "vllm"}
+MEASURED = CellMeasurement(5.0, 4.8, 5.2, 20.0, 180.0, ())
+SPLIT = SplitResult("cpu-ops", 2.4, 2.6, 0.52, 0.0, 0.0, 0.0, 6.5, 1.3, "undetermined", (2.4,), (("aten::mm", 2.0),),
+                    pairs=5, device_ci=(2.1, 2.7), host_ci=(2.2, 3.0), host_frac_ci=(0.45, 0.58),
+                    profiled_step_ci=(6.3, 6.7), device_floor_ms=0.9)
+
+
+def result(split: SplitResult = SPLIT, reasons: tuple[str, ...] = ()) -> CellResult:
+    return CellResult("k", PARAMS, "FINISHED", MEASURED, None, {}, 1.0, split, stability=Stability(reasons))
+
+
+def test_the_table_shows_host_frac_with_its_ci_and_an_undetermined_regime():
+    row = cell_row(result(), "run")
+    assert (row["host_frac_ci_low"], row["host_frac_ci_high"], row["regime"]) == (0.45, 0.58, "undetermined")
+    line = format_table([row]).splitlines()[1]
+    assert "0.520 [0.45, 0.58]" in line and "undetermined" in line
+    split = cell_entry(row)["split"]
+    assert (split["host_frac_ci_low"], split["regime"], split["split_pairs"]) == (0.45, "undetermined", 5)
+
+
+def test_an_implausible_split_has_no_host_number_and_no_regime_anywhere():
+    implausible = dataclasses.replace(SPLIT, device_ms=0.049, implausible=("device_below_floor",))
+    flagged = result(implausible, ("split_implausible",))
+    metrics = cell_metrics(flagged)
+    assert metrics["device_ms"] == 0.049 and metrics["device_floor_ms"] == 0.9  # kept, flagged, with its floor
+    assert not {"host_ms", "host_frac", "host_frac_ci_low", "host_ci_low_ms"} & set(metrics)
+    row = cell_row(flagged, "run")
+    assert "regime" not in row and "split_implausible" in row["unstable_reasons"]
+    assert "- " in format_table([row]).splitlines()[1]  # device, host_frac, regime: '-'
+    from hostsweep.record.recorder import describe
+
+    assert "no host_frac (implausible: device_below_floor)" in describe(flagged)
+
+
+def test_the_console_line_gives_host_frac_its_ci_and_regime():
+    from hostsweep.record.recorder import describe
+
+    assert "host_frac 0.520 [0.45, 0.58] undetermined" in describe(result())
+    one_pair = dataclasses.replace(SPLIT, pairs=1, device_ci=None, host_ci=None, host_frac_ci=None)
+    assert "host_frac 0.520 (no CI) undetermined" in describe(result(one_pair))
+
+
+def cells(regimes: list[tuple[int, int, float, str]]) -> pd.DataFrame:
+    return pd.DataFrame([{"sku": "cpu", "mode": "eager", "model": "tiny-llama", "tp": 1, "batch": b, "ctx": c,
+                          "host_frac": f, "host_frac_ci_low": f - 0.05, "host_frac_ci_high": f + 0.05, "regime": r,
+                          "host_ms": 1.0, "device_ms": 1.0, "step_ms": 2.0} for b, c, f, r in regimes])
+
+
+def test_the_regime_table_keeps_undetermined_and_mixed_groups_apart():
+    table = regime_table(cells([(1, 128, 0.7, "host-bound"), (1, 512, 0.8, "host-bound"),
+                                (2, 128, 0.5, "undetermined"), (2, 512, 0.7, "host-bound"),
+                                (4, 128, 0.3, "device-bound"), (4, 512, 0.7, "host-bound")]))
+    assert list(table["regime"]) == ["host-bound", "undetermined", "mixed"]
+    assert table.loc[0, "host_frac_ci_low"] == pytest.approx(0.65) and table.loc[0, "host_frac_ci_high"] == pytest.approx(0.85)
+
+
+def test_rows_logged_without_a_regime_get_the_point_rule():
+    old = cells([(1, 128, 0.7, "x"), (2, 128, 0.3, "x")]).drop(columns=["regime", "host_frac_ci_low", "host_frac_ci_high"])
+    assert list(regime_table(old)["regime"]) == ["host-bound", "device-bound"]
+
+
+def test_the_regime_figures_mark_undetermined_cells():
+    frame = cells([(1, 128, 0.7, "host-bound"), (2, 128, 0.5, "undetermined")])
+    texts = [t.get_text() for ax in figures.regime_map(regime_table(frame)).axes for t in ax.texts]
+    assert "70%" in texts and "50% ?" in texts
+    fig = figures.host_fraction_by_batch(frame.assign(stable="true", mode="eager"))
+    assert [t.get_text() for ax in fig.axes for t in ax.texts] == ["?"]
