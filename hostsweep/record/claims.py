@@ -6,7 +6,7 @@ to measure is claimed by a RUNNING child run, so a second sweep of the same stud
 it. A RUNNING run is stale when its sweep has no heartbeat, has not touched it for
 tracking.stale_after_s, has ended, or runs on this host under a pid that is gone: its
 claims are void and it is marked KILLED with the reason. These functions decide; the
-tracker (tracking.py) reads and writes the runs.
+tracker reads and writes the runs (liveruns.py).
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ writes the runs of several cells in one transaction (on sqlite, one fsync for th
 Only for the stores MLflow's client opens as a SqlAlchemyStore (sqlite, PostgreSQL, MySQL
 URIs); a server's clients go through its REST API. Anything unexpected when the writer is
 made (another store class, models missing) leaves the tracker on MLflow's API
-(tracking.py); a write that fails is retried by the uploader like any refused call.
+(cellruns.py); a write that fails is retried by the uploader like any refused call.
 """
 from __future__ import annotations
 
