@@ -15,6 +15,7 @@ Ratios are baseline / mode, so above 1 means the mode is faster.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Iterable, Mapping, Optional
 
 import numpy as np
@@ -209,3 +210,32 @@ def mode_pairs(modes: Iterable[tuple[str, Optional[str], Mapping[str, Any]]]) ->
     args = {name: engine_args for name, _, engine_args in modes}
     return [(name, baseline, comparison_kind(engine_args, args[baseline]))
             for name, baseline, engine_args in modes if baseline is not None and baseline in args]
+
+
+def logged_engine_args(cells: pd.DataFrame, mode: str) -> Optional[dict[str, Any]]:
+    """The engine arguments a mode's cells logged (their `engine_args` param, canonical JSON);
+    None when they logged none (runs older than the param)."""
+    if "engine_args" not in cells or "mode" not in cells:
+        return None
+    for value in cells.loc[cells["mode"] == mode, "engine_args"]:
+        if isinstance(value, Mapping):
+            return dict(value)
+        if isinstance(value, str) and value.strip():
+            return json.loads(value)
+    return None
+
+
+def modes_in(cells: pd.DataFrame, baseline: str) -> list[tuple[str, str, str]]:
+    """(mode, baseline, kind) for every mode the cells hold besides `baseline`, by name: the
+    modes come from the data, the kind from the engine arguments each mode's cells logged
+    against the baseline's, so a mode no code names is compared all the same. Where either
+    side logged no engine arguments the kind is unknown, and the comparison a plain ratio."""
+    present = sorted({str(m) for m in cells["mode"].dropna()}) if "mode" in cells else []
+    base_args = logged_engine_args(cells, baseline)
+    found = []
+    for mode in present:
+        args = logged_engine_args(cells, mode)
+        if mode != baseline:
+            kind = "ratio" if args is None or base_args is None else comparison_kind(args, base_args)
+            found.append((mode, baseline, kind))
+    return found

@@ -1,7 +1,9 @@
-"""The comparison report's study-wide mode sections, as a thin adapter (pure): graph
-capture vs eager, FP8, n-gram speculative decoding, each against the eager cells of the
-same (SKU, model, TP, batch, ctx), computed by the sweep summary's mode comparisons
-(`hostsweep.report.modes`). A mode with no cells is reported absent.
+"""The comparison report's study-wide mode sections, as a thin adapter (pure): every mode the
+selected cells hold, each against the baseline mode's cells of the same (SKU, model, TP,
+batch, ctx, workload), computed by the sweep summary's mode comparisons
+(`hostsweep.report.modes`). The modes come from the data, never from a list of names: the
+comparison a mode gets (graph capture, FP8, speculative decoding, or a plain ratio) follows
+from the engine arguments its cells logged against the baseline's.
 """
 from __future__ import annotations
 
@@ -12,10 +14,11 @@ import pandas as pd
 from hostsweep.report import modes as comparisons
 
 BASELINE = "eager"
-# (mode option, section title, comparison kind in hostsweep.report.modes)
-MODES = (("graph", "Graph capture vs eager: per-step reduction and its crossover batch", "graph"),
-         ("fp8", "FP8 vs the baseline dtype: decode and prefill ratios", "fp8"),
-         ("spec-ngram", "Speculative decoding (n-gram): speedup against acceptance", "spec"))
+# What each comparison kind (hostsweep.report.modes.COMPARISONS) shows, for a section's title.
+KIND_TITLES = {"graph": "graph capture: per-step reduction and its crossover batch",
+               "fp8": "quantized: decode and prefill ratios",
+               "spec": "speculative decoding: speedup against acceptance",
+               "ratio": "per-step ratio and its host/device split"}
 
 
 @dataclass
@@ -26,19 +29,22 @@ class ModeSection:
     summary: dict[str, float] = field(default_factory=dict)
 
 
-def mode_sections(cells: pd.DataFrame) -> list[ModeSection]:
-    """One section per known mode: its comparison with eager, or why it is absent."""
+def mode_sections(cells: pd.DataFrame, baseline: str = BASELINE) -> list[ModeSection]:
+    """One section per mode in the cells besides `baseline`: its comparison with the baseline,
+    or why it cannot be made; one absent section when the cells hold no other mode."""
     cells = cells.assign(workload=cells["workload"] if "workload" in cells else "random")
-    present = set(cells["mode"])
+    found = comparisons.modes_in(cells, baseline)
+    if not found:
+        return [ModeSection(f"Modes against {baseline}", f"absent: no mode other than {baseline} in the selection")]
+    has_baseline = baseline in set(cells["mode"])
     sections = []
-    for mode, title, kind in MODES:
-        if mode not in present:
-            sections.append(ModeSection(title, f"absent: no {mode} cells in the selection"))
-        elif BASELINE not in present:
-            sections.append(ModeSection(title, f"absent: {mode} cells but no {BASELINE} cells to compare with"))
-        else:
-            pairs = comparisons.paired(cells, mode, BASELINE)
-            tables, summary = comparisons.COMPARISONS[kind](pairs) if len(pairs) else ({}, {})
-            sections.append(ModeSection(title, "present" if len(pairs) else
-                                        f"absent: no {mode} cell matches an {BASELINE} cell", tables, summary))
+    for mode, _, kind in found:
+        title = f"{mode} vs {baseline}: {KIND_TITLES[kind]}"
+        if not has_baseline:
+            sections.append(ModeSection(title, f"absent: {mode} cells but no {baseline} cells to compare with"))
+            continue
+        pairs = comparisons.paired(cells, mode, baseline)
+        tables, summary = comparisons.COMPARISONS[kind](pairs) if len(pairs) else ({}, {})
+        sections.append(ModeSection(title, "present" if len(pairs) else
+                                    f"absent: no {mode} cell matches an {baseline} cell", tables, summary))
     return sections

@@ -7,8 +7,10 @@ import pandas as pd
 import pytest
 
 from hostsweep.report.modes import (
-    comparison_kind, crossover_batches, finished_cells, mode_pairs, paired, study_summary,
+    comparison_kind, crossover_batches, finished_cells, logged_engine_args, mode_pairs, modes_in, paired,
+    study_summary,
 )
+from hostsweep.report.study_modes import mode_sections
 
 
 def row(mode, batch, ctx, step, host=None, tp=1, workload="random", **extra):
@@ -110,3 +112,29 @@ def test_only_modes_whose_baseline_is_in_the_study_are_compared():
              ("fp8", "bf16-graph", {"quantization": "fp8"})]
     assert mode_pairs(modes) == [("graph", "eager", "graph")]
     assert mode_pairs(iter(modes)) == [("graph", "eager", "graph")]  # any iterable, read once
+
+
+def test_the_report_compares_every_mode_the_cells_hold_even_one_no_code_names():
+    eager_args, new_args = '{"enforce_eager": true}', '{"block_size": 32, "enforce_eager": true}'
+    cells = pd.DataFrame([row("eager", b, 128, 2.0, 1.0, engine_args=eager_args) for b in (1, 4)]
+                         + [row("paged-32", b, 128, 1.6, 0.8, engine_args=new_args) for b in (1, 4)])
+    assert modes_in(cells, "eager") == [("paged-32", "eager", "ratio")]
+    [section] = mode_sections(cells)
+    assert section.title.startswith("paged-32 vs eager") and section.status == "present"
+    assert section.summary["mean_speedup"] == pytest.approx(1.25)
+
+
+def test_a_modes_comparison_kind_comes_from_the_engine_arguments_its_cells_logged():
+    cells = pd.DataFrame([row("eager", 1, 128, 2.0, engine_args='{"enforce_eager": true}'),
+                          row("q8", 1, 128, 1.5, engine_args='{"enforce_eager": true, "quantization": "fp8"}'),
+                          row("old", 1, 128, 1.9)])  # logged before engine_args: a plain ratio
+    assert logged_engine_args(cells, "q8") == {"enforce_eager": True, "quantization": "fp8"}
+    assert modes_in(cells, "eager") == [("old", "eager", "ratio"), ("q8", "eager", "fp8")]
+
+
+def test_a_mode_without_baseline_cells_or_no_other_mode_is_reported_absent():
+    only_graph = pd.DataFrame([row("graph", 1, 128, 1.0)])
+    [section] = mode_sections(only_graph)
+    assert section.status == "absent: graph cells but no eager cells to compare with"
+    [section] = mode_sections(pd.DataFrame([row("eager", 1, 128, 1.0)]))
+    assert section.status == "absent: no mode other than eager in the selection"
