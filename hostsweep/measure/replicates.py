@@ -4,9 +4,9 @@ With measure.replicates >= 2 every engine group is measured again in fresh engin
 A cell's pairs from all starts are kept (each pair knows its start); its step is the mean of
 the starts' medians, each start weighted equally, with a t-interval on those medians (k - 1
 degrees of freedom, intervals.between_starts_ci), so the CI covers what changes from one
-engine start to the next, which a CI over one start's pairs cannot. The split of
-the start with the median device time stands for the cell, its host share recomputed
-against the merged step.
+engine start to the next, which a CI over one start's pairs cannot. The split likewise:
+each start's device time one sample, with between-start CIs against the merged step
+(merged_split).
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from hostsweep.measure.intervals import between_starts_ci, few_starts_warning
 from hostsweep.measure.protocol import CellMeasurement, summarize
 from hostsweep.measure.results import CellResult
 from hostsweep.measure.split import SplitResult
+from hostsweep.measure.split_stats import TimedStep, split_stats
 from hostsweep.measure.stability import REASONS, StabilityRules, Stability, contention_summary
 
 
@@ -58,16 +59,23 @@ def merged_measurement(starts: Sequence[CellResult], rules: StabilityRules) -> C
     )
 
 
-def merged_split(starts: Sequence[CellResult], step_ms: float, host_bound_threshold: float) -> Optional[SplitResult]:
-    """The split of the start with the median device time, host time against the merged step."""
-    splits = sorted((r.split for r in starts if r.split is not None), key=lambda s: s.device_ms)
-    if not splits:
-        return None
-    chosen = splits[(len(splits) - 1) // 2]
-    host_ms = step_ms - chosen.device_ms
-    host_frac = host_ms / step_ms if step_ms else float("nan")
-    return dataclasses.replace(chosen, host_ms=host_ms, host_frac=host_frac,
-                               regime="host-bound" if host_frac >= host_bound_threshold else "device-bound")
+def merged_split(starts: Sequence[CellResult], measurement: CellMeasurement, host_bound_threshold: float,
+                 level: float) -> Optional[SplitResult]:
+    """The split across the starts: each start's device time one sample, so device, host and
+    host_frac get between-start CIs (measure/split_stats.py, k - 1 degrees of freedom; none
+    below 3 starts) against the merged step, and the regime from them; what is per pair from
+    the start with the median device time. One start: its own split, CIs over its own pairs."""
+    splits = [r.split for r in starts if r.split is not None]
+    if len(splits) < 2:
+        return splits[0] if splits else None
+    chosen = sorted(splits, key=lambda s: s.device_ms)[(len(splits) - 1) // 2]
+    step = TimedStep(measurement.step_ms, measurement.step_ci_low_ms, measurement.step_ci_high_ms, len(starts), level)
+    s = split_stats([sp.device_ms for sp in splits], [sp.profiled_step_ms for sp in splits], step,
+                    host_bound_threshold)
+    return dataclasses.replace(chosen, device_ms=s.device_ms, host_ms=s.host_ms, host_frac=s.host_frac,
+                               profiled_step_ms=s.profiled_step_ms, profiler_overhead=s.profiler_overhead,
+                               regime=s.regime, device_ci=s.device_ci, host_ci=s.host_ci, host_frac_ci=s.host_frac_ci,
+                               profiled_step_ci=s.profiled_step_ci, pairs=sum(sp.pairs for sp in splits))
 
 
 def merged_stability(starts: Sequence[CellResult], measurement: CellMeasurement, rules: StabilityRules) -> Stability:
@@ -95,7 +103,7 @@ def merge_starts(starts: Sequence[CellResult], rules: StabilityRules, host_bound
     first = starts[0]
     return dataclasses.replace(
         first, measurement=measurement,
-        split=merged_split(starts, measurement.step_ms, host_bound_threshold),
+        split=merged_split(starts, measurement, host_bound_threshold, rules.level),
         stability=merged_stability(starts, measurement, rules),
         duration_s=sum(r.duration_s for r in starts),
         started_at=min(r.started_at for r in starts), ended_at=max(r.ended_at for r in starts),

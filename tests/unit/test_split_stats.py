@@ -133,3 +133,28 @@ def test_noise_around_the_floor_or_zero_is_not_flagged():
     # device CI reaches above the floor; forward's CI holds 0; profiled CI overlaps the step's
     s = split_stats([0.2, 0.5, 0.35], [4.7, 5.6, 5.2], step(), 0.5)
     assert checks(s, floor=0.4, forward=(-0.01, (-0.05, 0.03))) == ()
+
+
+def test_engine_starts_merge_into_one_split_with_a_between_start_ci():
+    import dataclasses
+
+    from hostsweep.measure.protocol import CellMeasurement
+    from hostsweep.measure.replicates import merged_split
+    from hostsweep.measure.results import CellResult
+    from hostsweep.measure.split import SplitResult
+
+    def start(device: float) -> CellResult:
+        split = SplitResult("cpu-ops", device, 5.0 - device, 1 - device / 5.0, 0.0, 0.0, 0.0, 6.5, 1.3,
+                            HOST_BOUND, (device,), (), pairs=3, host_frac_ci=(0.5, 0.9))
+        return CellResult("k", {}, "FINISHED", None, None, {}, 1.0, split)
+
+    merged_step = CellMeasurement(5.0, 4.8, 5.2, 20.0, 180.0, ())
+    starts = [start(d) for d in (1.0, 1.2, 1.1)]
+    merged = merged_split(starts, merged_step, 0.5, 0.95)
+    assert merged.device_ms == pytest.approx(1.1) and merged.pairs == 9
+    low, high = merged.host_frac_ci
+    assert low < 1 - 1.1 / 5.0 < high and merged.regime == HOST_BOUND
+    two = merged_split(starts[:2], merged_step, 0.5, 0.95)  # two starts: no between-start CI
+    assert two.host_frac_ci is None and two.regime == UNDETERMINED
+    assert merged_split(starts[:1], merged_step, 0.5, 0.95) is starts[0].split
+    assert merged_split([dataclasses.replace(starts[0], split=None)], merged_step, 0.5, 0.95) is None
