@@ -32,8 +32,9 @@ class Measured:
     tags: dict[str, str]
 
 
-def cell_label(params: dict[str, object]) -> str:
-    """'cpu/tiny-llama/eager/tp1 b2 ctx512' (and the workload when not random prompts)."""
+def progress_label(params: dict[str, object]) -> str:
+    """A cell as the console's progress lines name it: 'cpu/tiny-llama/eager/tp1 b2 ctx512' (and
+    the workload when not random prompts)."""
     label = f"{params['sku']}/{params['model']}/{params['mode']}/tp{params['tp']} b{params['batch']} ctx{params['ctx']}"
     workload = params.get("workload", "random")
     return label if workload == "random" else f"{label} {workload}"
@@ -146,7 +147,7 @@ class SweepRecorder:
         crashpoints.reached("tabled")
         self.uploader.submit(Measured(entry, result, run_id, self.tags), self.stopping)
         level = logging.WARNING if result.status == "FAILED" else logging.INFO
-        log.log(level, "[%d/%d] %s: %s", self.table.count, self.total, cell_label(result.params),
+        log.log(level, "[%d/%d] %s: %s", self.table.count, self.total, progress_label(result.params),
                 describe(result, metrics))
 
     def _deliver(self, item: Measured) -> None:
