@@ -107,7 +107,7 @@ def test_the_diff_run_holds_the_files_params_and_counts(store, gated):
     run = runs[runs["tags.mlflow.runName"] == "diff-diffbase-diffhead"].iloc[0]
     files = {f.path for f in MlflowClient(store["uri"]).list_artifacts(run["run_id"])}
     files |= {f.path for f in MlflowClient(store["uri"]).list_artifacts(run["run_id"], "figures")}
-    assert {"diff.md", "diff.html", "diff.json", "figures/ratios.png"} <= files
+    assert {"diff.md", "diff.html", "diff.json", "diff.csv", "figures/ratios.png"} <= files
     assert run["params.differs.reps"] == "8 → 10" and run["params.base_sweeps"] == store["base"]
     assert run["metrics.slower"] == 1 and run["metrics.same"] == 3 and run["metrics.failing"] == 1
     assert run["metrics.geomean_ci_low"] <= run["metrics.geomean_ratio"] <= run["metrics.geomean_ci_high"]

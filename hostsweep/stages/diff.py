@@ -6,7 +6,7 @@ release gate: did it get slower with the new vLLM, torch, driver, SKU, mode or e
 
 Both sides are named and read back from MLflow first (record/sides.py; an unknown study or
 run is a one-line error, exit 2), compared by report/diff.py, written under
-<run dir>/diff/ (diff.md, diff.html, diff.json, figures/ratios.png) and logged as a run
+<run dir>/diff/ (diff.md, diff.html, diff.json, diff.csv, figures/ratios.png) and logged as a run
 `diff-<base>-<head>` in the head's experiment. With diff.fail_on=slower the exit code is 1
 when any cell's step_ms is judged slower (Holm over the cells at diff.alpha, beyond
 diff.threshold_pct), an unstable cell's ratio lies beyond the threshold, or the head lacks
@@ -108,6 +108,7 @@ def write(result: DiffResult, ctx: DiffContext, folder: Path) -> None:
     (folder / "diff.md").write_text(to_markdown(doc, folder))
     (folder / "diff.html").write_text(to_html(doc))
     (folder / "diff.json").write_text(json.dumps(to_json(result, ctx), indent=1))
+    result.cells.to_csv(folder / "diff.csv", index=False)  # one row per cell and quantity, for spreadsheets
 
 
 def diff_sides(base: Side, head: Side, options: DiffOptions, uri: str, experiment: str, run_dir: Path
@@ -132,7 +133,7 @@ def diff_sides(base: Side, head: Side, options: DiffOptions, uri: str, experimen
 
 
 def _closing(result: DiffResult, run: ReportRun, folder: Path, uri: str, port: int) -> str:
-    lines = [f"diff: {folder / 'diff.html'} and {folder / 'diff.md'} (diff.json, figures/ratios.png)",
+    lines = [f"diff: {folder / 'diff.html'} and {folder / 'diff.md'} (diff.json, diff.csv, figures/ratios.png)",
              f"MLflow: run {run.run_name} ({run.run_id}) in experiment {run.experiment_id} of {redact(uri)}",
              open_ui_line(uri, port),
              f"  the diff: {runs_table_url(run.experiment_id, port, run.run_id, ui_base(uri, port))} (Artifacts)"]
