@@ -151,7 +151,11 @@ def _study_wide(cells: pd.DataFrame, regime: pd.DataFrame, figures: dict[str, Pa
                     Text("SKUs with cells: " + ", ".join(sorted(present))
                          + (f"; absent (no cells selected): {', '.join(absent)}" if absent else "")),
                     Heading("Regime map", 3), Figure(figures["regime_map"], "Host fraction by model size, TP and batch "
-                                                     "(mean over contexts)."),
+                                                     "(mean over contexts): bold host-bound, `?` undetermined (a "
+                                                     "host_frac CI across the threshold, or too few profiled "
+                                                     "pairs for one), `~` contexts disagree (mixed); the table "
+                                                     "gives the envelope of the contexts' CIs. Implausible splits "
+                                                     "are left out."),
                     Table(regime, digits=3) if len(regime) else Text("absent: no split cells"),
                     Figure(figures["step_times"], "Step time per cell with 95% CI, one panel per SKU.")]
     phases = host_phase_table(cells)

@@ -75,7 +75,9 @@ def _split_columns(pairs: pd.DataFrame) -> pd.DataFrame:
     for side in ("base", "mode"):
         out[f"step_ms_{side}"] = pairs[f"step_ms_{side}"]
         out[f"host_ms_{side}"] = _column(pairs, f"host_ms_{side}")
-        out[f"device_ms_{side}"] = _column(pairs, f"device_ms_{side}")
+        # A flagged split (impossible or implausible) keeps device_ms but has no host_ms: its
+        # device time is no number to compare modes by (measure/results.split_is_possible).
+        out[f"device_ms_{side}"] = _column(pairs, f"device_ms_{side}").where(out[f"host_ms_{side}"].notna())
         out[f"host_frac_{side}"] = _column(pairs, f"host_frac_{side}")
     out["speedup"], out["reduction"] = pairs["speedup"], pairs["reduction"]
     out["host_removed_ms"] = out["host_ms_base"] - out["host_ms_mode"]

@@ -87,3 +87,15 @@ def test_the_regime_figures_mark_undetermined_cells():
     assert "70%" in texts and "50% ?" in texts
     fig = figures.host_fraction_by_batch(frame.assign(stable="true", mode="eager"))
     assert [t.get_text() for ax in fig.axes for t in ax.texts] == ["?"]
+
+
+def test_a_flagged_splits_device_time_does_not_feed_the_mode_comparison():
+    from hostsweep.report.modes import _split_columns, paired
+
+    base = {"sku": "cpu", "model": "tiny-llama", "tp": 1, "ctx": 128, "workload": "random", "step_ms": 10.0}
+    frame = pd.DataFrame([{**base, "mode": "eager", "batch": 1, "device_ms": 4.0, "host_ms": 6.0},
+                          {**base, "mode": "graph", "batch": 1, "device_ms": 0.05, "host_ms": None},  # flagged
+                          {**base, "mode": "eager", "batch": 2, "device_ms": 4.0, "host_ms": 6.0},
+                          {**base, "mode": "graph", "batch": 2, "device_ms": 3.0, "host_ms": 5.0}])
+    columns = _split_columns(paired(frame, "graph", "eager")).set_index("batch")
+    assert pd.isna(columns.loc[1, "device_removed_ms"]) and columns.loc[2, "device_removed_ms"] == 1.0
