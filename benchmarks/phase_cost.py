@@ -47,7 +47,8 @@ def main() -> None:
         for r in range(args.rounds):
             for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
                 cell, opts = sides[name]
-                split = workers[name]._split(cell, prompts[name], timed[name].measurement, opts, None)
+                pair = workers[name]._profile_pair(cell, prompts[name], opts, None)
+                split = workers[name]._split(cell, [pair], timed[name].measurement, opts)
                 costs[name].append((split.split_s, split.split_overhead_s))
     finally:
         for worker in workers.values():

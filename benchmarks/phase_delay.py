@@ -46,8 +46,9 @@ def measure(phase: str, delay_ms: float, pairs: int, overrides: list[str]) -> di
         if result.status != "FINISHED":
             raise RuntimeError(result.error)
         m = result.measurement
-        splits = [worker._profiled_pairs(cell, worker.prompts(cell), m.step_ms, options, None)
-                  for _ in range(pairs)]
+        prompts = worker.prompts(cell)
+        splits = [worker._profiled_pairs(cell, [worker._profile_pair(cell, prompts, options, None)], m, options)
+                  for _ in range(pairs)]  # one pair each: its phases as profiled (host_ms, unscaled)
         phases = [s.phases for s in splits]
     finally:
         worker.close()
