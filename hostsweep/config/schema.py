@@ -128,9 +128,14 @@ class MeasureConfig:
     # drift and replicate also need the two medians this many % apart, not only disjoint CIs
     min_shift_pct: float = 3.0
     replicate_first: bool = True
-    # Unstable cells are timed again at the end of their group, at most this many times;
-    # every attempt is kept, the last one reported.
+    # A group with a cell whose noise or neighbour made it unstable (foreign_cpu, ci_width,
+    # drift) is timed again, all its cells in a new period of interleaved rounds, at most
+    # this many times; every period is kept and pooled (measure/group.py).
     remeasure_unstable: int = 1
+    # The speed canary (run/canary.py), timed beside every pair: a group whose canary moved
+    # by more than this % over its rounds is flagged machine_speed, every cell of it.
+    canary: bool = True
+    max_canary_shift_pct: float = 15.0
     # Each engine group measured again in this many fresh engine starts in all; a cell's CI
     # then covers what changes from one start to the next (a t-interval on the starts'
     # medians; >= 3 for a usable one). 1: one start.

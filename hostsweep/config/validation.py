@@ -84,6 +84,8 @@ def check_stability(m: Any) -> None:
         raise ConfigError(f"measure.min_shift_pct must be >= 0, got {m.min_shift_pct:g}")
     if m.remeasure_unstable < 0:
         raise ConfigError(f"measure.remeasure_unstable must be >= 0, got {m.remeasure_unstable}")
+    if not m.max_canary_shift_pct > 0.0:
+        raise ConfigError(f"measure.max_canary_shift_pct must be a percentage > 0, got {m.max_canary_shift_pct:g}")
     if m.replicates < 1:
         raise ConfigError(f"measure.replicates must be >= 1 (engine starts per cell), got {m.replicates}")
 

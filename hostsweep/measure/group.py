@@ -6,9 +6,9 @@ what periods, clean rounds and the canary are).
 
 A re-measure times the whole group again, in a period of its own: a cell re-timed alone
 would be compared with companions timed in another period, on what may be another
-machine. Every pair is kept; a cell's number pools its periods, each weighing the same,
-with the between-period CI (intervals.between_starts_ci), so a machine that changed speed
-between periods widens the CI instead of silently moving the cell.
+machine. Every pair is kept; a cell's number is the mean of its periods' medians (each
+holds the same rounds of every cell, so each weighs the same: pooled_periods), and how far
+the periods lay apart is reported and flagged beside it (measure/periods.py).
 """
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
+from scipy import stats
+
 
 from hostsweep.config.grid import Cell
-from hostsweep.measure.intervals import between_starts_ci
 from hostsweep.measure.periods import (
     DesignRecord, ProfiledPair, by_period, canary_shift_pct, clean_pairs, common_period_ratios, contended_rounds,
     median_canary_ms, period_disagrees, period_medians_ms,
@@ -75,17 +76,14 @@ class GroupMeasurement:
         return 1 + max((p.period for pairs in self.timings for p in pairs), default=-1)
 
     def _summary(self, i: int, pairs: Sequence[RepTiming]) -> CellMeasurement:
-        """The cell's estimate from these pairs: its order-statistic CI within one period;
-        across periods, the t-interval on the period medians, each period weighing the same."""
+        """The cell's step from these pairs: in one period, their median with its
+        order-statistic CI (at the adaptive looks' level for an adaptive cell); over several,
+        the periods pooled (pooled_periods)."""
         c, level = self.cells[i], self.options.measure.ci_level
         parts = by_period(pairs)
         if len(parts) < 2:
             return summarize(pairs, level, adaptive_looks(c.target_ci_pct, c.min_reps, c.reps))
-        step, low, high = between_starts_ci([[p.step_s * 1e3 for p in part] for part in parts], level)
-        return CellMeasurement(step_ms=step, step_ci_low_ms=low, step_ci_high_ms=high,
-                               wall_1_ms=float(np.median([p.wall_1_s for p in pairs]) * 1e3),
-                               wall_T_ms=float(np.median([p.wall_T_s for p in pairs]) * 1e3),
-                               reps=tuple(pairs), ci_coverage=level)
+        return pooled_periods(parts, level)
 
     def take_period(self, timings: Sequence[Sequence[RepTiming]]) -> None:
         """One period's pairs of every cell of the group (in cell order): tagged with the
@@ -154,3 +152,28 @@ class GroupMeasurement:
                                         spec, self.verdicts[i], (), self.started_at, tuple(self.profiled[i]),
                                         self.traces[i])
         return cells
+
+
+def pooled_periods(parts: Sequence[Sequence[RepTiming]], level: float) -> CellMeasurement:
+    """A cell measured in several periods of its group: the mean of the periods' medians,
+    each period weighing the same (each holds the same rounds of every cell, so ratios
+    between cells keep the periods' ratios), with the CI of that mean from each period's
+    own median CI (its half-width over z as its standard error; fixed effects).
+
+    What it covers is the step over the periods the study measured. It is not a CI for
+    another moment's machine: how far the periods lay apart is reported beside it
+    (period_medians_ms, period_spread_pct), flagged when one cell moved alone (`period`)
+    or the canary moved (`machine_speed`), and left to the diff's between-run component.
+    (The median of all pairs pooled sits in the gap between two periods' clusters when the
+    machine changed speed, and a t-interval over two period medians has one degree of
+    freedom: 12.7 times their spread wide, true to no question a user asks of one study.)"""
+    z = float(stats.norm.ppf(0.5 + level / 2.0))
+    summaries = [summarize(part, level) for part in parts]
+    point = float(np.mean([m.step_ms for m in summaries]))
+    se = float(np.sqrt(sum(((m.step_ci_high_ms - m.step_ci_low_ms) / (2.0 * z)) ** 2 for m in summaries)))
+    se /= len(summaries)
+    every = [p for part in parts for p in part]
+    return CellMeasurement(step_ms=point, step_ci_low_ms=point - z * se, step_ci_high_ms=point + z * se,
+                           wall_1_ms=float(np.median([p.wall_1_s for p in every]) * 1e3),
+                           wall_T_ms=float(np.median([p.wall_T_s for p in every]) * 1e3),
+                           reps=tuple(every), ci_coverage=level)

@@ -7,6 +7,7 @@ slow drift on a shared machine lands on both members of a pair.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -47,6 +48,10 @@ class RepTiming:
     round: int = -1  # the round the pair ran in (interleaved_rounds); -1 in records from before rounds
     contention: Optional[Contention] = None  # None where the machine could not be observed
     replicate: int = 0  # the engine start it was measured in (measure.replicates), 0-based
+    # The group's measurement period (0-based): a re-measure times the whole group again
+    # in a period of its own (measure/group.py); (period, round) names a round.
+    period: int = 0
+    canary_ms: Optional[float] = None  # the speed canary timed right after the pair (run/canary.py)
 
 
 @dataclass(frozen=True)
@@ -154,8 +159,7 @@ def interleaved_rounds(reps: Sequence[int], pair: PairRunner, seed: int,
         for i in order:
             k = len(timings[i])
             timing = pair(i, k, k % 2 == 0)
-            timings[i].append(RepTiming(k, timing.t1_first, timing.wall_1_s, timing.wall_T_s, timing.step_s,
-                                        round_index, timing.contention))
+            timings[i].append(dataclasses.replace(timing, rep=k, round=round_index))
             if on_pair is not None:
                 on_pair(i, timings[i][-1])
         orders.append(tuple(order))

@@ -18,6 +18,7 @@ from hostsweep.config.schema import LinearityConfig, MeasureConfig, SplitConfig,
 from hostsweep.measure.detectable import cell_mde_pct
 from hostsweep.measure.phases import phase_metrics
 from hostsweep.measure.protocol import CellMeasurement
+from hostsweep.measure.periods import DesignRecord
 from hostsweep.measure.speculative import SpecResult, spec_metrics
 from hostsweep.measure.split import LinearityResult, SplitResult
 from hostsweep.measure.stability import Stability, StabilityRules, between_replicate_spread_pct
@@ -221,6 +222,23 @@ def stability_metrics(stability: Optional[Stability]) -> dict[str, float]:
     if len(stability.start_medians_ms) > 1:
         metrics["replicates"] = float(len(stability.start_medians_ms))
         metrics["replicate_spread_pct"] = between_replicate_spread_pct([[m] for m in stability.start_medians_ms])
+    metrics.update(design_metrics(stability.design))
+    return metrics
+
+
+def design_metrics(design: Optional[DesignRecord]) -> dict[str, float]:
+    """What the group's design says of the cell (measure/periods.py): its periods and how far
+    they spread, the pairs its estimate rests on, the rounds left out, the speed canary."""
+    if design is None:
+        return {}
+    metrics = {"periods": float(design.periods), "clean_pairs": float(design.clean_pairs),
+               "contended_rounds": float(design.contended_rounds)}
+    if len(design.period_medians_ms) > 1:
+        metrics["period_spread_pct"] = between_replicate_spread_pct([[m] for m in design.period_medians_ms])
+    if design.canary_ms is not None:
+        metrics["canary_ms"] = design.canary_ms
+    if design.canary_shift_pct is not None:
+        metrics["canary_shift_pct"] = design.canary_shift_pct
     return metrics
 
 

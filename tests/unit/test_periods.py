@@ -4,6 +4,7 @@ catches a machine that changed speed, and a cell that moves alone between period
 told apart from a machine that moved every cell."""
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import numpy as np
@@ -149,35 +150,55 @@ def fake_study(*overrides: str):
     return build_cells(cfg), MeasureOptions.of(cfg.config)
 
 
-def slowing_worker(tmp_path, spec, slow_after: int, factor: float):
-    """A SweepWorker whose engine counts T-token generates per batch, and after `slow_after`
-    of them runs every generate `factor` times as long (a machine that slowed down)."""
-    import time
+class VirtualClock:
+    """The worker's clock, advanced only by the fake engine's modelled work: timings with a
+    known answer however busy the machine running the test is."""
 
-    from hostsweep.run.worker import SweepWorker
+    def __init__(self) -> None:
+        self.now = 0.0
 
-    worker = SweepWorker(spec, str(tmp_path))
-    counts, generate = Counter(), worker.engine.generate
+    def perf_counter(self) -> float:
+        return self.now
+
+    @staticmethod
+    def time() -> float:
+        return time.time()
+
+
+def slowing_worker(tmp_path, spec, slow_after: int, factor: float, monkeypatch, noise: float = 0.02):
+    """A SweepWorker on a virtual clock whose engine counts T-token generates per batch; each
+    generate takes the fake engine's modelled time with `noise` (lognormal) and, from the
+    `slow_after`-th generate on (T=1 and T alike), `factor` times as long: a machine that
+    slowed down at a known moment."""
+    from hostsweep.run import worker as worker_module
+
+    monkeypatch.setenv("HOSTSWEEP_FAKE_TIME_SCALE", "0")  # the engine does not sleep: the clock is virtual
+    clock, rng = VirtualClock(), np.random.default_rng(11)
+    monkeypatch.setattr(worker_module, "time", clock)
+    worker = worker_module.SweepWorker(spec, str(tmp_path))
+    engine = worker.engine
+    counts, generate, calls = Counter(), engine.generate, [0]
 
     def counted(prompts, tokens):
-        started = time.perf_counter()
         out = generate(prompts, tokens)
-        if sum(counts.values()) >= slow_after:
-            time.sleep((time.perf_counter() - started) * (factor - 1.0))
+        calls[0] += 1
+        modelled = engine.overhead_s + engine.cycle_seconds(len(prompts), len(prompts[0])) * tokens
+        clock.now += modelled * float(np.exp(rng.normal(0.0, noise))) * (factor if calls[0] > slow_after else 1.0)
         counts[len(prompts)] += tokens > 1
         return out
 
-    worker.engine.generate = counted
+    engine.generate = counted
     return worker, counts
 
 
-def test_a_re_measure_times_the_whole_group_again_and_keeps_the_ratios_between_cells(tmp_path):
+def test_a_re_measure_times_the_whole_group_again_and_keeps_the_ratios_between_cells(tmp_path, monkeypatch):
     # A CI target no measurement meets: the group is unstable (ci_width) and re-measured once.
-    # Cells 1, 2 and 4 times as slow, with steps long enough that a loaded machine's sleep
-    # jitter stays small beside them.
+    # Cells 1, 2 and 4 times as slow.
     cells, options = fake_study("measure.max_ci_pct=1e-9", "measure.remeasure_unstable=1", "measure.T=17",
                                 "batch=[1,11,31]")
-    worker, counts = slowing_worker(tmp_path, cells[0].engine, slow_after=3 * 9, factor=1.5)
+    # slower from the second period on: after 3 cells x (1 warm-up + 8 pairs) x 2 generates
+    worker, counts = slowing_worker(tmp_path, cells[0].engine, slow_after=3 * 9 * 2, factor=1.5,
+                                    monkeypatch=monkeypatch)
     results = [worker.measure(cell, options, tuple(cells[i + 1:])) for i, cell in enumerate(cells)]
     assert counts == {1: 17, 11: 17, 31: 17}  # warm-up, then 8 pairs in each of two periods, every cell
     steps = [r.measurement.step_ms for r in results]
@@ -190,11 +211,12 @@ def test_a_re_measure_times_the_whole_group_again_and_keeps_the_ratios_between_c
     assert all(r.measurement.reps[0].canary_ms is not None for r in results)
 
 
-def test_a_stable_group_is_not_re_measured(tmp_path):
-    cells, options = fake_study("measure.max_ci_pct=1000", "measure.remeasure_unstable=2")
-    worker, counts = slowing_worker(tmp_path, cells[0].engine, slow_after=10**9, factor=1.0)
+def test_a_stable_group_is_not_re_measured(tmp_path, monkeypatch):
+    # no rule can fire, however loaded the machine: what is tested is that nothing triggers a period
+    cells, options = fake_study("measure.max_ci_pct=1000", "measure.min_shift_pct=1000", "measure.remeasure_unstable=2")
+    worker, counts = slowing_worker(tmp_path, cells[0].engine, slow_after=10**9, factor=1.0, monkeypatch=monkeypatch)
     result = worker.measure(cells[0], options, tuple(cells[1:]))
-    assert counts == {1: 9, 2: 9, 4: 9} and result.stability.design.periods == 1
+    assert counts == {1: 9, 2: 9, 4: 9} and result.stability.design.periods == 1, result.stability
 
 
 def test_the_design_record_survives_the_journal():
@@ -232,9 +254,9 @@ def spied_profiles(worker) -> list[tuple[int, int]]:
     return taken
 
 
-def test_the_splits_profiled_pairs_are_taken_in_the_same_rounds_for_every_cell(tmp_path):
+def test_the_splits_profiled_pairs_are_taken_in_the_same_rounds_for_every_cell(tmp_path, monkeypatch):
     cells, options = fake_study("split.enabled=true", "split.reps=3", "measure.reps=8", "measure.remeasure_unstable=0")
-    worker, counts = slowing_worker(tmp_path, cells[0].engine, slow_after=10**9, factor=1.0)
+    worker, counts = slowing_worker(tmp_path, cells[0].engine, slow_after=10**9, factor=1.0, monkeypatch=monkeypatch)
     taken = spied_profiles(worker)
     results = [worker.measure(cell, options, tuple(cells[i + 1:])) for i, cell in enumerate(cells)]
     assert sorted(taken) == sorted((b, r) for b in (1, 2, 4) for r in (1, 4, 6))  # in the rounds, alike
@@ -242,9 +264,9 @@ def test_the_splits_profiled_pairs_are_taken_in_the_same_rounds_for_every_cell(t
     assert all(r.split is not None and r.split.split_s > 0 for r in results)
 
 
-def test_profiled_pairs_the_rounds_did_not_reach_are_taken_after_them(tmp_path):
+def test_profiled_pairs_the_rounds_did_not_reach_are_taken_after_them(tmp_path, monkeypatch):
     cells, options = fake_study("split.enabled=true", "split.reps=3", "measure.reps=2", "measure.remeasure_unstable=0")
-    worker, _ = slowing_worker(tmp_path, cells[0].engine, slow_after=10**9, factor=1.0)
+    worker, _ = slowing_worker(tmp_path, cells[0].engine, slow_after=10**9, factor=1.0, monkeypatch=monkeypatch)
     taken = spied_profiles(worker)
     worker.measure(cells[0], options, tuple(cells[1:]))
     assert sorted(taken) == sorted((b, r) for b in (1, 2, 4) for r in (0, 1, -1))  # -1: after the rounds

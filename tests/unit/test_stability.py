@@ -298,14 +298,17 @@ def test_the_first_cell_is_replicated_at_the_end_of_its_group(tmp_path):
 
 
 @pytest.mark.parametrize("remeasure", [0, 1, 2])
-def test_an_unstable_cell_is_measured_again_at_most_remeasure_unstable_times_and_every_attempt_kept(tmp_path, remeasure):
-    # A CI target no measurement meets: every attempt is unstable (ci_width).
+def test_an_unstable_group_is_timed_again_whole_at_most_remeasure_unstable_times_and_every_pair_kept(
+        tmp_path, remeasure):
+    # A CI target no measurement meets: every period is unstable (ci_width).
     cells, options = fake_study("split.enabled=false", "measure.replicate_first=false", "measure.max_ci_pct=1e-9",
                                 f"measure.remeasure_unstable={remeasure}")
     worker, counts = counting_worker(tmp_path, cells[0].engine)
     result = worker.measure(cells[0], options, tuple(cells[1:]))
-    assert counts[1] == 1 + 4 * (1 + remeasure)
-    assert result.stability.attempts == 1 + remeasure and len(result.earlier_timings) == remeasure
+    assert counts == {b: 1 + 4 * (1 + remeasure) for b in (1, 2, 4)}  # every cell, every period
+    assert result.stability.attempts == 1 + remeasure and result.stability.design.periods == 1 + remeasure
+    assert len(result.measurement.reps) == 4 * (1 + remeasure) and result.earlier_timings == ()
+    assert sorted({p.period for p in result.measurement.reps}) == list(range(1 + remeasure))
     assert "ci_width" in result.stability.reasons and not result.stability.stable
 
 
