@@ -107,7 +107,7 @@ def _decimals(name: str) -> Optional[int]:
         return TIME_DECIMALS
     if name.startswith("r2_"):
         return 6
-    if name.endswith("_frac"):
+    if name.endswith("_frac") or name.startswith("host_frac_ci_"):  # host_frac's CI as host_frac
         return 3
     if name.endswith(("_overhead", "_rate", "_disagreement")):
         return 4
@@ -178,11 +178,13 @@ def _raw_metrics(result: CellResult) -> dict[str, float]:
         if sp.kernel_source == "cuda":
             metrics.update(copy_ms=sp.copy_ms, copy_bytes_per_step=sp.copy_bytes,
                            launches_per_step=sp.launches_per_step)
+        metrics.update(split_ci_metrics(sp))
         if sp.phases is not None:
             metrics.update(phase_metrics(sp.phases, sp.profiled_step_ms - sp.device_ms))
-        if not split_is_possible(result):  # device time above the step: no fraction to plot
-            del metrics["host_frac"]
-            metrics.pop("attributed_frac", None)
+        if not split_is_possible(result):  # impossible or implausible: no host number to plot, fit or diff
+            for name in ("host_ms", "host_ci_low_ms", "host_ci_high_ms", "host_frac", "host_frac_ci_low",
+                         "host_frac_ci_high", "attributed_frac"):
+                metrics.pop(name, None)
     if result.thread_states is not None and not result.thread_states.empty:
         metrics["pyspy_idle_frac"] = idle_fraction(result.thread_states)
     if result.spec is not None:
@@ -205,7 +207,21 @@ def mde_of(m: CellMeasurement, stability: Optional[Stability]) -> float:
 
 
 def split_is_possible(result: CellResult) -> bool:
-    return result.stability is None or "split_impossible" not in result.stability.reasons
+    """Whether the cell's split may be shown as a host_frac and a regime: not flagged
+    split_impossible or split_implausible (measure/stability.py)."""
+    return result.stability is None or not {"split_impossible", "split_implausible"} & set(result.stability.reasons)
+
+
+def split_ci_metrics(sp: SplitResult) -> dict[str, float]:
+    """The split's CIs over its profiled pairs (absent below 3 pairs), its pair count and the
+    physical floor of its device time (measure/split_stats.py)."""
+    metrics = {"split_pairs": float(sp.pairs), "device_floor_ms": sp.device_floor_ms}
+    for name, ci in (("device", sp.device_ci), ("host", sp.host_ci), ("profiled_step", sp.profiled_step_ci)):
+        if ci is not None:
+            metrics[f"{name}_ci_low_ms"], metrics[f"{name}_ci_high_ms"] = ci
+    if sp.host_frac_ci is not None:
+        metrics["host_frac_ci_low"], metrics["host_frac_ci_high"] = sp.host_frac_ci
+    return metrics
 
 
 def stability_metrics(stability: Optional[Stability]) -> dict[str, float]:
