@@ -147,8 +147,12 @@ class SplitConfig:
     """Device/host split from profiled T=1 / T pairs, separate from the timed reps."""
 
     enabled: bool = True
-    reps: int = 1  # profiled pairs per cell; device_ms is their median
+    reps: int = 1  # profiled pairs per cell; device_ms is their mean, with CIs from 3 pairs on
     host_bound_threshold: float = 0.5  # host_frac at or above this is "host-bound"
+    # A profiled step over the timed one outside this band flags the split (split_implausible):
+    # the profiler slows a step (1.2-1.4x measured on the CPU build), it does not speed it up.
+    min_profiler_overhead: float = 0.9
+    max_profiler_overhead: float = 3.0
     top_ops: int = 15
     keep_traces: bool = False  # traces are large; off unless asked for
     phases: bool = True  # host time per named phase from the profiled pairs (needs hostsweep's vLLM plugin)

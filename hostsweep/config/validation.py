@@ -107,6 +107,9 @@ def check_split(cfg: SweepConfig) -> None:
         raise ConfigError(f"split.reps must be >= 1, got {cfg.split.reps}")
     if not 0.0 < cfg.split.host_bound_threshold < 1.0:
         raise ConfigError(f"split.host_bound_threshold must be in (0, 1), got {cfg.split.host_bound_threshold}")
+    if not 0.0 < cfg.split.min_profiler_overhead <= cfg.split.max_profiler_overhead:
+        raise ConfigError(f"split.min_profiler_overhead must be > 0 and <= split.max_profiler_overhead, got "
+                          f"{cfg.split.min_profiler_overhead} and {cfg.split.max_profiler_overhead}")
     lin = cfg.linearity
     if lin.enabled:
         tokens = positive_ints("linearity.T", lin.T)
