@@ -33,6 +33,7 @@ import pandas as pd
 from hostsweep.measure.detectable import mde_from_se, se_from_ci
 from hostsweep.measure.intervals import few_starts_warning
 from hostsweep.report import diff_stats as S
+from hostsweep.report.diff_canary import NORMALIZE, SideCanary, machine_line, normalized_ratio, side_canary
 from hostsweep.report.diff_match import (  # noqa: F401 - re-exported: the rules live in one place for readers
     CELL_DIMS, PROVENANCE_DIMS, Difference, cell_label, dimensions, match_cells, text,
 )
@@ -56,6 +57,7 @@ class DiffOptions:
     alpha: float = 0.05
     noise_floor_pct: Optional[float] = None  # between-start spread (SD, %) for one-start sides
     fail_on: Optional[str] = None
+    normalize: Optional[str] = None  # "canary": each step ratio also divided by the sides' canary ratio
 
     def check(self) -> None:
         """ValueError naming the field (the stage makes it a one-line ConfigError)."""
@@ -71,6 +73,8 @@ class DiffOptions:
             raise ValueError("quantities must name at least one metric, e.g. [step_ms]")
         if self.fail_on is not None and self.fail_on not in FAIL_ON:
             raise ValueError(f"fail_on={self.fail_on!r} is not allowed; allowed: null, {', '.join(FAIL_ON)}")
+        if self.normalize is not None and self.normalize not in NORMALIZE:
+            raise ValueError(f"normalize={self.normalize!r} is not allowed; allowed: null, {', '.join(NORMALIZE)}")
 
 
 def starts_of(raw: Optional[RawPairs]) -> Optional[list[np.ndarray]]:
@@ -230,6 +234,8 @@ class DiffResult:
     summary: dict[str, dict[str, Any]] = field(default_factory=dict)  # per quantity
     warnings: list[str] = field(default_factory=list)
     between: dict[str, str] = field(default_factory=dict)  # per side, the between-start component's source
+    machine: Optional[str] = None  # the sides' speed canaries compared (report/diff_canary.py)
+    canary_ms: dict[str, Optional[float]] = field(default_factory=dict)  # per side
 
     def _gated(self) -> pd.DataFrame:
         return self.cells[self.cells["quantity"] == GATED] if len(self.cells) else self.cells
@@ -436,7 +442,30 @@ def diff(base: pd.DataFrame, head: pd.DataFrame, raw: Mapping[str, RawPairs], op
     two = cells[(cells["quantity"] == GATED) & ((cells["starts_base"] == 2) | (cells["starts_head"] == 2))]
     if len(two):
         warnings.append(f"{len(two)} cell(s): {few_starts_warning(2)}")
+    canaries = side_canary(base), side_canary(head)
+    if options.normalize == "canary":
+        cells = with_canary_ratios(cells, options.level, *canaries)
     result = DiffResult(options, matched_on, differs, shared, label_dims, cells, unmatched, warnings=warnings,
-                        between={"base": between[0].source, "head": between[1].source})
+                        between={"base": between[0].source, "head": between[1].source},
+                        machine=machine_line(*canaries),
+                        canary_ms={name: c.ms if c else None for name, c in zip(("base", "head"), canaries)})
+    if options.normalize == "canary" and None in canaries:
+        result.warnings.append("diff.normalize=canary: a side has fewer than 3 cells with a speed canary "
+                               "(measured before the canary existed?): no normalized ratios")
     result.summary = _summary(cells, options)
     return result
+
+
+CANARY_COLUMNS = ("ratio_canary", "ci_low_canary", "ci_high_canary")
+
+
+def with_canary_ratios(cells: pd.DataFrame, level: float, base: Optional[SideCanary],
+                       head: Optional[SideCanary]) -> pd.DataFrame:
+    """The step rows' ratio and CI divided by the sides' canary ratio, in columns of their
+    own beside the raw ones (which keep the verdicts and the gate)."""
+    cells = cells.copy()
+    values = [normalized_ratio(r, lo, hi, level, base, head) if q == GATED else (math.nan,) * 3
+              for q, r, lo, hi in zip(cells["quantity"], cells["ratio"], cells["ci_low"], cells["ci_high"])]
+    for k, name in enumerate(CANARY_COLUMNS):
+        cells[name] = [v[k] for v in values]
+    return cells

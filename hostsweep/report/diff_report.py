@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import numpy as np
 import pandas as pd
@@ -85,15 +85,22 @@ def counts_table(result: DiffResult) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _ci_text(lows: Iterable[float], highs: Iterable[float]) -> list[str]:
+    return [fmt_ratio(1, lo, hi)[len("1.000× "):] if math.isfinite(lo) else "–" for lo, hi in zip(lows, highs)]
+
+
 def cell_table(result: DiffResult, quantity: str) -> pd.DataFrame:
     rows = result.cells[result.cells["quantity"] == quantity].sort_values("ratio", ascending=False)
-    return pd.DataFrame({"cell": rows["cell"] + np.where(rows["unstable"], " (unstable)", ""),
-                         "base ms": rows["base"], "head ms": rows["head"], "ratio": rows["ratio"],
-                         "95% CI": [fmt_ratio(1, lo, hi)[len("1.000× "):] if math.isfinite(lo) else "–"
-                                    for lo, hi in zip(rows["ci_low"], rows["ci_high"])],
-                         "verdict": rows["verdict"].fillna("no CI"), "p slower (Holm)": rows["p_slower_holm"],
-                         "MDE %": rows["mde_pct"], "base run": rows["base_run"],
-                         "head run": rows["head_run"]})
+    table = pd.DataFrame({"cell": rows["cell"] + np.where(rows["unstable"], " (unstable)", ""),
+                          "base ms": rows["base"], "head ms": rows["head"], "ratio": rows["ratio"],
+                          "95% CI": _ci_text(rows["ci_low"], rows["ci_high"]),
+                          "verdict": rows["verdict"].fillna("no CI"), "p slower (Holm)": rows["p_slower_holm"],
+                          "MDE %": rows["mde_pct"], "base run": rows["base_run"],
+                          "head run": rows["head_run"]})
+    if "ratio_canary" in rows and quantity == GATED:  # diff.normalize=canary: beside the raw ratio
+        table.insert(5, "ratio / canary", rows["ratio_canary"])
+        table.insert(6, "its CI", _ci_text(rows["ci_low_canary"], rows["ci_high_canary"]))
+    return table
 
 
 def ratio_figure(result: DiffResult, path: Path) -> Optional[Path]:
@@ -175,6 +182,11 @@ def build(result: DiffResult, ctx: DiffContext, folder: Path) -> Document:
                  + (f" Same on both sides: {', '.join(f'{k} {v}' for k, v in result.shared.items())}."
                     if result.shared else "")),
             Heading("Verdict"), Text(f"**{headline(result)}**"), Table(counts_table(result)))
+    if result.machine:
+        doc.add(Text(f"Machines: {result.machine}. The verdicts are on the raw ratios; "
+                     + ("`ratio_canary` divides each by the canary ratio (docs/diff.md)."
+                        if result.options.normalize == "canary" else
+                        "`diff.normalize=canary` shows each also divided by the canary ratio (docs/diff.md).")))
     failed, why = result.gate()
     if result.options.fail_on:
         doc.add(Text(f"fail_on={result.options.fail_on}: **{'FAIL' if failed else 'pass'}**: {why}."))
@@ -214,7 +226,7 @@ def to_json(result: DiffResult, ctx: DiffContext) -> dict[str, Any]:
         "failing": result.failing()["cell"].tolist(),
         "gate": {**dict(zip(("failed", "why"), result.gate())), "refused": result.refusal(),
                  "missing": len(result.missing())},
-        "between": result.between,
+        "between": result.between, "machine": result.machine, "canary_ms": result.canary_ms,
         "cells": [{k: _clean(v) for k, v in row.items()} for row in result.cells.to_dict("records")],
         "unmatched": [{k: _clean(v) for k, v in row.items()} for row in result.unmatched.to_dict("records")],
         "warnings": result.warnings,
@@ -232,6 +244,7 @@ def console(result: DiffResult) -> str:
     if len(table):
         lines.append(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     lines.append(headline(result))
+    lines += [f"machines: {result.machine}"] if result.machine else []
     lines += [f"unmatched: {len(result.unmatched)} cell(s) ({(result.unmatched['side'] == 'base').sum()} base only, "
               f"{(result.unmatched['side'] == 'head').sum()} head only)"] if len(result.unmatched) else []
     return "\n".join(lines + [f"warning: {w}" for w in result.warnings])

@@ -48,7 +48,8 @@ GATE_REFUSED = 2  # fail_on cannot state a false-alarm rate: the studies lack a 
 def diff_options(cfg: DiffConfig) -> DiffOptions:
     """The diff section as DiffOptions, checked (a bad value is a one-line ConfigError)."""
     options = DiffOptions(float(cfg.threshold_pct), tuple(cfg.quantities), float(cfg.ci_level), float(cfg.alpha),
-                          None if cfg.noise_floor_pct is None else float(cfg.noise_floor_pct), cfg.fail_on)
+                          None if cfg.noise_floor_pct is None else float(cfg.noise_floor_pct), cfg.fail_on,
+                          cfg.normalize)
     try:
         options.check()
     except ValueError as exc:

@@ -50,3 +50,34 @@ def test_the_normalized_ci_covers_a_planted_regression_the_machine_also_hid(seed
     raw = 1.10 / 1.2
     ratio, low, high = normalized_ratio(raw, raw * 0.97, raw * 1.03, 0.95, base, head)
     assert low <= 1.10 <= high
+
+
+def test_the_diff_says_the_heads_machine_was_slower_and_normalizes_beside_the_raw_verdicts():
+    """An A/A pair whose head met a machine 30 % slower: the raw ratios say 1.3 and keep the
+    verdicts; the canary columns say 1.0; the console names the machines."""
+    from hostsweep.report.diff import DiffOptions, diff
+    from hostsweep.report.diff_report import cell_table, console
+    from tests.unit.test_diff import side as diff_side
+
+    base, raw_b = diff_side("0.31.0", {}, seed=1)
+    head, raw_h = diff_side("0.32.0", {}, seed=2)
+    head["step_ms"] *= 1.3
+    raw_h = {k: v * 1.3 for k, v in raw_h.items()}
+    base["canary_ms"] = side(1.7, n=len(base))["canary_ms"].to_numpy()
+    head["canary_ms"] = side(1.7 * 1.3, n=len(head), seed=3)["canary_ms"].to_numpy()
+    result = diff(base, head, {**raw_b, **raw_h}, DiffOptions(noise_floor_pct=1.0, normalize="canary"))
+    steps = result.cells[result.cells["quantity"] == "step_ms"]
+    assert steps["ratio"].between(1.2, 1.4).all() and (steps["verdict"] == "slower").all()  # raw: unchanged
+    assert steps["ratio_canary"].between(0.9, 1.1).all()
+    assert ((steps["ci_low_canary"] <= 1.0) & (1.0 <= steps["ci_high_canary"])).mean() >= 5 / 6
+    assert re.search(r"machines: the head's machine ran (2[5-9]|3[0-5]) % slower than the base's", console(result))
+    assert "ratio / canary" in cell_table(result, "step_ms")
+    plain = diff(base, head, {**raw_b, **raw_h}, DiffOptions(noise_floor_pct=1.0))
+    assert "ratio_canary" not in plain.cells and plain.machine == result.machine  # the line is always there
+
+
+def test_normalize_takes_only_canary():
+    from hostsweep.report.diff import DiffOptions
+
+    with pytest.raises(ValueError, match="normalize='speed' is not allowed; allowed: null, canary"):
+        DiffOptions(normalize="speed").check()
