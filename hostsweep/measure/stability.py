@@ -5,19 +5,30 @@ that used the CPUs while it ran, or about the host drifting while its pairs were
 These rules look for exactly that, each with a reason a user can act on:
 
     foreign_cpu   processes outside the engine and the sweep used more than
-                  measure.max_foreign_cpu_frac of the machine's CPU during the cell's pairs
+                  measure.max_foreign_cpu_frac of the machine's CPU in so many of the group's
+                  rounds that the rounds clean for every cell leave the cell too few pairs
     ci_width      the CI's half-width is above measure.max_ci_pct % of the median
     drift         the first and second half of the cell's pairs (in the order they ran)
                   differ by a robust test at 1 - measure.ci_level (Yuen's test on trimmed
                   means: one outlier pair does not defeat it) and their medians differ by
                   measure.min_shift_pct %
     replicate     the group's first cell, measured again once the group's rounds ended,
-                  disagrees with itself (the same test): the host changed during the group
+                  disagrees with itself (the same test): the host changed during the group;
+                  every cell of the group gets it, and later periods keep it
+    period        re-measured, the cell moved between the group's periods differently from
+                  its group (measure/periods.py): the cell, not the machine, did not reproduce
+    machine_speed the speed canary timed beside every pair moved by more than
+                  measure.max_canary_shift_pct % over the group's rounds: the machine itself
                   changed speed (a cloud VM does, with nothing in /proc); every cell of the group
     split_impossible  the profiled pair's device time is outside [0, the timed step]
                   (host_frac < 0 or > 1), also after its re-measure: above the step, the two
                   ran under different conditions; below zero, the longer generate's ops
                   summed to less than the shorter's
+    split_implausible  the split is possible but physically implausible, also after its
+                  re-measure (measure/split_stats.py's checks): device time below the floor of
+                  its kernels, compute inside the forward below zero, a profiled step faster
+                  than the timed one beyond both CIs, or a profiler overhead outside
+                  split.min/max_profiler_overhead; its host_frac and regime are not reported
 
 Across independent engine starts (replicates), as the host-exposed-latency paper's five
 replicates did, a t-interval on the starts' medians (intervals.between_starts_ci) gives
@@ -32,9 +43,11 @@ import numpy as np
 
 from hostsweep.config.schema import MeasureConfig
 from hostsweep.measure.intervals import shift_pvalue
+from hostsweep.measure.periods import DesignRecord
 from hostsweep.measure.protocol import CellMeasurement, RepTiming
 
-REASONS = ("foreign_cpu", "ci_width", "drift", "replicate", "split_impossible")
+REASONS = ("foreign_cpu", "ci_width", "drift", "replicate", "period", "machine_speed", "split_impossible",
+           "split_implausible")
 # A half needs this many pairs for a test of two halves to reach 5 % at all (3 against 3;
 # an outlier pair is trimmed away only from 4 a half, 8 pairs).
 MIN_PAIRS_PER_HALF = 3
@@ -76,6 +89,7 @@ class Stability:
     contention: Optional[ContentionSummary] = None
     replicate_step_ms: Optional[float] = None  # the group's first cell measured again at the end
     start_medians_ms: tuple[float, ...] = ()  # per engine start (measure.replicates >= 2)
+    design: Optional[DesignRecord] = None  # periods, clean rounds and canary (measure/periods.py)
 
     @property
     def stable(self) -> bool:

@@ -16,7 +16,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -25,11 +25,13 @@ from hostsweep.config.grid import Cell, EngineSpec
 from hostsweep.config.machine import hostname
 from hostsweep.measure.protocol import (
     CellMeasurement, RepTiming, Rounds, ci_target_rule, interleaved_rounds, own_text_seeds, prompt_digest,
-    random_prompts, time_pair,
+    random_prompts, round_order, time_pair,
 )
 from hostsweep.measure.group import GroupMeasurement, TimedCell
+from hostsweep.measure.periods import ProfiledPair, profiled_rounds
 from hostsweep.measure.results import CellResult, MeasureOptions
 from hostsweep.measure.stability import Stability
+from hostsweep.run.canary import Canary
 from hostsweep.run.contention import ContentionProbe, sweep_root_pid
 from hostsweep.run.rounds import RoundJournal, round_journal
 from hostsweep.run.faults import EngineDied
@@ -41,7 +43,8 @@ from hostsweep.run.liveness import EngineWatch, engine_processes
 from hostsweep.run.placement import hand_gpus_to_ranks
 from hostsweep.run.pyspy import record_thread_states
 from hostsweep.run.worklog import log_tail, redirect_output
-from hostsweep.measure.split import LinearityResult, SplitResult, device_split, linearity
+from hostsweep.measure.split import LinearityResult, SplitResult, device_split, linearity, pooled_split
+from hostsweep.measure.split_stats import TimedStep
 from hostsweep.measure.phases import PhaseTotals, cell_phases, over_pairs, phase_totals
 from hostsweep.measure.traces import TraceTotals, load_trace, totals
 
@@ -107,6 +110,7 @@ class SweepWorker:
         # Cells measured in a group's rounds that the dispatcher has not asked for yet.
         self._timed_cells: dict[str, TimedCell] = {}
         self.probe = ContentionProbe(os.getpid(), sweep_root_pid())
+        self.canary = Canary()
         log.info("contention: the engine is the tree of pid %d, the sweep that of pid %d; others are foreign",
                  self.probe.engine_root, self.probe.sweep_root)
         self.host = {
@@ -118,6 +122,7 @@ class SweepWorker:
             "sched_policy": scheduler,
             **ray_placement(tp_gpus),
             "engine_start_s": f"{engine_start_s:.1f}",
+            "canary": self.canary.parts,
         }
         if self.log_path is not None:
             self.host["worker_log"] = str(self.log_path)
@@ -210,43 +215,55 @@ class SweepWorker:
             path.unlink(missing_ok=True)
         return rank_totals, wall
 
-    def _split(self, cell: Cell, prompts: list[list[int]], measurement: CellMeasurement, opts: MeasureOptions,
-               keep: Optional[dict[str, bytes]]) -> SplitResult:
-        """Profiled pairs, separate from the timed reps; the median-device pair wins.
-
-        Its cost is logged as split_overhead_s: the wall time of the whole split phase
-        (profiler start and stop, the profiled generates, trace export, reading and parsing
-        the traces) minus what the same number of unprofiled pairs takes (the timed reps'
-        median wall_1 + wall_T per pair), i.e. what profiling adds to the cell."""
+    def _profile_pair(self, cell: Cell, prompts: list[list[int]], opts: MeasureOptions,
+                      keep: Optional[dict[str, bytes]], round_index: int = -1) -> ProfiledPair:
+        """One profiled T=1 / T pair of the cell (its trace files into `keep` when given)."""
         started = time.perf_counter()
-        split = self._profiled_pairs(cell, prompts, measurement.step_ms, opts, keep)
-        split_s = time.perf_counter() - started
-        plain_s = opts.split.reps * (measurement.wall_1_ms + measurement.wall_T_ms) / 1e3
+        self._profile_count += 1
+        prefix = f"p{self._profile_count}_b{cell.batch}_ctx{cell.ctx}_r{round_index}"
+        phases_1: Optional[list[PhaseTotals]] = [] if opts.split.phases else None
+        phases_T: Optional[list[PhaseTotals]] = [] if opts.split.phases else None
+        short, wall_1 = self._profiled(prompts, 1, f"{prefix}_T1", keep, phases_1)
+        long, wall_T = self._profiled(prompts, cell.T, f"{prefix}_T{cell.T}", keep, phases_T)
+        return ProfiledPair(tuple(short), tuple(long), wall_1, wall_T,
+                            None if phases_1 is None else tuple(phases_1), None if phases_T is None else tuple(phases_T),
+                            round_index, time.perf_counter() - started)
+
+    def _split(self, cell: Cell, pairs: Sequence[ProfiledPair], measurement: CellMeasurement,
+               opts: MeasureOptions) -> SplitResult:
+        """The split from the cell's profiled pairs, with CIs over them (measure/split.pooled_split).
+
+        split_s is what taking the pairs cost (profiler start and stop, the profiled
+        generates, trace export, reading and parsing the traces), and split_overhead_s that
+        minus what as many unprofiled pairs take (the timed pairs' median wall_1 + wall_T),
+        i.e. what profiling adds to the cell."""
+        split = self._profiled_pairs(cell, pairs, measurement, opts)
+        split_s = sum(p.seconds for p in pairs)
+        plain_s = len(pairs) * (measurement.wall_1_ms + measurement.wall_T_ms) / 1e3
         return dataclasses.replace(split, split_s=split_s, split_overhead_s=split_s - plain_s)
 
-    def _profiled_pairs(self, cell: Cell, prompts: list[list[int]], step_ms: float, opts: MeasureOptions,
-                        keep: Optional[dict[str, bytes]]) -> SplitResult:
+    def _profiled_pairs(self, cell: Cell, pairs: Sequence[ProfiledPair], measurement: CellMeasurement,
+                        opts: MeasureOptions) -> SplitResult:
+        """Each pair split against the timed step, then pooled: device, host and host_frac
+        with CIs, the phases' means scaled to the timed host time, the physical checks."""
+        m, sp = measurement, opts.split
         splits = []
-        for rep in range(opts.split.reps):
-            self._tell("profiling", rep + 1, opts.split.reps)
-            self._profile_count += 1
-            prefix = f"p{self._profile_count}_b{cell.batch}_ctx{cell.ctx}_r{rep}"
-            phases_1: Optional[list[PhaseTotals]] = [] if opts.split.phases else None
-            phases_T: Optional[list[PhaseTotals]] = [] if opts.split.phases else None
-            short, wall_1 = self._profiled(prompts, 1, f"{prefix}_T1", keep, phases_1)
-            long, wall_T = self._profiled(prompts, cell.T, f"{prefix}_T{cell.T}", keep, phases_T)
-            profiled_step_ms = (wall_T - wall_1) / (cell.T - 1) * 1e3
-            split = device_split(short, long, cell.T, step_ms, profiled_step_ms,
-                                 opts.split.host_bound_threshold, opts.split.top_ops)
-            phases = None if phases_1 is None or phases_T is None else \
-                cell_phases(phases_1, phases_T, len(short), split.slowest_rank, cell.T, split.host_ms)
+        for pair in pairs:
+            split = device_split(pair.short, pair.long, cell.T, m.step_ms, pair.profiled_step_ms(cell.T),
+                                 sp.host_bound_threshold, sp.top_ops)
+            phases = None if pair.phases_1 is None or pair.phases_T is None else \
+                cell_phases(list(pair.phases_1), list(pair.phases_T), len(pair.short), split.slowest_rank, cell.T,
+                            split.host_ms)
             splits.append(dataclasses.replace(split, phases=phases))
-        chosen = sorted(splits, key=lambda s: s.device_ms)[(len(splits) - 1) // 2]
-        if len(splits) > 1 and all(s.phases is not None for s in splits):  # medians over the pairs, with CIs
-            m = opts.measure
-            chosen = dataclasses.replace(chosen, phases=over_pairs([s.phases for s in splits], chosen.host_ms,
-                                                                   m.bootstrap_resamples, m.ci_level, cell.seed))
-        return chosen
+        step = TimedStep(m.step_ms, m.step_ci_low_ms, m.step_ci_high_ms, len(m.reps), opts.measure.ci_level)
+        band = (sp.min_profiler_overhead, sp.max_profiler_overhead)
+        pooled = pooled_split(splits, step, sp.host_bound_threshold, band)
+        if not all(s.phases is not None for s in splits):
+            return pooled
+        profiled_host = pooled.profiled_step_ms - pooled.device_ms
+        scale = pooled.host_ms / profiled_host if pooled.host_ms > 0 and profiled_host > 0 else 1.0
+        phases = over_pairs([s.phases for s in splits], pooled.host_ms, opts.measure.ci_level, scale)
+        return pooled_split(splits, step, sp.host_bound_threshold, band, phases)
 
     def _linearity(self, prompts: list[list[int]], opts: MeasureOptions,
                    keep: Optional[dict[str, bytes]]) -> LinearityResult:
@@ -274,12 +291,15 @@ class SweepWorker:
         return [seed + text for seed, text in zip(seeds, self.engine.last_tokens())]
 
     def _rounds(self, cells: Sequence[Cell], generates: list, options: MeasureOptions, what: str,
-                journal: Optional[RoundJournal] = None) -> Rounds:
-        """Timed pairs of the cells in interleaved rounds, each pair with its contention record;
-        with a journal, continued from the pairs a killed run left and each new pair saved."""
+                journal: Optional[RoundJournal] = None,
+                after_pair: Optional[Callable[[int, RepTiming], None]] = None) -> Rounds:
+        """Timed pairs of the cells in interleaved rounds, each pair with its contention record
+        and the speed canary timed after it; with a journal, continued from the pairs a killed
+        run left and each new pair saved. `after_pair(i, pair)` runs between pairs (the
+        split's profiled pairs: measure/periods.profiled_rounds), outside any pair's record."""
         m = options.measure
         stops = [None if c.target_ci_pct is None else
-                 ci_target_rule(c.target_ci_pct, c.min_reps, m.bootstrap_resamples, m.ci_level, c.seed) for c in cells]
+                 ci_target_rule(c.target_ci_pct, c.min_reps, c.reps, m.ci_level) for c in cells]
         done = [journal.resume(c.key) if journal else () for c in cells]
         for cell, pairs in zip(cells, done):
             if journal:
@@ -290,14 +310,21 @@ class SweepWorker:
         def pair(i: int, k: int, t1_first: bool) -> RepTiming:
             mark = self.probe.mark()
             timing = time_pair(generates[i], cells[i].T, k, t1_first)
-            return dataclasses.replace(timing, contention=self.probe.since(mark))
+            contention = self.probe.since(mark)  # before the canary: its CPU is not the pair's
+            canary = self.canary.time_ms() if m.canary else None
+            return dataclasses.replace(timing, contention=contention, canary_ms=canary)
 
         def on_round(r: int, active: int) -> None:
             self._phase = f"{what}: round {r} of {max(c.reps for c in cells)}, {active} cell(s)"
             self.probe.refresh()
 
-        save = (lambda i, timing: journal.append(cells[i].key, timing)) if journal else None
-        return interleaved_rounds([c.reps for c in cells], pair, cells[0].seed, stops, on_round, done, save)
+        def on_pair(i: int, timing: RepTiming) -> None:
+            if journal:
+                journal.append(cells[i].key, timing)
+            if after_pair is not None:
+                after_pair(i, timing)
+
+        return interleaved_rounds([c.reps for c in cells], pair, cells[0].seed, stops, on_round, done, on_pair)
 
     def _warm_up(self, cells: Sequence[Cell], generates: list) -> None:
         """Each cell's warm-up pairs, cell by cell and before any timed pair (discarded)."""
@@ -308,29 +335,58 @@ class SweepWorker:
                 timed(cell.T)
 
     def _measure_group(self, cells: Sequence[Cell], options: MeasureOptions) -> dict[str, TimedCell]:
-        """Warm-ups, then the group's timed pairs in interleaved rounds; the first cell measured
-        again at the end (the replicate); cells judged unstable measured again, up to
-        measure.remeasure_unstable times, each attempt kept."""
+        """Warm-ups, then the group's timed pairs in interleaved rounds (period 0); the first
+        cell timed again at the end (the replicate, a check of the host); while a cell is
+        unstable for noise or a neighbour, the whole group timed again in a new period, up
+        to measure.remeasure_unstable times (measure/group.py pools the periods)."""
         group = GroupMeasurement(cells, [self.prompts(cell) for cell in cells], options)
         group.generates = [self._timed_generate(p, log) for p, log in zip(group.prompts, group.spec_logs)]
         self._warm_up(cells, group.generates)
         group.mark_attempt(range(len(cells)))  # the warm-ups' speculation counts are not reported
         journal = round_journal(options.rounds_dir, self.host)
-        group.take(range(len(cells)), self._rounds(cells, group.generates, options, "rep", journal).timings)
-        if len(cells) > 1 and options.measure.replicate_first:
-            group.replicate(self._rounds(cells[:1], group.generates[:1], options, "replicate").timings[0])
-        for attempt in range(2, 2 + options.measure.remeasure_unstable):
-            redo = group.unstable()
-            if not redo:
+        profile = self._profiling_in_rounds(group, options)
+        group.take_period(self._rounds(cells, group.generates, options, "rep", journal, profile).timings)
+        if profile is not None:
+            self._profile_the_rest(group, options)
+        if len(cells) > 1 and options.measure.replicate_first:  # its speculation counts are not the cell's
+            again = self._rounds(cells[:1], [self._timed_generate(group.prompts[0])], options, "replicate")
+            group.replicate(again.timings[0])
+        for period in range(1, 1 + options.measure.remeasure_unstable):
+            if not group.needs_another_period():
                 break
-            log.info("re-measuring %d unstable cell(s) (attempt %d)", len(redo), attempt)
-            group.mark_attempt(redo)
-            rounds = self._rounds([cells[i] for i in redo], [group.generates[i] for i in redo], options, "re-measure")
-            group.take(redo, rounds.timings, attempt)
+            log.info("re-measuring the group's %d cell(s) together (period %d)", len(cells), period + 1)
+            group.take_period(self._rounds(cells, group.generates, options, f"period {period + 1}").timings)
         if journal:
             for cell in cells:
                 journal.close(cell.key)
         return group.timed_cells()
+
+    def _profiling_in_rounds(self, group: GroupMeasurement,
+                             options: MeasureOptions) -> Optional[Callable[[int, RepTiming], None]]:
+        """With the split on: the hook that profiles a cell right after its timed pair in the
+        rounds measure/periods.profiled_rounds picks (the same rounds for every cell)."""
+        if not (options.split.enabled and self.spec.profile):
+            return None
+        plans = [profiled_rounds(cell.reps, options.split.reps) for cell in group.cells]
+
+        def profile(i: int, timing: RepTiming) -> None:
+            if timing.round in plans[i] and len(group.profiled[i]) < options.split.reps:
+                self._phase = f"profiling {len(group.profiled[i]) + 1} of {options.split.reps}"
+                group.profiled[i].append(self._profile_pair(group.cells[i], group.prompts[i], options,
+                                                            group.traces[i], timing.round))
+
+        return profile
+
+    def _profile_the_rest(self, group: GroupMeasurement, options: MeasureOptions) -> None:
+        """Profiled pairs the rounds did not reach (fewer rounds than split.reps, a cell that
+        stopped early, rounds continued from a killed run): after the rounds, cell by cell in
+        a shuffled order per pass, as a round would take them."""
+        for k in range(options.split.reps):
+            missing = [i for i, pairs in enumerate(group.profiled) if len(pairs) <= k]
+            for i in round_order(missing, 1_000_000 + k, group.cells[0].seed):
+                self._phase = f"profiling {k + 1} of {options.split.reps} (after the rounds)"
+                group.profiled[i].append(self._profile_pair(group.cells[i], group.prompts[i], options,
+                                                            group.traces[i]))
 
     def _timed_cell(self, cell: Cell, options: MeasureOptions, companions: Sequence[Cell]) -> TimedCell:
         """The cell's timed measurement: kept from its group's rounds, or measured now with the
@@ -357,17 +413,22 @@ class SweepWorker:
 
     def _split_checked(self, cell: Cell, timed: TimedCell, options: MeasureOptions,
                        keep: Optional[dict[str, bytes]]) -> tuple[SplitResult, Stability]:
-        """The split, profiled again (up to measure.remeasure_unstable times) while its device
-        time is below zero or above the timed step, which no real step can have; still so,
-        it is flagged."""
-        stability = timed.stability
+        """The split from the pairs profiled in the group's rounds; profiled again (split.reps
+        new pairs, up to measure.remeasure_unstable times) while it is impossible (device time
+        below zero or above the timed step) or implausible (a check of split_stats fails);
+        still so, it is flagged split_impossible or split_implausible."""
+        stability, pairs = timed.stability, list(timed.profiled)
         for attempt in range(1 + options.measure.remeasure_unstable):
-            split = self._split(cell, timed.prompts, timed.measurement, options, keep)
-            if split.possible:
+            if attempt or not pairs:
+                pairs = [self._profile_pair(cell, timed.prompts, options, keep) for _ in range(options.split.reps)]
+            split = self._split(cell, pairs, timed.measurement, options)
+            if split.possible and not split.implausible:
                 return split, stability
-            log.warning("%s: profiled device time %.3f ms is outside the step's 0-%.3f ms (attempt %d)",
-                        cell.key, split.device_ms, timed.measurement.step_ms, attempt + 1)
-        return split, stability.with_reason("split_impossible")
+            log.warning("%s: profiled device time %.3f ms (floor %.3f) on a %.3f ms step, profiler overhead %.2f: "
+                        "%s (attempt %d)", cell.key, split.device_ms, split.device_floor_ms,
+                        timed.measurement.step_ms, split.profiler_overhead,
+                        ", ".join(split.implausible) or "outside the step", attempt + 1)
+        return split, stability.with_reason("split_impossible" if not split.possible else "split_implausible")
 
     def _measure(self, cell: Cell, options: MeasureOptions, companions: Sequence[Cell]) -> CellResult:
         start, started_at = time.perf_counter(), time.time()
@@ -377,6 +438,7 @@ class SweepWorker:
             raise EngineDied(dead)
         try:
             timed = self._timed_cell(cell, options, companions)
+            keep = None if keep is None else {**(timed.traces or {})}
             started_at = min(started_at, timed.started_at)
             prompts, measurement, stability = timed.prompts, timed.measurement, timed.stability
             split = None
