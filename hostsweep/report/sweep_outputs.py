@@ -22,7 +22,9 @@ import pandas as pd
 from hostsweep.config.redact import error_line
 from hostsweep.config.resolve import Study
 from hostsweep.report.modes import finished_cells
-from hostsweep.report.summary import SUMMARY_FILE, build_summary, stability_counts, stability_line, sweep_description
+from hostsweep.report.summary import (
+    SUMMARY_FILE, build_summary, design_line, stability_counts, stability_line, sweep_description,
+)
 from hostsweep.report.tables import MAX_PRINTED_ROWS, format_overview, format_table, host_phase_table, phase_columns
 
 log = logging.getLogger(__name__)
@@ -188,3 +190,6 @@ def print_results(rows: pd.DataFrame, resumed: int, tracker: RecordedSweep, tabl
     if stability:
         advice = "; see docs/measurement.md#stability for what each reason means and what to do on a shared host"
         print(f"stability: {stability}" + (advice if stability_counts(records)["unstable"] else ""))
+    design = design_line(records)
+    if design:
+        print(f"design: {design}")

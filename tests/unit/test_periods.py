@@ -279,3 +279,15 @@ def test_profiled_rounds_spread_over_the_rounds_and_more_pairs_than_rounds_take_
     assert sorted(profiled_rounds(8, 1)) == [4]
     assert sorted(profiled_rounds(2, 3)) == [0, 1]  # the third pair is taken after the rounds
     assert profiled_rounds(0, 3) == frozenset()
+
+
+def test_the_run_says_how_many_cells_were_re_measured_and_how_far_the_canary_moved():
+    from hostsweep.report.summary import build_summary, design_counts, design_line
+
+    rows = [{"periods": 2.0, "canary_ms": 1.7, "canary_shift_pct": 12.4}, {"periods": 2.0, "canary_ms": 1.8},
+            {"periods": 1.0, "canary_ms": 1.6, "canary_shift_pct": 3.0}]
+    assert design_line(rows) == "re-measured 2 of 3 cells (2 periods); speed canary 1.700 ms, moved up to 12 % within a group"
+    assert design_line([{"periods": 1.0}]) == "no cell re-measured (1 cells, one period each)"
+    assert design_line([{"step_ms": 1.0}]) is None  # measured before periods existed
+    import pandas as pd
+    assert build_summary(pd.DataFrame(rows), {})["design"] == {**design_counts(rows), "line": design_line(rows)}

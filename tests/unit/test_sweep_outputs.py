@@ -61,12 +61,13 @@ def swept(tmp_path_factory, new_store):
     return {"code": code, "out": out.getvalue(), "run_dir": run_dir, "args": args, "store": store}
 
 
-def test_the_console_ends_with_the_table_below_where_the_results_are_then_the_stability_line(swept):
+def test_the_console_ends_with_the_table_below_where_the_results_are_then_the_stability_and_design_lines(swept):
     assert swept["code"] == 0
     lines = swept["out"].rstrip().splitlines()
     table = format_table(pd.read_csv(swept["run_dir"] / "cells.csv").to_dict("records")).splitlines()
-    assert lines[-len(table) - 1:-1] == table and table[0].split()[-1] == "stable"
-    assert lines[-1].startswith("stability: ") and "4 measured cells" in lines[-1]
+    assert lines[-len(table) - 2:-2] == table and table[0].split()[-1] == "stable"
+    assert lines[-2].startswith("stability: ") and "4 measured cells" in lines[-2]
+    assert lines[-1].startswith("design: ") and "of 4 cells" in lines[-1] and "speed canary" in lines[-1]
     # it names what is there (a fake backend writes no worker logs; hostsweep.log is Hydra's, always)
     assert lines[0] == f"results: {swept['run_dir']}  (cells.csv, summary.json, figures/, hostsweep.log)"
     assert any("then browse http://127.0.0.1:5000/#/experiments/" in line and
