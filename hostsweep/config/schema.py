@@ -147,7 +147,9 @@ class SplitConfig:
     """Device/host split from profiled T=1 / T pairs, separate from the timed reps."""
 
     enabled: bool = True
-    reps: int = 1  # profiled pairs per cell; device_ms is their mean, with CIs from 3 pairs on
+    # Profiled pairs per cell, taken inside the timed rounds (measure/periods.profiled_rounds);
+    # device_ms is their mean, with CIs from 3 pairs on (fewer: no CI, regime undetermined).
+    reps: int = 3
     host_bound_threshold: float = 0.5  # host_frac at or above this is "host-bound"
     # A profiled step over the timed one outside this band flags the split (split_implausible):
     # the profiler slows a step (1.2-1.4x measured on the CPU build), it does not speed it up.

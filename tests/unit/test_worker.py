@@ -173,7 +173,7 @@ def test_a_debug_delay_in_the_front_end_is_overlapped_until_the_front_end_falls_
 def test_kept_traces_come_back_with_the_result(tmp_path):
     cell = fake_cells("batch=[1]", "ctx=[16]")[0]
     worker = SweepWorker(cell.engine, str(tmp_path))
-    result = worker.measure(cell, options("split.keep_traces=true"))
+    result = worker.measure(cell, options("split.keep_traces=true", "split.reps=1"))  # one pair: two traces
     # Per generate: the rank's trace, the EngineCore's step intervals and the front-end's (host phases).
     assert len(result.traces) == 6 and all(name.endswith(".json.gz") for name in result.traces)
     assert sum("_enginecore" in name for name in result.traces) == 2
@@ -200,7 +200,7 @@ def test_plain_json_traces_are_parsed_and_kept_ones_come_back_gzipped(tmp_path):
         return paths
 
     worker.engine.stop_profile = plain
-    result = worker.measure(cell, options("split.keep_traces=true"))
+    result = worker.measure(cell, options("split.keep_traces=true", "split.reps=1"))  # one pair: two traces
     assert result.status == "FINISHED", result.error
     assert result.split.device_ms > 0
     ranks = [name for name in result.traces if "_enginecore" not in name and "_frontend" not in name]
