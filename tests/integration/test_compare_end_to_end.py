@@ -63,9 +63,9 @@ def test_stage_all_writes_a_report_that_states_the_verdict_on_tp2(study):
     report = (study["report"] / "report.md").read_text()
     assert f"held-out cpu TP-2: **{verdict.group(1)}**" in report
     for section in ("Where every number comes from", "Falsification", "TP step shrink", "Residual after compute",
-                    "Regime map", "Graph capture vs eager"):
+                    "Regime map", "Modes against eager"):
         assert section in report
-    assert "absent: no graph cells in the selection" in report
+    assert "absent: no mode other than eager in the selection" in report
     assert (study["report"] / "report.html").read_text().count("data:image/png;base64,") == len(FIGURES)
 
 
