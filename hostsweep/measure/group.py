@@ -51,6 +51,7 @@ class TimedCell:
     started_at: float  # epoch seconds: when the group's measurement began
     profiled: tuple[ProfiledPair, ...] = ()  # the split's pairs, taken in the group's rounds
     traces: Optional[dict[str, bytes]] = None  # their trace files, when split.keep_traces
+    profile_error: Optional[str] = None  # why profiling the cell failed (the cell fails with it)
 
 
 class GroupMeasurement:
@@ -69,6 +70,7 @@ class GroupMeasurement:
         self.group_reasons: set[str] = set()
         self.profiled: list[list[ProfiledPair]] = [[] for _ in cells]
         self.traces: list[Optional[dict[str, bytes]]] = [{} if options.split.keep_traces else None for _ in cells]
+        self.profile_errors: list[Optional[str]] = [None] * len(cells)
         self.replicate_step_ms: Optional[float] = None
 
     @property
@@ -150,7 +152,7 @@ class GroupMeasurement:
             spec = spec_summary(self.spec_logs[i][start:start + len(self.timings[i])], cell.T)
             cells[cell.key] = TimedCell(self.prompts[i], dataclasses.replace(self.summaries[i], timed_s=timed_s),
                                         spec, self.verdicts[i], (), self.started_at, tuple(self.profiled[i]),
-                                        self.traces[i])
+                                        self.traces[i], self.profile_errors[i])
         return cells
 
 

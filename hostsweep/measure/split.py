@@ -59,6 +59,11 @@ class SplitResult:
         return self.device_ms >= 0 and self.host_ms >= 0
 
     @property
+    def sound(self) -> bool:
+        """Possible and passing every physical check: a split whose host_frac may be shown."""
+        return self.possible and not self.implausible
+
+    @property
     def slowest_rank(self) -> int:
         """The rank whose device time the split reports (and whose phases it reads)."""
         return int(np.argmax(self.per_rank_device_ms))

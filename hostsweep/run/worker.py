@@ -356,6 +356,8 @@ class SweepWorker:
                 break
             log.info("re-measuring the group's %d cell(s) together (period %d)", len(cells), period + 1)
             group.take_period(self._rounds(cells, group.generates, options, f"period {period + 1}").timings)
+        if profile is not None:
+            self._reprofile_together(group, options)
         if journal:
             for cell in cells:
                 journal.close(cell.key)
@@ -372,21 +374,48 @@ class SweepWorker:
         def profile(i: int, timing: RepTiming) -> None:
             if timing.round in plans[i] and len(group.profiled[i]) < options.split.reps:
                 self._phase = f"profiling {len(group.profiled[i]) + 1} of {options.split.reps}"
-                group.profiled[i].append(self._profile_pair(group.cells[i], group.prompts[i], options,
-                                                            group.traces[i], timing.round))
+                self._take_profile(group, i, options, timing.round)
 
         return profile
 
-    def _profile_the_rest(self, group: GroupMeasurement, options: MeasureOptions) -> None:
+    def _take_profile(self, group: GroupMeasurement, i: int, options: MeasureOptions, round_index: int = -1) -> None:
+        """One more profiled pair of the group's cell i; a failure is the cell's alone (kept,
+        raised when the cell is asked for), never its companions'."""
+        if group.profile_errors[i] is not None:
+            return
+        try:
+            group.profiled[i].append(self._profile_pair(group.cells[i], group.prompts[i], options, group.traces[i],
+                                                        round_index))
+        except Exception as exc:  # noqa: BLE001 - the cell's failure, reported with it
+            group.profile_errors[i] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"
+
+    def _reprofile_together(self, group: GroupMeasurement, options: MeasureOptions) -> None:
+        """Cells whose split comes out impossible or implausible are profiled again (split.reps
+        new pairs each) together, pass by pass in a shuffled order, before the group is handed
+        over, up to measure.remeasure_unstable times: never one cell alone, later, in another
+        period than its companions'. What is still flagged then is flagged (_split_checked)."""
+        for attempt in range(options.measure.remeasure_unstable):
+            flagged = [i for i, cell in enumerate(group.cells) if group.profile_errors[i] is None
+                       and not self._split(cell, group.profiled[i], group.summaries[i], options).sound]
+            if not flagged:
+                return
+            log.warning("profiling %d of the group's %d cell(s) again, together: their split is impossible or "
+                        "implausible (attempt %d)", len(flagged), len(group.cells), attempt + 2)
+            for i in flagged:
+                group.profiled[i] = []
+            self._profile_the_rest(group, options, flagged)
+
+    def _profile_the_rest(self, group: GroupMeasurement, options: MeasureOptions,
+                          which: Optional[Sequence[int]] = None) -> None:
         """Profiled pairs the rounds did not reach (fewer rounds than split.reps, a cell that
-        stopped early, rounds continued from a killed run): after the rounds, cell by cell in
-        a shuffled order per pass, as a round would take them."""
+        stopped early, rounds continued from a killed run), of `which` cells (all): after the
+        rounds, cell by cell in a shuffled order per pass, as a round would take them."""
+        cells = range(len(group.cells)) if which is None else which
         for k in range(options.split.reps):
-            missing = [i for i, pairs in enumerate(group.profiled) if len(pairs) <= k]
+            missing = [i for i in cells if len(group.profiled[i]) <= k]
             for i in round_order(missing, 1_000_000 + k, group.cells[0].seed):
                 self._phase = f"profiling {k + 1} of {options.split.reps} (after the rounds)"
-                group.profiled[i].append(self._profile_pair(group.cells[i], group.prompts[i], options,
-                                                            group.traces[i]))
+                self._take_profile(group, i, options)
 
     def _timed_cell(self, cell: Cell, options: MeasureOptions, companions: Sequence[Cell]) -> TimedCell:
         """The cell's timed measurement: kept from its group's rounds, or measured now with the
@@ -413,22 +442,22 @@ class SweepWorker:
 
     def _split_checked(self, cell: Cell, timed: TimedCell, options: MeasureOptions,
                        keep: Optional[dict[str, bytes]]) -> tuple[SplitResult, Stability]:
-        """The split from the pairs profiled in the group's rounds; profiled again (split.reps
-        new pairs, up to measure.remeasure_unstable times) while it is impossible (device time
-        below zero or above the timed step) or implausible (a check of split_stats fails);
-        still so, it is flagged split_impossible or split_implausible."""
-        stability, pairs = timed.stability, list(timed.profiled)
-        for attempt in range(1 + options.measure.remeasure_unstable):
-            if attempt or not pairs:
-                pairs = [self._profile_pair(cell, timed.prompts, options, keep) for _ in range(options.split.reps)]
-            split = self._split(cell, pairs, timed.measurement, options)
-            if split.possible and not split.implausible:
-                return split, stability
-            log.warning("%s: profiled device time %.3f ms (floor %.3f) on a %.3f ms step, profiler overhead %.2f: "
-                        "%s (attempt %d)", cell.key, split.device_ms, split.device_floor_ms,
-                        timed.measurement.step_ms, split.profiler_overhead,
-                        ", ".join(split.implausible) or "outside the step", attempt + 1)
-        return split, stability.with_reason("split_impossible" if not split.possible else "split_implausible")
+        """The split from the pairs profiled in the group's rounds (profiled again with its
+        group when it was impossible or implausible: _reprofile_together); still impossible
+        (device time below zero or above the timed step) or implausible (a check of
+        split_stats fails), it is flagged split_impossible or split_implausible. A cell whose
+        profiling failed fails with that error."""
+        if timed.profile_error is not None:
+            raise RuntimeError(f"profiling the cell failed: {timed.profile_error}")
+        pairs = list(timed.profiled) or [self._profile_pair(cell, timed.prompts, options, keep)
+                                         for _ in range(options.split.reps)]
+        split = self._split(cell, pairs, timed.measurement, options)
+        if split.sound:
+            return split, timed.stability
+        log.warning("%s: profiled device time %.3f ms (floor %.3f) on a %.3f ms step, profiler overhead %.2f: %s",
+                    cell.key, split.device_ms, split.device_floor_ms, timed.measurement.step_ms,
+                    split.profiler_overhead, ", ".join(split.implausible) or "outside the step")
+        return split, timed.stability.with_reason("split_impossible" if not split.possible else "split_implausible")
 
     def _measure(self, cell: Cell, options: MeasureOptions, companions: Sequence[Cell]) -> CellResult:
         start, started_at = time.perf_counter(), time.time()

@@ -291,3 +291,40 @@ def test_the_run_says_how_many_cells_were_re_measured_and_how_far_the_canary_mov
     assert design_line([{"step_ms": 1.0}]) is None  # measured before periods existed
     import pandas as pd
     assert build_summary(pd.DataFrame(rows), {})["design"] == {**design_counts(rows), "line": design_line(rows)}
+
+
+def test_a_flagged_split_is_profiled_again_within_its_group_before_any_cell_is_handed_over(tmp_path, monkeypatch):
+    import dataclasses
+
+    cells, options = fake_study("split.enabled=true", "split.reps=3", "measure.reps=8", "measure.remeasure_unstable=1")
+    worker, _ = slowing_worker(tmp_path, cells[0].engine, slow_after=10**9, factor=1.0, monkeypatch=monkeypatch)
+    taken, split = spied_profiles(worker), worker._split
+
+    def planted(cell, pairs, measurement, opts):  # batch 2's split fails a physical check, every time
+        result = split(cell, pairs, measurement, opts)
+        return dataclasses.replace(result, implausible=("planted",)) if cell.batch == 2 else result
+
+    worker._split = planted
+    first = worker.measure(cells[0], options, tuple(cells[1:]))
+    assert taken[-3:] == [(2, -1)] * 3 and len(taken) == 12  # in the rounds, then batch 2 again before hand-over
+    rest = [worker.measure(cell, options, tuple(cells[i + 2:])) for i, cell in enumerate(cells[1:])]
+    assert len(taken) == 12  # nothing profiled alone when the cells are asked for
+    flags = {r.params["batch"]: "split_implausible" in r.stability.reasons for r in [first, *rest]}
+    assert flags == {1: False, 2: True, 4: False}
+
+
+def test_a_cell_whose_profiling_fails_fails_alone(tmp_path, monkeypatch):
+    cells, options = fake_study("split.enabled=true", "split.reps=3", "measure.reps=8", "measure.remeasure_unstable=0")
+    worker, _ = slowing_worker(tmp_path, cells[0].engine, slow_after=10**9, factor=1.0, monkeypatch=monkeypatch)
+    profile = worker._profile_pair
+
+    def broken(cell, prompts, opts, keep, round_index=-1):
+        if cell.batch == 4:
+            raise ValueError("trace unreadable")
+        return profile(cell, prompts, opts, keep, round_index)
+
+    worker._profile_pair = broken
+    results = [worker.measure(cell, options, tuple(cells[i + 1:])) for i, cell in enumerate(cells)]
+    status = {r.params["batch"]: r.status for r in results}
+    assert status == {1: "FINISHED", 2: "FINISHED", 4: "FAILED"}
+    assert "profiling the cell failed: ValueError: trace unreadable" in results[2].error

@@ -323,7 +323,7 @@ def test_a_split_with_device_time_above_the_step_is_profiled_again_then_flagged_
     worker, counts = counting_worker(tmp_path, cells[0].engine)
     result = worker.measure(cells[0], options)
     assert "split_impossible" in result.stability.reasons
-    assert worker._profile_count == 2  # profiled, then once more (remeasure_unstable=1)
+    assert worker._profile_count == 2 * options.split.reps  # profiled, then once more (remeasure_unstable=1)
     assert "host_frac" not in cell_metrics(result) and "device_ms" in cell_metrics(result)
     row = cell_row(result, "run")
     assert row["stable"] == "false" and "split_impossible" in row["unstable_reasons"] and "regime" not in row
@@ -352,7 +352,7 @@ def test_a_split_with_device_time_below_zero_is_profiled_again_then_flagged_neve
     worker, _ = counting_worker(tmp_path, cells[0].engine)
     result = worker.measure(cells[0], options)
     assert "split_impossible" in result.stability.reasons and not result.stability.stable
-    assert worker._profile_count == 2  # profiled, then once more (remeasure_unstable=1)
+    assert worker._profile_count == 2 * options.split.reps  # profiled, then once more (remeasure_unstable=1)
     assert "host_frac" not in cell_metrics(result)
     assert "regime" not in cell_row(result, "run")
     line = describe(result)
