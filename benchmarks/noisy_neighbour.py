@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 import pandas as pd
+
+from studies import run_study
 
 RUNS = ("quiet-1", "quiet-2", "noisy", "seq-1", "seq-2")
 BASE = ["split.enabled=false", "ray.exclusive=false"]
@@ -53,33 +52,20 @@ def duty_cycled_hog(on_s: float, off_s: float) -> None:
 def run_sweep(root: Path, name: str, overrides: list[str]) -> Path:
     """One `python -m hostsweep` in a fresh folder; the noisy run starts the hog once the
     engine is ready. Returns the run folder (cells.csv)."""
-    folder = root / name
-    run_dir = folder / "run"
-    if (run_dir / "cells.csv").is_file():
-        return run_dir  # --keep: measured before
-    folder.mkdir(parents=True, exist_ok=True)
     extra = {"seq": ["measure.interleave=false"], "rep": ["measure.replicates=2"]}.get(name.split("-")[0], [])
-    cmd = [sys.executable, "-m", "hostsweep", *BASE, *extra, f"study=noisy-{name}",
-           f"tracking.uri=sqlite:///{folder / 'mlflow.db'}", f"output.pending_dir={folder / 'pending'}",
-           f"hydra.run.dir={run_dir}", *overrides]
-    hog: Optional[multiprocessing.Process] = None
-    started = time.time()
-    with (folder / "console.txt").open("w") as console:
-        proc = subprocess.Popen(cmd, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            console.write(line)
-            if name == "noisy" and hog is None and "engine ready" in line:
-                hog = multiprocessing.Process(target=duty_cycled_hog, args=(HOG_ON_S, HOG_OFF_S), daemon=True)
-                hog.start()
-        rc = proc.wait()
-    if hog is not None:
-        hog.terminate()
-        hog.join()
-    print(f"  {name}: exit {rc} in {time.time() - started:.0f} s ({folder / 'console.txt'})", flush=True)
-    if rc != 0 or not (run_dir / "cells.csv").is_file():
-        sys.exit(f"{name}: hostsweep exited {rc}; see {folder / 'console.txt'}")
-    return run_dir
+    hog: list[multiprocessing.Process] = []
+
+    def start_hog(line: str) -> None:
+        if name == "noisy" and not hog and "engine ready" in line:
+            hog.append(multiprocessing.Process(target=duty_cycled_hog, args=(HOG_ON_S, HOG_OFF_S), daemon=True))
+            hog[0].start()
+
+    try:
+        return run_study(root / name, f"noisy-{name}", [*BASE, *extra, *overrides], start_hog)
+    finally:
+        for process in hog:
+            process.terminate()
+            process.join()
 
 
 def cells_of(run_dir: Path, name: str) -> pd.DataFrame:
