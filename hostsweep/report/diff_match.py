@@ -9,10 +9,11 @@ from typing import Any, Mapping, Sequence
 
 import pandas as pd
 
+from hostsweep.config.grid import CELL_PARAMS, OPTIONAL_PARAMS
+
 # Cell params, in the order a label names them; matched on unless they are what differs
 # (replicates: engine starts, "1" when a side logged none, report/diff.py with_replicates).
-CELL_DIMS = ("sku", "model", "mode", "tp", "workload", "batch", "ctx", "dtype", "engine_args", "engine",
-             "tp_executor", "T", "reps", "warmups", "target_ci_pct", "min_reps", "max_reps", "replicates")
+CELL_DIMS = (*CELL_PARAMS, *OPTIONAL_PARAMS)
 # Where a number came from: reported when it differs, never matched on.
 PROVENANCE_DIMS = ("vllm_version", "torch_version", "hostsweep_version", "ray_version", "git_sha",
                    "device_name", "hostname")

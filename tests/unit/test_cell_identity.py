@@ -1,7 +1,7 @@
 """One cell identity: the axes and params of a cell are defined once (config/grid.py), and a
 new axis added there reaches every place that names a cell: the cell's params (MLflow and
 cells.csv), summary.json, the printed table, the read-back, the fit's selection order, the
-unstable-cell list and the mode comparisons' matching."""
+unstable-cell list, the mode comparisons' matching and the diff's."""
 from __future__ import annotations
 
 import json
@@ -36,6 +36,7 @@ from hostsweep.record.selection import in_grid_order
 from hostsweep.report.modes import finished_cells, paired
 from hostsweep.report.summary import cell_entry
 from hostsweep.report.tables import table_columns
+from hostsweep.report.diff_match import CELL_DIMS
 from tests.conftest import compose_typed
 
 cell = grid.build_cells(compose_typed(["+sku=cpu", "measure.seed=7"]))[0]
@@ -55,6 +56,7 @@ print(json.dumps({
     "selection order": in_grid_order(rows)["seed"].tolist(),
     "unstable list": "seed" in exclude_unstable(rows)[1].left_out.columns,
     "mode pairs": len(paired(finished_cells(rows), "graph", "eager")),
+    "diff matching": "seed" in CELL_DIMS,
 }))
 '''
 
@@ -74,4 +76,5 @@ def test_a_new_axis_written_once_reaches_every_place_that_names_a_cell(tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     reached = json.loads(proc.stdout.splitlines()[-1])
     assert reached == {"params": True, "cells.csv": True, "summary.json": 7, "table": True, "read back": True,
-                       "selection order": [0, 1, 0, 1], "unstable list": True, "mode pairs": 2}
+                       "selection order": [0, 1, 0, 1], "unstable list": True, "mode pairs": 2,
+                       "diff matching": True}
