@@ -129,12 +129,12 @@ def read_cells(tracking_uri: str, where: Located, filter_string: Optional[str], 
         raise ConfigError(f"{key}={where.given}: no FINISHED cell runs in {scope} of {redact(tracking_uri)}"
                           + (f" matching diff.filter={filter_string!r}" if filter_string else ""))
     runs = runs.sort_values("start_time", ascending=False).drop_duplicates("tags.cell_key")
-    frame = pd.DataFrame({c[len("params."):]: runs[c] for c in runs if c.startswith("params.")})
-    for c in runs:
-        if c.startswith("metrics."):
-            frame[c[len("metrics."):]] = runs[c].astype(float)
-    for tag in CELL_TAGS:
-        frame[tag] = runs.get(f"tags.{tag}", pd.Series(None, index=runs.index, dtype=object))
+    # built in one go: a column added at a time fragments a frame of a hundred metrics
+    frame = pd.DataFrame({
+        **{c[len("params."):]: runs[c] for c in runs if c.startswith("params.")},
+        **{c[len("metrics."):]: runs[c].astype(float) for c in runs if c.startswith("metrics.")},
+        **{tag: runs.get(f"tags.{tag}", pd.Series(None, index=runs.index, dtype=object)) for tag in CELL_TAGS},
+    })
     for other in ("params.stable", "metrics.stable"):  # the flag as a tag, else a param or a metric
         if other in runs:
             frame["stable"] = frame["stable"].where(frame["stable"].notna(), runs[other])
