@@ -14,7 +14,8 @@ diff.threshold_pct: a threshold below a cell's MDE asks for a change the study c
 from __future__ import annotations
 
 import math
-from typing import Optional
+import statistics
+from typing import Optional, Sequence
 
 from scipy import stats
 
@@ -53,16 +54,20 @@ def minimum_detectable_effect_pct(step_ms: float, low_ms: float, high_ms: float,
 
 
 def cell_mde_pct(step_ms: float, low_ms: float, high_ms: float, coverage: float, starts: int = 1,
-                 periods: int = 1, replicate_step_ms: Optional[float] = None) -> float:
+                 period_medians_ms: Sequence[float] = (), replicate_step_ms: Optional[float] = None) -> float:
     """A measured cell's MDE (what cells.csv and summary.json report as mde_pct), at the gate's
     default level (alpha 0.05, one cell, 80 % power, no threshold). A CI over several engine
-    starts (or periods) is a t-interval with one df fewer than them, and already spans what
-    changes between them; a one-start cell adds the spread its replicate-first re-measure shows,
-    when it has one (|log(replicate / step)| / sqrt(2)), and otherwise holds within-start noise
-    only: a diff widens it by the study's between-start component (docs/diff.md)."""
-    groups = max(starts, periods)
-    df = groups - 1.0 if groups > 1 else math.inf
+    starts is a t-interval with one df fewer than them, and already spans what changes between
+    them. A one-start cell's CI holds within-start noise only (over several periods too: their
+    CI is the fixed-effects one, measure/group.pooled_periods); it adds the spread the study
+    shows of itself: the standard deviation of its period medians when it was timed in several
+    periods, else what its replicate-first re-measure shows (|log(replicate / step)| / sqrt(2)),
+    else nothing, and a diff widens it by the study's between-start component (docs/diff.md)."""
+    df = starts - 1.0 if starts > 1 else math.inf
     between = 0.0
-    if groups == 1 and replicate_step_ms is not None and replicate_step_ms > 0 and step_ms > 0:
+    logs = [math.log(m) for m in period_medians_ms if m > 0]
+    if starts == 1 and len(logs) > 1:
+        between = math.expm1(statistics.stdev(logs)) * 100
+    elif starts == 1 and replicate_step_ms is not None and replicate_step_ms > 0 and step_ms > 0:
         between = math.expm1(abs(math.log(replicate_step_ms / step_ms)) / math.sqrt(2)) * 100
     return minimum_detectable_effect_pct(step_ms, low_ms, high_ms, coverage, df, between)

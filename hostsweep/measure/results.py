@@ -202,7 +202,7 @@ def mde_of(m: CellMeasurement, stability: Optional[Stability]) -> float:
     return cell_mde_pct(m.step_ms, m.step_ci_low_ms, m.step_ci_high_ms,
                         m.ci_coverage if math.isfinite(m.ci_coverage) else 0.95,
                         len(stability.start_medians_ms) if stability is not None else 1,
-                        getattr(getattr(stability, "design", None), "periods", 1),
+                        stability.design.period_medians_ms if stability is not None and stability.design else (),
                         stability.replicate_step_ms if stability is not None else None)
 
 

@@ -328,3 +328,14 @@ def test_a_cell_whose_profiling_fails_fails_alone(tmp_path, monkeypatch):
     status = {r.params["batch"]: r.status for r in results}
     assert status == {1: "FINISHED", 2: "FINISHED", 4: "FAILED"}
     assert "profiling the cell failed: ValueError: trace unreadable" in results[2].error
+
+
+def test_a_cell_timed_in_two_periods_that_disagree_can_detect_less_than_one_whose_periods_agree():
+    """Its CI over the periods is the fixed-effects one (within-period noise), so its MDE adds
+    the spread of the period medians: a machine that moved between periods widens it."""
+    from hostsweep.measure.detectable import cell_mde_pct
+
+    agree = cell_mde_pct(5.0, 4.9, 5.1, 0.95, period_medians_ms=(5.0, 5.0))
+    apart = cell_mde_pct(5.0, 4.9, 5.1, 0.95, period_medians_ms=(4.5, 5.5))
+    assert agree == pytest.approx(cell_mde_pct(5.0, 4.9, 5.1, 0.95))  # no spread: the CI alone
+    assert apart > agree + 10  # a 20 % spread between periods is in the MDE
