@@ -26,11 +26,9 @@ SPLIT_FLAGS = ("split_impossible", "split_implausible")
 def cells_of(run_dir: Path, name: str) -> pd.DataFrame:
     cells = pd.read_csv(run_dir / "cells.csv")
     cells = cells[cells["status"] == "FINISHED"].sort_values(["batch", "ctx"]).reset_index(drop=True)
-    cells["cell"] = [f"b{b} ctx{c}" for b, c in zip(cells["batch"], cells["ctx"])]
-    cells["run"] = name
     reasons = cells.get("unstable_reasons", pd.Series("", index=cells.index)).fillna("").astype(str)
-    cells["split_flag"] = [",".join(r for r in SPLIT_FLAGS if r in text) for text in reasons]
-    return cells.set_index("cell")
+    return cells.assign(cell=[f"b{b} ctx{c}" for b, c in zip(cells["batch"], cells["ctx"])], run=name,
+                        split_flag=[",".join(r for r in SPLIT_FLAGS if r in text) for text in reasons]).set_index("cell")
 
 
 def value(row: pd.Series, name: str) -> float:

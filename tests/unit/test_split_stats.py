@@ -158,3 +158,17 @@ def test_engine_starts_merge_into_one_split_with_a_between_start_ci():
     assert two.host_frac_ci is None and two.regime == UNDETERMINED
     assert merged_split(starts[:1], merged_step, 0.5, 0.95) is starts[0].split
     assert merged_split([dataclasses.replace(starts[0], split=None)], merged_step, 0.5, 0.95) is None
+
+
+def test_a_host_frac_ci_never_leaves_zero_to_one():
+    """Three device pairs scattered by a machine that changed speed: Fieller's interval for
+    device / step reaches far past the step, but a host fraction lies in [0, 1]."""
+    import numpy as np
+
+    from hostsweep.measure.split_stats import host_frac_ci_arrays
+
+    low, high = host_frac_ci_arrays(4.156, 0.9, 2.0, 4.699, 0.07, 11.0, 0.95)
+    assert 0.0 <= float(low) <= float(high) <= 1.0 and float(high) == 1.0 and float(low) == 0.0
+    low, high = host_frac_ci_arrays(np.array([2.0]), np.array([0.05]), np.array([2.0]), np.array([5.0]),
+                                    np.array([0.05]), np.array([11.0]), 0.95)
+    assert 0.5 < float(low[0]) < 0.6 < float(high[0]) < 0.7  # a tight interval is left as it is
