@@ -29,7 +29,7 @@ def test_three_profiled_pairs_give_the_split_its_cis_and_a_regime(tmp_path):
 
 
 def test_a_split_below_its_floor_is_profiled_again_then_flagged_implausible(tmp_path, monkeypatch):
-    import hostsweep.run.worker as worker_module
+    import hostsweep.run.profiling as worker_module  # the split's half of the worker
 
     real_split = worker_module.device_split
 

@@ -334,7 +334,7 @@ def test_a_split_with_device_time_above_the_step_is_profiled_again_then_flagged_
 def test_a_split_with_device_time_below_zero_is_profiled_again_then_flagged_never_a_fraction(tmp_path, monkeypatch):
     import dataclasses
 
-    import hostsweep.run.worker as worker_module
+    import hostsweep.run.profiling as worker_module  # the split's half of the worker
     from hostsweep.measure.results import cell_metrics, cell_row
     from hostsweep.record.recorder import describe
 
