@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pandas as pd
 
@@ -57,6 +57,32 @@ def _provenance(ctx: Context, cells: pd.DataFrame) -> list:
                  f"{len(cells)} FINISHED cell runs, each listed by run id in the last section. "
                  f"Generated {ctx.created} by `{redact(ctx.command)}`."),
             Table(pd.DataFrame(rows))]
+
+
+def host_speed_table(cells: pd.DataFrame) -> Optional[pd.DataFrame]:
+    """Per SKU, its nodes' speed canary over its cells (run/canary.py: a fixed host workload
+    timed beside every pair): median, range, and how far it moved within a group at most.
+    None when no cell carries one (measured before the canary existed)."""
+    if "canary_ms" not in cells or cells["canary_ms"].isna().all():
+        return None
+    shift = cells["canary_shift_pct"] if "canary_shift_pct" in cells else pd.Series(float("nan"), index=cells.index)
+    frame = pd.DataFrame({"sku": cells["sku"], "canary": pd.to_numeric(cells["canary_ms"], errors="coerce"),
+                          "shift": pd.to_numeric(shift, errors="coerce")}).dropna(subset=["canary"])
+    return frame.groupby("sku").agg(cells=("canary", "size"), canary_ms_median=("canary", "median"),
+                                    canary_ms_min=("canary", "min"), canary_ms_max=("canary", "max"),
+                                    moved_within_a_group_pct_max=("shift", "max")).reset_index()
+
+
+def _host_speed(cells: pd.DataFrame) -> list:
+    table = host_speed_table(cells)
+    if table is None:
+        return []
+    return [Heading("Host speed per SKU (speed canary)"),
+            Text("The same fixed host workload timed beside every timed pair, on each SKU's nodes: a held-out SKU "
+                 "whose host term is falsified while its canary is slower than the training SKU's may have a slower "
+                 "host CPU rather than a different framework overhead; one whose canary moved within a group was "
+                 "measured while the node changed speed."),
+            Table(table)]
 
 
 def _verdicts(fit: dict[str, Any], groups: pd.DataFrame) -> list:
@@ -202,7 +228,8 @@ def build(ctx: Context, cells: pd.DataFrame, fit: dict[str, Any], folder: Path) 
     families = {f["form"]: f["family"] for f in fit["forms"]}
     figures = write_figures(pred, stable, forms, regime, families, folder / "figures")
     doc = Document(f"Cross-SKU comparison: {ctx.study}")
-    for part in (_verdicts(fit, groups), _unstable(fit, cells, ctx.exclude_unstable), _provenance(ctx, cells),
+    for part in (_verdicts(fit, groups), _unstable(fit, cells, ctx.exclude_unstable), _host_speed(cells),
+                 _provenance(ctx, cells),
                  _terms(fit, ctx),
                  _heldout(fit, pred, groups, forms, figures), _falsification(fit, pred),
                  _shrink(fit, pred, figures, resamples), _study_wide(stable, regime, figures, ctx), _cells(pred)):

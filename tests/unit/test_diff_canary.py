@@ -81,3 +81,14 @@ def test_normalize_takes_only_canary():
 
     with pytest.raises(ValueError, match="normalize='speed' is not allowed; allowed: null, canary"):
         DiffOptions(normalize="speed").check()
+
+
+def test_the_comparison_report_gives_each_skus_host_speed():
+    from hostsweep.report.fit_report import host_speed_table
+
+    cells = pd.DataFrame({"sku": ["h100"] * 3 + ["h200"] * 3, "canary_ms": [1.0, 1.1, 1.2, 1.5, 1.6, float("nan")],
+                          "canary_shift_pct": [2.0, 3.0, 1.0, 9.0, 4.0, 5.0]})
+    table = host_speed_table(cells).set_index("sku")
+    assert table.loc["h100", "canary_ms_median"] == pytest.approx(1.1) and table.loc["h200", "cells"] == 2
+    assert table.loc["h200", "moved_within_a_group_pct_max"] == 9.0
+    assert host_speed_table(pd.DataFrame({"sku": ["h100"], "step_ms": [1.0]})) is None
