@@ -35,7 +35,7 @@ ENGINE_PARAMS = ("tp_executor", "engine_args")
 CELL_PARAMS = (*CELL_AXES, *PROTOCOL_PARAMS, *ENGINE_PARAMS)
 # Logged only off their default (adaptive repetitions, several engine starts): a cell
 # without them was measured with the default.
-OPTIONAL_PARAMS = ("target_ci_pct", "min_reps", "max_reps", "replicates")
+OPTIONAL_PARAMS = ("target_ci_pct", "target_mde_pct", "min_reps", "max_reps", "replicates")
 INT_PARAMS = ("tp", "batch", "ctx", "T", "reps", "warmups")
 # What a run logged before an axis existed stands for (cells read back from older sweeps).
 LEGACY_AXIS_VALUES = {"mode": "eager", "workload": "random"}
@@ -101,6 +101,9 @@ class Cell:
     # min_reps pairs; `reps` is then the most it may take (measure.max_reps).
     target_ci_pct: Optional[float] = None
     min_reps: int = 0
+    # Or: stop once the cell can detect a slowdown of this % (measure.target_mde_pct; the
+    # worker turns it into a CI target: measure/detectable.ci_target_for_mde).
+    target_mde_pct: Optional[float] = None
     # Independent engine starts the cell is measured in (measure.replicates); its CI then
     # comes from a two-level bootstrap over them (measure/replicates.py).
     replicates: int = 1
@@ -127,6 +130,8 @@ class Cell:
             fields.append({"weights": "random"})
         if self.target_ci_pct is not None:
             fields.append({"target_ci_pct": self.target_ci_pct, "min_reps": self.min_reps})
+        if self.target_mde_pct is not None:
+            fields.append({"target_mde_pct": self.target_mde_pct, "min_reps": self.min_reps})
         if self.replicates != 1:
             fields.append({"replicates": self.replicates})
         identity = json.dumps(fields, sort_keys=True)
@@ -135,10 +140,17 @@ class Cell:
 
     def params(self) -> dict[str, object]:
         """The parameters users filter by, as logged to MLflow and the cell table."""
-        adaptive = {} if self.target_ci_pct is None else \
-            {"target_ci_pct": self.target_ci_pct, "min_reps": self.min_reps, "max_reps": self.reps}
+        adaptive = {} if not self.adaptive else \
+            {**({"target_ci_pct": self.target_ci_pct} if self.target_ci_pct is not None else
+                {"target_mde_pct": self.target_mde_pct}), "min_reps": self.min_reps, "max_reps": self.reps}
         return {**{name: self.param(name) for name in CELL_PARAMS}, **adaptive,
                 **({"replicates": self.replicates} if self.replicates != 1 else {})}
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the cell stops by a target (a CI width or a detectable effect) within
+        min_reps..reps pairs, rather than running exactly `reps`."""
+        return self.target_ci_pct is not None or self.target_mde_pct is not None
 
     def param(self, name: str) -> Any:
         """One of CELL_PARAMS: the engine's value where the engine has one, else the cell's."""
@@ -180,16 +192,17 @@ def build_cells(study: Study) -> list[Cell]:
     """Every cell of the study, grouped by engine spec (SKU-major, then model, mode, TP,
     batch, ctx, workload). Cells of a mode their SKU cannot run carry the reason in `skip`."""
     cfg, m = study.config, study.config.measure
-    adaptive = m.target_ci_pct is not None
+    adaptive = m.target_ci_pct is not None or m.target_mde_pct is not None
     reps = m.max_reps if adaptive else m.reps
-    rule = (float(m.target_ci_pct), m.min_reps) if adaptive else (None, 0)
+    rule = (None if m.target_ci_pct is None else float(m.target_ci_pct), m.min_reps) if adaptive else (None, 0)
+    mde = None if m.target_mde_pct is None else float(m.target_mde_pct)
     cells = []
     for sku, model, mode, tp in product(study.skus, study.models, study.modes, cfg.tp):
         spec = engine_spec(study, sku, tp, mode, model)
         skip = unsupported_reason(mode, sku, spec.keyed_args)
         for batch, ctx, workload in product(cfg.batch, cfg.ctx, cfg.workload):
             cells.append(Cell(spec, batch, ctx, m.T, m.warmups, reps, m.seed, workload, skip, *rule,
-                              replicates=m.replicates))
+                              target_mde_pct=mde, replicates=m.replicates))
     return cells
 
 

@@ -113,6 +113,11 @@ class MeasureConfig:
     # (measure/intervals.py look_level), so the CI reported after stopping keeps ci_level. None: every cell runs exactly `reps` pairs
     # (and keeps the key it always had). min_reps >= 8: fewer pairs give no usable CI.
     target_ci_pct: Optional[float] = None
+    # Or adaptive by what the cell can detect: stop once its minimum detectable effect (the
+    # slowdown a diff gate at alpha 0.05 finds 80 % of the time, measure/detectable.py) is at
+    # most this %, from its CI alone; the between-start spread a diff adds cannot be known
+    # before measuring (docs/diff.md). Not with target_ci_pct.
+    target_mde_pct: Optional[float] = None
     min_reps: int = 8
     max_reps: int = 48
     # Noisy hosts (measure/stability.py). The cells of one engine are timed in interleaved

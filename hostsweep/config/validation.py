@@ -91,11 +91,15 @@ def check_stability(m: Any) -> None:
 
 
 def check_adaptive(m: Any) -> None:
-    """measure.target_ci_pct and its bounds (checked only when the target is set)."""
-    if m.target_ci_pct is None:
+    """measure.target_ci_pct or target_mde_pct and their bounds (checked only when a target is set)."""
+    if m.target_ci_pct is not None and m.target_mde_pct is not None:
+        raise ConfigError("measure.target_ci_pct and measure.target_mde_pct are two ways to stop a cell: set one")
+    if m.target_ci_pct is None and m.target_mde_pct is None:
         return
-    if not 0.0 < m.target_ci_pct < 100.0:
+    if m.target_ci_pct is not None and not 0.0 < m.target_ci_pct < 100.0:
         raise ConfigError(f"measure.target_ci_pct must be a percentage in (0, 100) or null, got {m.target_ci_pct:g}")
+    if m.target_mde_pct is not None and not 0.0 < m.target_mde_pct < 1000.0:
+        raise ConfigError(f"measure.target_mde_pct must be a percentage in (0, 1000) or null, got {m.target_mde_pct:g}")
     if m.min_reps < 8:
         raise ConfigError(f"measure.min_reps must be >= 8 for a stopping CI to mean anything, got {m.min_reps}")
     if m.max_reps < m.min_reps:

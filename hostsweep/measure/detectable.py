@@ -31,6 +31,17 @@ def mde_from_se(se: float, df: float = math.inf, alpha: float = 0.05, cells: int
     return (math.exp(max(q * se, math.log1p(threshold_pct / 100)) + z * se) - 1) * 100
 
 
+def ci_target_for_mde(mde_pct: float, level: float, alpha: float = 0.05, power: float = 0.8) -> float:
+    """The CI half-width (% of the median, at `level`, normal reference) at which a one-start
+    cell's MDE is mde_pct (minimum_detectable_effect_pct with no between-start spread and no
+    threshold, inverted): the target that measure.target_mde_pct hands the stop rule."""
+    if not mde_pct > 0:
+        raise ValueError(f"target_mde_pct must be > 0, got {mde_pct}")
+    se = math.log1p(mde_pct / 100) / ((stats.norm.isf(alpha) + stats.norm.ppf(power)) * math.sqrt(2))
+    # a CI of ±t around the median spans log((1 + t) / (1 - t)) = 2 atanh(t) on log scale
+    return math.tanh(stats.norm.ppf(0.5 + level / 2) * se) * 100
+
+
 def se_from_ci(step_ms: float, low_ms: float, high_ms: float, coverage: float, df: float = math.inf) -> float:
     """The standard error of log(step) implied by a two-sided CI of that coverage (a t
     reference with df degrees of freedom; infinite: normal)."""

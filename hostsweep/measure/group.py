@@ -84,7 +84,8 @@ class GroupMeasurement:
         c, level = self.cells[i], self.options.measure.ci_level
         parts = by_period(pairs)
         if len(parts) < 2:
-            return summarize(pairs, level, adaptive_looks(c.target_ci_pct, c.min_reps, c.reps))
+            target = c.target_ci_pct if c.target_ci_pct is not None else c.target_mde_pct  # only set-or-not counts
+            return summarize(pairs, level, adaptive_looks(target, c.min_reps, c.reps))
         return pooled_periods(parts, level)
 
     def take_period(self, timings: Sequence[Sequence[RepTiming]]) -> None:

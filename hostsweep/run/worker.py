@@ -25,6 +25,7 @@ from hostsweep.config.machine import hostname
 from hostsweep.measure.protocol import (
     RepTiming, Rounds, ci_target_rule, interleaved_rounds, own_text_seeds, prompt_digest, random_prompts, time_pair,
 )
+from hostsweep.measure.detectable import ci_target_for_mde
 from hostsweep.measure.group import GroupMeasurement, TimedCell
 from hostsweep.measure.results import CellResult, MeasureOptions
 from hostsweep.run.canary import Canary
@@ -61,6 +62,14 @@ def ray_placement(tp_gpus: Optional[list[str]] = None) -> dict[str, str]:
     context = ray.get_runtime_context()
     gpus = tp_gpus if tp_gpus is not None else context.get_accelerator_ids().get("GPU", [])
     return {"ray_node_id": context.get_node_id(), "ray_gpu_ids": ",".join(map(str, gpus)) or "none"}
+
+
+def stop_target(cell: Cell, level: float) -> float:
+    """An adaptive cell's CI target: measure.target_ci_pct, or the CI that gives
+    measure.target_mde_pct (measure/detectable.ci_target_for_mde)."""
+    if cell.target_ci_pct is not None:
+        return cell.target_ci_pct
+    return ci_target_for_mde(cell.target_mde_pct, level)  # type: ignore[arg-type]
 
 
 def prompt_seed(cell: Cell) -> int:
@@ -196,8 +205,8 @@ class SweepWorker(SplitProfiling):
         run left and each new pair saved. `after_pair(i, pair)` runs between pairs (the
         split's profiled pairs: measure/periods.profiled_rounds), outside any pair's record."""
         m = options.measure
-        stops = [None if c.target_ci_pct is None else
-                 ci_target_rule(c.target_ci_pct, c.min_reps, c.reps, m.ci_level) for c in cells]
+        stops = [ci_target_rule(stop_target(c, m.ci_level), c.min_reps, c.reps, m.ci_level) if c.adaptive else None
+                 for c in cells]
         done = [journal.resume(c.key) if journal else () for c in cells]
         for cell, pairs in zip(cells, done):
             if journal:

@@ -339,3 +339,39 @@ def test_a_cell_timed_in_two_periods_that_disagree_can_detect_less_than_one_whos
     apart = cell_mde_pct(5.0, 4.9, 5.1, 0.95, period_medians_ms=(4.5, 5.5))
     assert agree == pytest.approx(cell_mde_pct(5.0, 4.9, 5.1, 0.95))  # no spread: the CI alone
     assert apart > agree + 10  # a 20 % spread between periods is in the MDE
+
+
+@pytest.mark.parametrize("target", [2.0, 5.0, 10.0, 30.0])
+def test_the_ci_target_for_a_detectable_effect_gives_exactly_that_effect(target):
+    from hostsweep.measure.detectable import cell_mde_pct, ci_target_for_mde
+
+    half = ci_target_for_mde(target, 0.95)
+    assert cell_mde_pct(10.0, 10.0 * (1 - half / 100), 10.0 * (1 + half / 100), 0.95) == pytest.approx(target)
+
+
+def test_a_cell_asked_for_a_detectable_effect_stops_once_it_can_detect_it(tmp_path, monkeypatch):
+    from hostsweep.measure.results import cell_metrics
+
+    taken = {}
+    for target in (4.0, 12.0):
+        cells, options = fake_study(f"measure.target_mde_pct={target}", "measure.min_reps=8", "measure.max_reps=48",
+                                    "measure.remeasure_unstable=0", "batch=[1]")
+        assert cells[0].adaptive and cells[0].params()["target_mde_pct"] == target
+        worker, counts = slowing_worker(tmp_path / str(target), cells[0].engine, slow_after=10**9, factor=1.0,
+                                        monkeypatch=monkeypatch, noise=0.05)
+        result = worker.measure(cells[0], options)
+        taken[target] = len(result.measurement.reps)
+        mde = cell_metrics(result)["mde_pct"]
+        assert mde <= target or taken[target] == 48, (target, mde, taken[target])
+    assert taken[4.0] > taken[12.0]  # a smaller effect needs more pairs
+
+
+def test_a_detectable_effect_target_is_its_own_cell_and_excludes_a_ci_target():
+    from hostsweep.config.schema import ConfigError
+
+    plain, mde = (fake_study(*o)[0][0] for o in ((), ("measure.target_mde_pct=5",)))
+    assert plain.key != mde.key and not plain.adaptive
+    with pytest.raises(ConfigError, match="measure.target_ci_pct and measure.target_mde_pct are two ways"):
+        fake_study("measure.target_mde_pct=5", "measure.target_ci_pct=2")
+    with pytest.raises(ConfigError, match="measure.target_mde_pct must be a percentage in"):
+        fake_study("measure.target_mde_pct=0")
