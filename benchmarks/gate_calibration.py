@@ -38,7 +38,7 @@ from scipy import optimize, stats
 from hostsweep.measure.intervals import (
     between_starts_ci, look_level, median_ci_bounds, sequential_coverage, t_interval_bounds,
 )
-from hostsweep.measure.protocol import adaptive_looks, narrow_enough
+from hostsweep.measure.protocol import adaptive_looks, adaptive_stops
 from hostsweep.measure.stability import StabilityRules, shift_flags
 
 NOISES = ("gauss", "skewed", "t3", "mix5", "outlier1")
@@ -113,19 +113,6 @@ def between_starts_section(seeds: int, level: float, scale: float) -> None:
     print(f"(between_starts_ci on three starts of three pairs: point {example[0]:.3f} [{example[1]:.3f}, {example[2]:.3f}])")
 
 
-def adaptive_run(x: np.ndarray, looks: tuple[int, ...], target: float, each: float) -> tuple[np.ndarray, ...]:
-    """Stop each row at the first look whose CI at `each` is narrow enough (the last look
-    always reports): the pair count used and the reported CI."""
-    used, low, high = np.zeros(len(x), int), np.full(len(x), np.nan), np.full(len(x), np.nan)
-    live = np.ones(len(x), bool)
-    for n in looks:
-        lo, hi, _ = median_ci_bounds(x[:, :n], each)
-        stop = live & (narrow_enough(x[:, :n], target, each) | (n == looks[-1]))
-        used[stop], low[stop], high[stop] = n, lo[stop], hi[stop]
-        live &= ~stop
-    return used, low, high
-
-
 def adaptive_section(seeds: int, level: float, scale: float) -> None:
     """Coverage after adaptive stopping: planned looks at their split level (hostsweep),
     Bonferroni over the same looks, and a check after every pair from 8 on at the plain
@@ -145,7 +132,7 @@ def adaptive_section(seeds: int, level: float, scale: float) -> None:
             cover = lambda lo, hi: np.mean((lo <= truth) & (truth <= hi))
             cells = []
             for schedule, at in ((looks, each), (looks, bonferroni), (tuple(range(8, 49)), level)):
-                n, lo, hi = adaptive_run(x, schedule, target, at)
+                n, lo, hi = adaptive_stops(x, schedule, target, at)
                 cells.append(f"{cover(lo, hi):10.3f} {n.mean():6.1f}")
             print(f"{noise:>9} {target:5.0f}% " + "   ".join(cells))
 

@@ -210,6 +210,23 @@ def ci_target_rule(target_pct: float, min_reps: int, max_reps: int, level: float
     return enough
 
 
+def adaptive_stops(samples: np.ndarray, looks: Sequence[int], target_pct: float,
+                   each: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ci_target_rule over many simulated cells at once (one row of steps each): per row the
+    pair count it stops at (the first look whose CI at `each` is narrow enough, else the
+    last look) and the CI it reports there. What the coverage tests and
+    benchmarks/gate_calibration.py simulate the rule with."""
+    rows = len(samples)
+    used, low, high = np.zeros(rows, int), np.full(rows, np.nan), np.full(rows, np.nan)
+    live = np.ones(rows, bool)
+    for n in looks:
+        lo, hi, _ = median_ci_bounds(samples[:, :n], each)
+        stop = live & (narrow_enough(samples[:, :n], target_pct, each) | (n == looks[-1]))
+        used[stop], low[stop], high[stop] = n, lo[stop], hi[stop]
+        live &= ~stop
+    return used, low, high
+
+
 def bootstrap_median_ci(
     values: Sequence[float], resamples: int, level: float, rng: np.random.Generator
 ) -> tuple[float, float]:

@@ -15,7 +15,9 @@ from scipy import optimize, stats
 from hostsweep.measure.intervals import (
     any_look_misses, between_starts_ci, few_starts_warning, look_level, median_ci_bounds, sequential_coverage, t_interval_bounds,
 )
-from hostsweep.measure.protocol import RepTiming, adaptive_looks, ci_target_rule, narrow_enough, summarize
+from hostsweep.measure.protocol import (
+    RepTiming, adaptive_looks, adaptive_stops, ci_target_rule, summarize,
+)
 
 SEEDS = 2000
 SCALE = 0.015  # within-start noise, a fraction of the step
@@ -94,25 +96,12 @@ def test_fewer_than_three_starts_come_with_a_warning():
     assert "1 degree(s) of freedom" in few_starts_warning(2) and "one engine start" in few_starts_warning(1)
 
 
-def adaptive(x: np.ndarray, looks: tuple[int, ...], target: float, each: float) -> tuple[np.ndarray, ...]:
-    """The stop rule over rows: the first look whose CI at `each` is narrow enough, else the
-    last; the pair count used and the CI reported."""
-    used, low, high = np.zeros(len(x), int), np.zeros(len(x)), np.zeros(len(x))
-    live = np.ones(len(x), bool)
-    for n in looks:
-        lo, hi, _ = median_ci_bounds(x[:, :n], each)
-        stop = live & (narrow_enough(x[:, :n], target, each) | (n == looks[-1]))
-        used[stop], low[stop], high[stop] = n, lo[stop], hi[stop]
-        live &= ~stop
-    return used, low, high
-
-
 @pytest.mark.parametrize("kind", NOISES)
 @pytest.mark.parametrize("target", [1.0, 2.0, 4.0])
 def test_the_ci_an_adaptive_cell_reports_after_stopping_keeps_its_coverage(target, kind):
     looks = adaptive_looks(target, 8, 48)
     x = noise(np.random.default_rng([int(target), NOISES.index(kind)]), kind, (SEEDS, 48))
-    used, low, high = adaptive(x, looks, target, look_level(0.95, looks))
+    used, low, high = adaptive_stops(x, looks, target, look_level(0.95, looks))
     assert used.min() >= 8 and set(np.unique(used)) <= set(looks)
     assert np.mean((low <= truth(kind)) & (truth(kind) <= high)) >= 0.95 - tolerance(0.95)
     assert sequential_coverage(looks, 0.95) >= 0.95  # the guarantee the cell records
@@ -121,7 +110,7 @@ def test_the_ci_an_adaptive_cell_reports_after_stopping_keeps_its_coverage(targe
 def test_the_vectorized_stop_rule_is_the_worker_s():
     looks = adaptive_looks(2.0, 8, 48)
     x = noise(np.random.default_rng(0), "gauss", (40, 48), 0.03)
-    used, low, high = adaptive(x, looks, 2.0, look_level(0.95, looks))
+    used, low, high = adaptive_stops(x, looks, 2.0, look_level(0.95, looks))
     rule = ci_target_rule(2.0, 8, 48, 0.95)
     for row, n, lo, hi in zip(x, used, low, high):
         pairs = [RepTiming(k, k % 2 == 0, 0.01, 0.01 + 32 * s / 1e3, s / 1e3) for k, s in enumerate(row)]
