@@ -173,7 +173,9 @@ def pooled_periods(parts: Sequence[Sequence[RepTiming]], level: float) -> CellMe
     z = float(stats.norm.ppf(0.5 + level / 2.0))
     summaries = [summarize(part, level) for part in parts]
     point = float(np.mean([m.step_ms for m in summaries]))
-    se = float(np.sqrt(sum(((m.step_ci_high_ms - m.step_ci_low_ms) / (2.0 * z)) ** 2 for m in summaries)))
+    # each period's CI read at the coverage it has (an order-statistic CI's is above the level)
+    se = float(np.sqrt(sum(((m.step_ci_high_ms - m.step_ci_low_ms) / (2.0 * stats.norm.ppf(0.5 + m.ci_coverage / 2)))
+                           ** 2 for m in summaries)))
     se /= len(summaries)
     every = [p for part in parts for p in part]
     return CellMeasurement(step_ms=point, step_ci_low_ms=point - z * se, step_ci_high_ms=point + z * se,
