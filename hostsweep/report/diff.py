@@ -33,7 +33,7 @@ import pandas as pd
 from hostsweep.measure.detectable import mde_from_se, se_from_ci
 from hostsweep.measure.intervals import few_starts_warning
 from hostsweep.report import diff_stats as S
-from hostsweep.report.diff_canary import NORMALIZE, SideCanary, machine_line, normalized_ratio, side_canary
+from hostsweep.report.diff_canary import NORMALIZE, machine_line, side_canary, with_canary_ratios
 from hostsweep.report.diff_match import (  # noqa: F401 - re-exported: the rules live in one place for readers
     CELL_DIMS, PROVENANCE_DIMS, Difference, cell_label, dimensions, match_cells, text,
 )
@@ -444,7 +444,7 @@ def diff(base: pd.DataFrame, head: pd.DataFrame, raw: Mapping[str, RawPairs], op
         warnings.append(f"{len(two)} cell(s): {few_starts_warning(2)}")
     canaries = side_canary(base), side_canary(head)
     if options.normalize == "canary":
-        cells = with_canary_ratios(cells, options.level, *canaries)
+        cells = with_canary_ratios(cells, GATED, options.level, *canaries)
     result = DiffResult(options, matched_on, differs, shared, label_dims, cells, unmatched, warnings=warnings,
                         between={"base": between[0].source, "head": between[1].source},
                         machine=machine_line(*canaries),
@@ -455,17 +455,3 @@ def diff(base: pd.DataFrame, head: pd.DataFrame, raw: Mapping[str, RawPairs], op
     result.summary = _summary(cells, options)
     return result
 
-
-CANARY_COLUMNS = ("ratio_canary", "ci_low_canary", "ci_high_canary")
-
-
-def with_canary_ratios(cells: pd.DataFrame, level: float, base: Optional[SideCanary],
-                       head: Optional[SideCanary]) -> pd.DataFrame:
-    """The step rows' ratio and CI divided by the sides' canary ratio, in columns of their
-    own beside the raw ones (which keep the verdicts and the gate)."""
-    cells = cells.copy()
-    values = [normalized_ratio(r, lo, hi, level, base, head) if q == GATED else (math.nan,) * 3
-              for q, r, lo, hi in zip(cells["quantity"], cells["ratio"], cells["ci_low"], cells["ci_high"])]
-    for k, name in enumerate(CANARY_COLUMNS):
-        cells[name] = [v[k] for v in values]
-    return cells

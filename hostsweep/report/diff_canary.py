@@ -69,3 +69,19 @@ def normalized_ratio(ratio: float, low: float, high: float, level: float, base: 
     z = float(stats.norm.ppf(0.5 + level / 2.0))
     half = math.hypot(half, z * math.hypot(base.log_se, head.log_se))
     return math.exp(centre), math.exp(centre - half), math.exp(centre + half)
+
+
+CANARY_COLUMNS = ("ratio_canary", "ci_low_canary", "ci_high_canary")
+
+
+def with_canary_ratios(cells: pd.DataFrame, quantity: str, level: float, base: Optional[SideCanary],
+                       head: Optional[SideCanary]) -> pd.DataFrame:
+    """The diff's `quantity` rows (step_ms) with their ratio and CI divided by the sides'
+    canary ratio, in columns of their own beside the raw ones (which keep the verdicts and
+    the gate)."""
+    cells = cells.copy()
+    values = [normalized_ratio(r, lo, hi, level, base, head) if q == quantity else (math.nan,) * 3
+              for q, r, lo, hi in zip(cells["quantity"], cells["ratio"], cells["ci_low"], cells["ci_high"])]
+    for k, name in enumerate(CANARY_COLUMNS):
+        cells[name] = [v[k] for v in values]
+    return cells
