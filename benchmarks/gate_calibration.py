@@ -265,7 +265,7 @@ def zlib_key(text: str) -> int:
 
 def real_side(cells: dict[str, pd.DataFrame], version: str) -> tuple[pd.DataFrame, dict[str, list[np.ndarray]]]:
     """One kept study as the diff reads a side: a row per cell, its pairs by engine start."""
-    from hostsweep.record.sides import pairs_by_start, period_spread
+    from hostsweep.record.read.sides import pairs_by_start, period_spread
 
     rows, raw = [], {}
     for cell, table in cells.items():

@@ -44,7 +44,7 @@ from hostsweep.record.store import quiet_mlflow
 quiet_mlflow()
 from hostsweep.measure.protocol import CellMeasurement, RepTiming
 from hostsweep.measure.results import CellResult
-from hostsweep.record.readback import read_cells
+from hostsweep.record.read.readback import read_cells
 from hostsweep.record.tracking import SweepTracker
 
 uri, name, n, deliveries = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])

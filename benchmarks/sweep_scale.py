@@ -201,7 +201,7 @@ def log_times(run_dir: Path, cells: int) -> dict[str, float]:
 READ_BACK = """
 import json, sys, time
 from hostsweep.record.store import quiet_mlflow
-from hostsweep.record.readback import read_cells
+from hostsweep.record.read.readback import read_cells
 from hostsweep.record.tracking import SweepTracker
 quiet_mlflow()
 uri, name = sys.argv[1], sys.argv[2]

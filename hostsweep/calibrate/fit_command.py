@@ -37,7 +37,7 @@ def measured_cells(args: argparse.Namespace) -> pd.DataFrame:
         raise ConfigError(f"--cells {', '.join(missing)}: no such file")
     frames = [pd.read_csv(path) for path in args.cells]
     if args.experiment:
-        from hostsweep.record.readback import read_cells
+        from hostsweep.record.read.readback import read_cells
 
         frames.append(read_cells(args.tracking_uri, args.experiment))
     measured = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()

@@ -26,7 +26,7 @@ from hostsweep.measure.results import CellResult, cell_metrics, split_tags, stab
 from hostsweep.record import crashpoints
 from hostsweep.record.artifacts import earlier_timings_table, linearity_table, timings_table, top_ops_table
 from hostsweep.record.claims import PARENT_TAG
-from hostsweep.record.dbread import is_database
+from hostsweep.record.read.dbread import is_database
 from hostsweep.record.experimentruns import ExperimentRuns
 from hostsweep.record.store import local_folder, served_location
 from hostsweep.record.views import JOURNAL_TAG, NOTE_TAG, cell_note, cell_run_name

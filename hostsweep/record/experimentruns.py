@@ -15,7 +15,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 from mlflow.tracking import MlflowClient
 
 from hostsweep.measure.results import logged_row
-from hostsweep.record.dbread import finished_index, is_database, runs_by_id, stored_runs
+from hostsweep.record.read.dbread import finished_index, is_database, runs_by_id, stored_runs
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from mlflow.tracking import MlflowClient
 from hostsweep.record.cellruns import CellRuns
 from hostsweep.record.claims import HEARTBEAT_TAG, LIVE_HERE, OWNER_TAG, this_owner
 from hostsweep.config.redact import redact
-from hostsweep.record.dbread import is_database
+from hostsweep.record.read.dbread import is_database
 from hostsweep.record.liveruns import LiveRuns
 from hostsweep.record.store import (
     SERVED_SCHEME, local_artifact_root, quiet_mlflow, served_artifacts, served_location,

@@ -21,7 +21,7 @@ from hostsweep.config.grid import build_cells
 from hostsweep.config.resolve import Study
 from hostsweep.config.schema import ConfigError
 from hostsweep.config.stages import StageInfo
-from hostsweep.record.selection import fit_cells, planned_cells, train_selection
+from hostsweep.record.read.selection import fit_cells, planned_cells, train_selection
 from hostsweep.record.store import quiet_mlflow
 from hostsweep.stages import compare, sweep
 from hostsweep.stages.fit import fit_options

@@ -4,7 +4,7 @@ logged to MLflow beside the runs.
     python -m hostsweep +experiment=generalize-cpu stage=compare
     python -m hostsweep +experiment=tp70b stage=compare calibration=seed002-h100
 
-Selects the cells (record/selection.py), fits them (stages/fit.py, logged to the models
+Selects the cells (record/read/selection.py), fits them (stages/fit.py, logged to the models
 experiment) or reads a logged fit (compare.fit_run), builds the report and its figures
 (report/fit_report.py) under <run dir>/compare/, and logs all of it as artifacts of a
 run named compare-<study> in the study's own experiment, so the report sits in the runs
@@ -29,7 +29,7 @@ from hostsweep.config.stages import StageInfo
 from hostsweep.model.unstable import Exclusion, exclude_unstable
 from hostsweep.record.reports import ReportRun, load_fit_json
 from hostsweep.record.views import open_ui_line, runs_table_url, ui_base
-from hostsweep.record.selection import Selection, select_cells
+from hostsweep.record.read.selection import Selection, select_cells
 from hostsweep.report.document import to_html, to_markdown
 from hostsweep.report.fit_report import Context, build
 from hostsweep.report.inconclusive import inconclusive_document

@@ -4,7 +4,7 @@ release gate: did it get slower with the new vLLM, torch, driver, SKU, mode or e
     python -m hostsweep stage=diff diff.base=nightly-0.31 diff.head=nightly-0.32
     python -m hostsweep stage=diff diff.base=<parent run id> diff.head=<parent run id> diff.fail_on=slower
 
-Both sides are named and read back from MLflow first (record/sides.py; an unknown study or
+Both sides are named and read back from MLflow first (record/read/sides.py; an unknown study or
 run is a one-line error, exit 2), compared by report/diff.py, written under
 <run dir>/diff/ (diff.md, diff.html, diff.json, diff.csv, figures/ratios.png) and logged as a run
 `diff-<base>-<head>` in the head's experiment. With diff.fail_on=slower the exit code is 1
@@ -26,9 +26,9 @@ from omegaconf import DictConfig
 from hostsweep.config.redact import redact
 from hostsweep.config.schema import ConfigError, DiffConfig
 from hostsweep.config.stages import StageInfo
-from hostsweep.record.readback import FilterRefused
+from hostsweep.record.read.readback import FilterRefused
 from hostsweep.record.reports import ReportRun
-from hostsweep.record.sides import Side, check_store, locate, read_cells, with_pairs
+from hostsweep.record.read.sides import Side, check_store, locate, read_cells, with_pairs
 from hostsweep.record.views import open_ui_line, runs_table_url, ui_base
 from hostsweep.report.diff import DiffOptions, DiffResult, diff
 from hostsweep.report.diff_report import DiffContext, SideInfo, build, console, headline, to_json

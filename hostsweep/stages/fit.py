@@ -27,7 +27,7 @@ from hostsweep.config.stages import StageInfo
 from hostsweep.model.fit_console import render
 from hostsweep.model.study_fit import FitOptions
 from hostsweep.model.unstable import Exclusion, exclude_unstable
-from hostsweep.record.selection import Selection, fit_cells, select_cells, train_selection
+from hostsweep.record.read.selection import Selection, fit_cells, select_cells, train_selection
 from hostsweep.stages import resolve_for_reading
 
 STAGE = StageInfo(name="fit", help="fit the TP model on the study's cells read back from MLflow, log it",

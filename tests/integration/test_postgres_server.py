@@ -24,7 +24,7 @@ from mlflow.tracking import MlflowClient
 
 from hostsweep.config.resolve import resolve
 from hostsweep.record.journal import JOURNAL_FILE, read_entries, unlogged
-from hostsweep.record.readback import read_cells
+from hostsweep.record.read.readback import read_cells
 from hostsweep.stages import sweep
 from tests.conftest import compose_raw
 from tests.fakes import FakeBackend

@@ -31,8 +31,8 @@ import pandas as pd
 from hostsweep.measure.results import CellResult, cell_row
 from hostsweep.model.unstable import exclude_unstable
 from hostsweep.record.celltable import CellTable
-from hostsweep.record.readback import cell_params
-from hostsweep.record.selection import in_grid_order
+from hostsweep.record.read.readback import cell_params
+from hostsweep.record.read.selection import in_grid_order
 from hostsweep.report.modes import finished_cells, paired
 from hostsweep.report.summary import cell_entry
 from hostsweep.report.tables import table_columns

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from hostsweep.record.sides import pairs_by_start, period_spread
+from hostsweep.record.read.sides import pairs_by_start, period_spread
 from hostsweep.report import diff_stats as S
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "raw_timings"

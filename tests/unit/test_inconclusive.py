@@ -8,7 +8,7 @@ import pytest
 
 from hostsweep.config.schema import ConfigError
 from hostsweep.model.unstable import exclude_unstable
-from hostsweep.record.selection import Selection
+from hostsweep.record.read.selection import Selection
 from hostsweep.report.document import to_markdown
 from hostsweep.report.inconclusive import inconclusive_document
 from hostsweep.stages import compare

@@ -8,7 +8,7 @@ import pytest
 
 from hostsweep.measure.protocol import CellMeasurement, RepTiming
 from hostsweep.measure.results import CellResult
-from hostsweep.record.readback import read_cells
+from hostsweep.record.read.readback import read_cells
 from hostsweep.record.tracking import SweepTracker
 from hostsweep.record.views import cell_run_name
 

@@ -10,7 +10,7 @@ from hostsweep.measure.protocol import CellMeasurement, RepTiming
 from hostsweep.measure.results import CellResult, cell_row
 from hostsweep.measure.split import SplitResult
 from hostsweep.record.claims import PARENT_TAG
-from hostsweep.record.readback import read_cells
+from hostsweep.record.read.readback import read_cells
 from hostsweep.record.tracking import SweepTracker
 from hostsweep.record.views import experiment_description
 
@@ -402,7 +402,7 @@ def test_reading_back_finished_cells_holds_one_page_of_runs_at_a_time_newest_fir
 
 def test_a_database_store_is_read_back_a_page_at_a_time_with_plain_selects_as_search_runs_would(
         tracker, monkeypatch):
-    from hostsweep.record import dbread, readback
+    from hostsweep.record.read import dbread, readback
 
     _measured_twice(tracker)
     tracker.log_cell(CellResult("d", PARAMS, "FAILED", None, "boom", {}, 1.0), {})  # not FINISHED: not read

@@ -16,7 +16,7 @@ from hostsweep.config.redact import redact
 from hostsweep.config.resolve import Study
 from hostsweep.config.schema import ConfigError, FitConfig
 from hostsweep.config.validation import positive_ints
-from hostsweep.record.readback import FilterRefused, experiment_ids, read_cells
+from hostsweep.record.read.readback import FilterRefused, experiment_ids, read_cells
 from hostsweep.record.store import local_artifact_root
 
 log = logging.getLogger(__name__)

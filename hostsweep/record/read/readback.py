@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 
 from hostsweep.config.grid import CELL_PARAMS, INT_PARAMS, LEGACY_AXIS_VALUES
 from hostsweep.config.redact import error_line
-from hostsweep.record.dbread import is_database, stored_runs
+from hostsweep.record.read.dbread import is_database, stored_runs
 
 log = logging.getLogger(__name__)
 

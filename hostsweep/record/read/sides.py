@@ -25,7 +25,7 @@ from mlflow.tracking import MlflowClient
 
 from hostsweep.config.redact import error_line, redact
 from hostsweep.config.schema import ConfigError
-from hostsweep.record.readback import FilterRefused, experiment_ids
+from hostsweep.record.read.readback import FilterRefused, experiment_ids
 from hostsweep.record.store import local_artifact_root
 
 log = logging.getLogger(__name__)
