@@ -45,11 +45,11 @@ def inconclusive_document(study: str, reason: str, cells: pd.DataFrame, exclusio
                 for r, n in counts.most_common()]
     doc.add(Heading("What to run"), Bullets(tuple([*remedies, FALLBACK])))
     if not cells.empty:
-        doc.add(Heading("Cells"), Table(cell_table(cells), "Each measured cell and why it was left out, if it was."))
+        doc.add(Heading("Cells"), Table(left_out_table(cells), "Each measured cell and why it was left out, if it was."))
     return doc
 
 
-def cell_table(cells: pd.DataFrame) -> pd.DataFrame:
+def left_out_table(cells: pd.DataFrame) -> pd.DataFrame:
     """The cells' identity, step and stability, unstable ones first."""
     shown = [c for c in ("sku", "model", "mode", "tp", "batch", "ctx", "status", "step_ms", "step_ci_low_ms",
                          "step_ci_high_ms", "unstable_reasons") if c in cells.columns]

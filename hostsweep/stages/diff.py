@@ -28,7 +28,7 @@ from hostsweep.config.schema import ConfigError, DiffConfig
 from hostsweep.config.stages import StageInfo
 from hostsweep.record.read.readback import FilterRefused
 from hostsweep.record.reports import ReportRun
-from hostsweep.record.read.sides import Side, check_store, locate, read_cells, with_pairs
+from hostsweep.record.read.sides import Side, check_store, locate, read_side_cells, with_pairs
 from hostsweep.record.views import open_ui_line, runs_table_url, ui_base
 from hostsweep.report.diff import DiffOptions, DiffResult, diff
 from hostsweep.report.diff_report import DiffContext, SideInfo, build, console, headline, to_json
@@ -63,7 +63,7 @@ def read_sides(uri: str, cfg: DiffConfig) -> tuple[Side, Side]:
     where = [locate(uri, cfg.base, "diff.base"), locate(uri, cfg.head, "diff.head")]
     keys = ("diff.base", "diff.head")
     try:
-        cells = [read_cells(uri, w, cfg.filter, key) for w, key in zip(where, keys)]
+        cells = [read_side_cells(uri, w, cfg.filter, key) for w, key in zip(where, keys)]
     except FilterRefused as exc:
         raise ConfigError(f"diff.filter={cfg.filter!r} was refused by MLflow: {exc}") from None
     if set(cells[0]["run_id"]) == set(cells[1]["run_id"]):

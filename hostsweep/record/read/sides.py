@@ -110,7 +110,7 @@ def locate(tracking_uri: str, given: Optional[str], key: str) -> Located:
                    run.info.experiment_id, given)
 
 
-def read_cells(tracking_uri: str, where: Located, filter_string: Optional[str], key: str) -> pd.DataFrame:
+def read_side_cells(tracking_uri: str, where: Located, filter_string: Optional[str], key: str) -> pd.DataFrame:
     """The side's FINISHED cell runs, newest per cell key, with every param and metric and
     the CELL_TAGS as columns; ConfigError when there are none."""
     clauses = [f"tags.mlflow.parentRunId = '{where.parent_run}'"] if where.parent_run else []
@@ -186,7 +186,7 @@ def period_spread(steps: Sequence[float], periods: Sequence[int]) -> tuple[float
 
 
 def with_pairs(where: Located, cells: pd.DataFrame, key: str) -> Side:
-    """The side with its cells' timed pairs (read_cells' frame, then each run's artifact)."""
+    """The side with its cells' timed pairs (read_side_cells' frame, then each run's artifact)."""
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per cell on stderr otherwise
     tables = {run_id: table for run_id in cells["run_id"] if (table := timed_pairs(run_id)) is not None}
     raw = {run_id: groups for run_id, table in tables.items() if (groups := pairs_by_start(table)) is not None}
