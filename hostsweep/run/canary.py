@@ -5,12 +5,13 @@ A cloud VM changes speed by tens of percent between minutes while /proc shows no
 the hypervisor, not a neighbour process. The contention record (run/contention.py) cannot
 see that; a fixed workload timed in the same breath can. The canary does the same work
 every time and touches no engine: a pure-Python loop (the interpreter's speed, what a
-decode step's host half runs on) and, where torch is importable, a small matrix product
-on one thread (the CPU's arithmetic). It runs between generates, never inside a timed one,
+decode step's host half runs on) and, where the engine has loaded torch, small matrix
+products (the CPU's arithmetic). It runs between generates, never inside a timed one,
 and takes about a millisecond or two.
 """
 from __future__ import annotations
 
+import sys
 import time
 from typing import Callable, Optional
 
@@ -28,10 +29,10 @@ def _python_part() -> int:
 
 
 def _torch_part() -> Optional[Callable[[], None]]:
-    """The matrix-product part, or None where torch is missing (the fake engine's tests)."""
-    try:
-        import torch
-    except ImportError:
+    """The matrix-product part, where the engine already imported torch (vLLM does); None
+    otherwise (the fake engine): importing torch here would add seconds to a worker's start."""
+    torch = sys.modules.get("torch")
+    if torch is None:
         return None
     a = torch.ones((MATMUL_SIZE, MATMUL_SIZE))
     b = torch.ones((MATMUL_SIZE, MATMUL_SIZE))
