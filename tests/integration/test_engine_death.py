@@ -80,10 +80,19 @@ def test_a_killed_engine_core_is_detected_its_cell_retried_and_every_cell_measur
             if len(saved) == 3 and min(saved) >= 1:
                 break
             time.sleep(0.1)
-        tree = descendants(driver.pid)
         # ...and the next rounds are being timed: kill its engine. The kernel's name is cut at 15
-        # characters, and psutil gives the full title only once it reads the retitled command line.
-        (core,) = named(tree, "VLLM::EngineCor")
+        # characters, and psutil gives the full title only once it reads the retitled command line
+        # (looked for again for a few seconds: a loaded machine can be slow to show it).
+        found_by = time.monotonic() + 15
+        while True:
+            tree = descendants(driver.pid)
+            cores = named(tree, "VLLM::EngineCor")
+            if cores or time.monotonic() > found_by or driver.poll() is not None:
+                break
+            time.sleep(0.2)
+        assert len(cores) == 1, (f"EngineCore processes found: {len(cores)}; driver exit {driver.poll()}; "
+                                 f"pairs saved {saved_pairs(pending)}")
+        (core,) = cores
         before = saved_pairs(pending)
         workers = named(tree, "ray::Sweep")  # the worker actor (process names are cut at 15 characters)
         core.send_signal(signal.SIGKILL)
