@@ -13,6 +13,16 @@ The rules, in one place (the statistics in report/diff_stats.py):
   noise floor (diff.noise_floor_pct) or, else, the side's replicate-first re-measures. With
   neither, the diff still reports, but a gate refuses (exit 2) and says what to run.
   host_ms: the same with each cell's device_ms held fixed. Other quantities: point only.
+- Paired cells (a paired study, pair.against: base row side a, head row side b, one sweep,
+  both with raw pairs in the same k >= 2 engine starts): start i of side a and start i of
+  side b were adjacent in time (ABBA), so step_ms is the mean over start pairs of
+  d_i = log(head start i's median / base start i's median), se = sd(d_i) / sqrt(k), k - 1 df:
+  drift common to a start pair cancels, and no between-start component is needed (so the
+  gate never refuses them). host_ms likewise with each side's device_ms held fixed. Every row
+  says its `design` (paired or sequential), the result says it in one line, and a paired
+  diff also states the machine's between-start noise floor: the spread of each side's start
+  medians, pooled over the paired cells, which a sequential diff of two studies measured
+  apart can pass as diff.noise_floor_pct.
 - Verdicts, with t = threshold_pct/100, at alpha: `slower` when the one-sided p-value of
   head > base, Holm-adjusted over the cells judged, is <= alpha and the ratio lies above
   1 + t; `faster` the mirror; `same` when the equivalence test (TOST) at ±t rejects at
@@ -43,6 +53,9 @@ FAIL_ON = ("slower", "inconclusive")
 GATED = "step_ms"  # the quantity fail_on judges: the one with raw pairs on both sides
 RAW, SUMMARY, HOST_FIXED, POINT = ("raw pairs", "summary CIs (approximate: no raw_timings.csv)",
                                    "step pairs, device_ms held fixed", "point only (no raw pairs)")
+PAIRED, PAIRED_HOST = "paired engine starts", "paired engine starts, device_ms held fixed"
+DESIGNS = ("paired", "sequential")  # a cell's design: both sides in one sweep, starts alternated; or measured apart
+SIDES = ("a", "b")  # a paired study's sides (param `side`): a the study as given, b with pair.against
 # Reasons that do not touch the step's own number: a cell unstable only for these is judged
 # as stable on step_ms (its host_ms stays unstable).
 NOT_STEP_REASONS = frozenset({"split_impossible", "split_implausible"})
@@ -156,6 +169,7 @@ class Compared:
     df: float = math.nan
     between: str = ""  # the between-start component each one-start side was widened by
     starts: tuple[int, int] = (0, 0)
+    design: str = "sequential"  # or "paired" (DESIGNS)
 
 
 def _step_side(row: Mapping[str, Any], groups: Optional[list[np.ndarray]], between: Between,
@@ -188,18 +202,54 @@ def _host_side(e: S.LogEstimate, device_ms: Optional[float]) -> Optional[S.LogEs
     return S.LogEstimate(math.log(step - device_ms), e.var * factor ** 2, e.df, e.starts, e.pairs)
 
 
+def paired_starts(base: Mapping[str, Any], head: Mapping[str, Any],
+                  groups: tuple[Optional[list[np.ndarray]], Optional[list[np.ndarray]]]) -> int:
+    """k when the matched cell is paired: the base row is side a and the head row side b of one
+    sweep (equal parent_run_id), both with raw pairs in the same k >= 2 engine starts; else 0."""
+    if (text(base.get("side")), text(head.get("side"))) != SIDES:
+        return 0
+    parent = text(base.get("parent_run_id"))
+    if not parent or parent != text(head.get("parent_run_id")) or groups[0] is None or groups[1] is None:
+        return 0
+    k = len(groups[0])
+    return k if k >= 2 and len(groups[1]) == k else 0
+
+
+def _paired(quantity: str, base: Mapping[str, Any], head: Mapping[str, Any], groups: tuple[list[np.ndarray], ...],
+            k: int) -> Compared:
+    """One quantity of a paired cell: step_ms and host_ms from the start pairs' medians (host
+    with each side's device_ms held fixed), anything else point only."""
+    if quantity in (GATED, "host_ms"):
+        medians = [np.array([np.median(g) for g in side]) for side in groups]
+        source = PAIRED
+        if quantity == "host_ms":
+            device = _finite(base, "device_ms"), _finite(head, "device_ms")
+            medians = [m - dev if dev is not None else m * math.nan for m, dev in zip(medians, device)]
+            source = PAIRED_HOST
+        if all(np.isfinite(m).all() and (m > 0).all() for m in medians):
+            d, se, df = S.paired_log_ratio(medians[0], medians[1])
+            return Compared(math.exp(float(d)), source, float(d), float(se), float(df), f"paired: {k} start pairs",
+                            (k, k), "paired")
+    b, h = _finite(base, quantity), _finite(head, quantity)
+    return Compared(h / b if b is not None and h is not None and b > 0 and h > 0 else math.nan, POINT,
+                    design="paired")
+
+
 def compare_quantity(quantity: str, base: Mapping[str, Any], head: Mapping[str, Any],
                      raw_base: Optional[RawPairs], raw_head: Optional[RawPairs], options: DiffOptions,
                      between: tuple[Between, Between] = (Between(math.nan, 0.0, "none"),) * 2) -> Compared:
     """The ratio head/base of one quantity of a matched cell, with its log-scale test inputs."""
     groups = starts_of(raw_base), starts_of(raw_head)
-    paired = groups[0] is not None and groups[1] is not None
-    if quantity in (GATED, "host_ms") and (paired or quantity == GATED):
-        sides = [_step_side(r, g if paired else None, w, options.level)
+    k = paired_starts(base, head, groups)
+    if k:
+        return _paired(quantity, base, head, groups, k)  # type: ignore[arg-type]
+    both_raw = groups[0] is not None and groups[1] is not None
+    if quantity in (GATED, "host_ms") and (both_raw or quantity == GATED):
+        sides = [_step_side(r, g if both_raw else None, w, options.level)
                  for r, g, w in zip((base, head), groups, between)]
         if all(sides):
             (b, why_b), (h, why_h) = sides  # type: ignore[misc]
-            source = RAW if paired else SUMMARY
+            source = RAW if both_raw else SUMMARY
             if quantity == "host_ms":
                 b, h, source = _host_side(b, _finite(base, "device_ms")), _host_side(h, _finite(head, "device_ms")), \
                     HOST_FIXED
@@ -236,6 +286,18 @@ class DiffResult:
     between: dict[str, str] = field(default_factory=dict)  # per side, the between-start component's source
     machine: Optional[str] = None  # the sides' speed canaries compared (report/diff_canary.py)
     canary_ms: dict[str, Optional[float]] = field(default_factory=dict)  # per side
+    design: str = ""  # one line: paired, sequential, or how many of each (design_line)
+    noise_floor_pct: Optional[float] = None  # a paired diff's between-start spread (SD, %): NoiseFloor
+    noise_floor_df: float = 0.0
+
+    def noise_floor_line(self) -> Optional[str]:
+        """What a paired diff says of the machine's between-start spread, or None."""
+        if self.noise_floor_pct is None or not math.isfinite(self.noise_floor_pct):
+            return None
+        x = floor_text(self.noise_floor_pct)
+        return (f"between-start spread on this machine: {x} % (SD, {int(self.noise_floor_df)} df): a sequential diff "
+                f"of two studies measured apart can pass diff.noise_floor_pct={x} (a lower bound: studies measured "
+                "further apart drift more)")
 
     def _gated(self) -> pd.DataFrame:
         return self.cells[self.cells["quantity"] == GATED] if len(self.cells) else self.cells
@@ -297,6 +359,74 @@ class DiffResult:
         return False, f"{level}, none {self.options.fail_on} (±{t:g}%)"
 
 
+def floor_text(pct: float) -> str:
+    """A noise floor as typed back into diff.noise_floor_pct: two significant digits, rounded up."""
+    if pct <= 0:
+        return "0"
+    step = 10.0 ** (math.floor(math.log10(pct)) - 1)
+    return f"{math.ceil(round(pct / step, 6)) * step:.{max(0, 1 - math.floor(math.log10(pct)))}f}"
+
+
+@dataclass(frozen=True)
+class NoiseFloor:
+    """The between-start spread of a paired diff: the log start medians' variance of each side
+    of each paired cell, pooled over cells and sides (df = the sum of k - 1)."""
+
+    var: float
+    df: float
+    cells: int
+
+    @property
+    def pct(self) -> float:
+        return S.noise_floor_pct(self.var)
+
+
+def paired_noise_floor(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]], raw: Mapping[str, RawPairs]
+                       ) -> Optional[NoiseFloor]:
+    """The machine's between-start spread from the paired cells (those unstable for their step
+    left out: a flagged cell's spread is the flag's, not the machine's); None when none is paired."""
+    variances, dfs, cells = [], [], 0
+    for b, h in pairs:
+        groups = starts_of(raw.get(str(b.get("run_id")))), starts_of(raw.get(str(h.get("run_id"))))
+        if not paired_starts(b, h, groups) or step_unstable(*_side_flags(b, h)):
+            continue
+        cells += 1
+        for side in groups:
+            var, df = S.start_spread(np.array([np.median(g) for g in side]))  # type: ignore[union-attr]
+            variances.append(float(var))
+            dfs.append(float(df))
+    var, df = S.pooled(variances, dfs)
+    return NoiseFloor(var, df, cells) if df else None
+
+
+def design_line(cells: pd.DataFrame, between: Mapping[str, str]) -> str:
+    """How the compared cells were measured, in one line: paired (k start pairs, ABBA in one
+    sweep), sequential (two studies measured apart, and what widens a one-start side), or
+    how many of each."""
+    rows = cells[cells["quantity"] == GATED] if len(cells) else cells
+    if rows.empty:
+        return "no matched cell"
+    paired, sequential = rows[rows["design"] == "paired"], rows[rows["design"] != "paired"]
+    ks = "/".join(str(k) for k in sorted({int(k) for k in paired["starts_base"]}))
+    paired_text = f"{ks} start pairs per cell, sides alternated ABBA in one sweep"
+    tested = sequential[sequential["ci_source"] != POINT]
+    one = {name for name, column in (("base", "starts_base"), ("head", "starts_head")) if (tested[column] <= 1).any()}
+    if tested.empty:
+        seq_text = "two studies measured apart; no CI (no raw pairs or logged CIs)"
+    elif one:
+        sources = sorted({between.get(name, "none") for name in one})
+        seq_text = "two studies measured apart; one-start sides widened by " + " / ".join(
+            "nothing (no between-start estimate)" if w == "none" else w for w in sources)
+    else:
+        starts = sorted({int(k) for k in pd.concat([tested["starts_base"], tested["starts_head"]])})
+        seq_text = f"two studies measured apart; each side's CI from its own {'/'.join(map(str, starts))} engine starts"
+    if sequential.empty:
+        return f"paired: {paired_text}"
+    if paired.empty:
+        return f"sequential: {seq_text}"
+    return f"mixed: {len(paired)} cell(s) paired ({paired_text}), {len(sequential)} sequential ({seq_text})"
+
+
 def _unmatched_label(row: Mapping[str, Any], dims: Sequence[str]) -> str:
     return cell_label(row, [d for d in dims if d in row] or [d for d in ("batch", "ctx") if d in row])
 
@@ -319,7 +449,8 @@ def _cell_rows(pairs: list[tuple[dict, dict]], raw: Mapping[str, RawPairs], labe
             unstable = step_unstable(flags, reasons) if quantity == GATED else False in flags
             rows.append({"cell": cell_label(b, label_dims), "quantity": quantity, "base": _finite(b, quantity),
                          "head": _finite(h, quantity), "ratio": c.ratio, "d": c.d, "se": c.se, "df": c.df,
-                         "ci_source": c.source, "between": c.between, "starts_base": c.starts[0],
+                         "ci_source": c.source, "design": c.design, "between": c.between,
+                         "starts_base": c.starts[0],
                          "starts_head": c.starts[1], "unstable": unstable,
                          "unstable_reasons": ",".join(sorted({r.strip() for why in reasons for r in why.split(",")
                                                               if r.strip()})),
@@ -417,7 +548,8 @@ def _failed_reasons(unmatched: pd.DataFrame, failed: Optional[pd.DataFrame], on:
 
 
 COLUMNS = ["cell", "quantity", "base", "head", "ratio", "ci_low", "ci_high", "verdict", "p_slower", "p_slower_holm",
-           "p_faster", "p_faster_holm", "p_same", "mde_pct", "d", "se", "df", "ci_source", "between", "starts_base",
+           "p_faster", "p_faster_holm", "p_same", "mde_pct", "d", "se", "df", "ci_source", "design", "between",
+           "starts_base",
            "starts_head", "unstable", "unstable_reasons", "stable_flag", "base_run", "head_run"]
 
 
@@ -445,10 +577,13 @@ def diff(base: pd.DataFrame, head: pd.DataFrame, raw: Mapping[str, RawPairs], op
     canaries = side_canary(base), side_canary(head)
     if options.normalize == "canary":
         cells = with_canary_ratios(cells, GATED, options.level, *canaries)
+    sources = {"base": between[0].source, "head": between[1].source}
+    floor = paired_noise_floor(pairs, raw)
     result = DiffResult(options, matched_on, differs, shared, label_dims, cells, unmatched, warnings=warnings,
-                        between={"base": between[0].source, "head": between[1].source},
-                        machine=machine_line(*canaries),
-                        canary_ms={name: c.ms if c else None for name, c in zip(("base", "head"), canaries)})
+                        between=sources, machine=machine_line(*canaries),
+                        canary_ms={name: c.ms if c else None for name, c in zip(("base", "head"), canaries)},
+                        design=design_line(cells, sources), noise_floor_pct=floor.pct if floor else None,
+                        noise_floor_df=floor.df if floor else 0.0)
     if options.normalize == "canary" and None in canaries:
         result.warnings.append("diff.normalize=canary: a side has fewer than 3 cells with a speed canary "
                                "(measured before the canary existed?): no normalized ratios")

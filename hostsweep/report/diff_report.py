@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from hostsweep.report import figures as F
-from hostsweep.report.diff import GATED, HOST_FIXED, POINT, RAW, SUMMARY, VERDICTS, DiffResult
+from hostsweep.report.diff import GATED, HOST_FIXED, PAIRED, POINT, RAW, SUMMARY, VERDICTS, DiffResult
 from hostsweep.report.document import Bullets, Document, Figure, Heading, Table, Text
 
 VERDICT_COLORS = {"slower": "#d62728", "faster": "#2ca02c", "same": "#7f7f7f", "inconclusive": "#ff7f0e"}
@@ -32,6 +32,7 @@ class SideInfo:
     parent_runs: tuple[str, ...]
     cells: int
     raw_missing: int  # cells without raw_timings.csv
+    side: str = ""  # a paired study's side ("a" the base, "b" the head), "" otherwise
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ def fmt_ratio(ratio: float, low: float, high: float) -> str:
 
 def differs_lines(result: DiffResult) -> list[str]:
     lines = [f"**{d.name}**: {d.text()}" for d in result.differs]
+    if lines and {d.name for d in result.differs} == {"side"}:  # a paired A/A (pair.against=[])
+        lines.append("nothing else: a paired A/A, the sides are repeats of one measurement (this machine's noise)")
     return lines or ["nothing detected: the cell params and the provenance (versions, git SHA, device, host) "
                      "are the same on both sides, so the sides are repeats of one measurement"]
 
@@ -150,6 +153,10 @@ def _method(result: DiffResult) -> Bullets:
         "(Maritz–Jarrett standard error) widened by a between-start component "
         f"(base: {result.between.get('base', '?')}; head: {result.between.get('head', '?')}). "
         f"The sides' variances add; Welch–Satterthwaite df; {o.level:.0%} t CI of the ratio.",
+        f"{PAIRED} (a paired study's cells: side a and side b in one sweep, their engine starts alternated "
+        "A B, B A, A B, ...): d_i = log of start i's median of side b over start i's of side a, adjacent in time, "
+        "so what the machine did to both cancels; the mean of the k d_i with a t on sd(d_i)/√k, k − 1 df; "
+        "host_ms likewise with each side's device_ms held fixed. No between-start component is needed.",
         f"{HOST_FIXED}: host_ms = step − device_ms; the split has one profiled pair per cell, so device_ms "
         "is held fixed and only the step noise is in the CI.",
         f"{POINT}: the ratio of the logged metrics, no CI and no verdict. {SUMMARY}: each cell's logged CI read as "
@@ -181,7 +188,10 @@ def build(result: DiffResult, ctx: DiffContext, folder: Path) -> Document:
                  f"({ctx.head.kind}, {ctx.head.cells} cells). Matched on: {', '.join(result.matched_on) or 'nothing'}."
                  + (f" Same on both sides: {', '.join(f'{k} {v}' for k, v in result.shared.items())}."
                     if result.shared else "")),
-            Heading("Verdict"), Text(f"**{headline(result)}**"), Table(counts_table(result)))
+            Heading("Verdict"), Text(f"**{headline(result)}**"), Text(f"Design: {result.design}."),
+            Table(counts_table(result)))
+    if result.noise_floor_line():
+        doc.add(Text(f"The {result.noise_floor_line()}."))
     if result.machine:
         doc.add(Text(f"Machines: {result.machine}. The verdicts are on the raw ratios; "
                      + ("`ratio_canary` divides each by the canary ratio (docs/diff.md)."
@@ -227,6 +237,8 @@ def to_json(result: DiffResult, ctx: DiffContext) -> dict[str, Any]:
         "gate": {**dict(zip(("failed", "why"), result.gate())), "refused": result.refusal(),
                  "missing": len(result.missing())},
         "between": result.between, "machine": result.machine, "canary_ms": result.canary_ms,
+        "design": result.design, "noise_floor_pct": _clean(result.noise_floor_pct),
+        "noise_floor_df": _clean(result.noise_floor_df),
         "cells": [{k: _clean(v) for k, v in row.items()} for row in result.cells.to_dict("records")],
         "unmatched": [{k: _clean(v) for k, v in row.items()} for row in result.unmatched.to_dict("records")],
         "warnings": result.warnings,
@@ -240,10 +252,11 @@ def console(result: DiffResult) -> str:
         half = CONSOLE_ROWS // 2
         table = pd.concat([table.head(half), table.tail(half)])
     lines = [f"what differs: {'; '.join(l.replace('**', '') for l in differs_lines(result))}",
-             f"matched on: {', '.join(result.matched_on) or 'nothing'}"]
+             f"matched on: {', '.join(result.matched_on) or 'nothing'}", f"design: {result.design}"]
     if len(table):
         lines.append(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     lines.append(headline(result))
+    lines += [result.noise_floor_line()] if result.noise_floor_line() else []
     lines += [f"machines: {result.machine}"] if result.machine else []
     lines += [f"unmatched: {len(result.unmatched)} cell(s) ({(result.unmatched['side'] == 'base').sum()} base only, "
               f"{(result.unmatched['side'] == 'head').sum()} head only)"] if len(result.unmatched) else []

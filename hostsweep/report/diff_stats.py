@@ -16,6 +16,12 @@ and a between-start spread quoted in % is a standard deviation of the log step.
 - A one-start side cannot see what changes between engine starts, so its variance gets a
   between-start component added (a stated noise floor, or the study's replicate-first
   re-measures); the degrees of freedom of a sum of variances by Welch–Satterthwaite.
+- Paired (both sides of a cell measured in one sweep, their engine starts alternated A B,
+  B A, ...: start pair i is side a's start i and side b's start i, adjacent in time): the
+  log-ratio of each start pair's medians, d_i, then their mean with a t on k - 1 degrees of
+  freedom; what the machine did to both starts of a pair cancels in d_i. The spread of each
+  side's start medians, pooled over the paired cells, is the machine's between-start noise
+  floor, which a sequential diff of two studies measured apart needs.
 """
 from __future__ import annotations
 
@@ -183,12 +189,42 @@ def side_arrays(pairs: np.ndarray, between_var: float = math.nan, between_df: fl
     return start_medians_log(np.median(pairs, axis=-1))
 
 
+def paired_log_ratio(base_medians: np.ndarray, head_medians: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(mean d, its standard error, k - 1 df) of d_i = log(head_i) - log(base_i) over the last
+    axis: the k start pairs' medians of the two sides of paired cells (start i of side a and
+    start i of side b were adjacent in time, so what the machine did to both cancels in d_i).
+    NaN where a median is not positive."""
+    b, h = (np.asarray(m, dtype=float) for m in (base_medians, head_medians))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        d = np.log(np.where(h > 0, h, np.nan)) - np.log(np.where(b > 0, b, np.nan))
+    k = d.shape[-1]
+    return d.mean(axis=-1), d.std(axis=-1, ddof=1) / math.sqrt(k), np.full(d.shape[:-1], k - 1.0)
+
+
+def start_spread(medians: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(variance, k - 1 df) of the log start medians of one side of a cell, over the last axis:
+    how far one engine start's step lies from the next's on this machine."""
+    logs = np.log(np.asarray(medians, dtype=float))
+    return logs.var(axis=-1, ddof=1), np.full(logs.shape[:-1], logs.shape[-1] - 1.0)
+
+
+def noise_floor_pct(variance: float) -> float:
+    """A between-start variance of the log step as the SD in % that diff.noise_floor_pct takes."""
+    return math.expm1(math.sqrt(variance)) * 100 if math.isfinite(variance) and variance >= 0 else math.nan
+
+
 def judge_arrays(base: np.ndarray, head: np.ndarray, threshold_pct: float, alpha: float,
-                 between_var: float = math.nan, between_df: float = math.inf) -> np.ndarray:
+                 between_var: float = math.nan, between_df: float = math.inf, paired: bool = False) -> np.ndarray:
     """The verdicts report/diff.py gives, for many simulated studies at once: base and head
-    shaped (studies, cells, k starts, n pairs); Holm over each study's cells."""
-    (eb, vb, fb), (eh, vh, fh) = side_arrays(base, between_var, between_df), side_arrays(head, between_var, between_df)
-    d, se = eh - eb, np.sqrt(vb + vh)
-    df = satterthwaite([vb, vh], [fb, fh])
+    shaped (studies, cells, k starts, n pairs); Holm over each study's cells. paired: start i
+    of base and start i of head form a start pair (a paired sweep's cells, k >= 2)."""
+    if paired:
+        d, se, df = paired_log_ratio(np.median(base, axis=-1), np.median(head, axis=-1))
+    else:
+        (eb, vb, fb), (eh, vh, fh) = side_arrays(base, between_var, between_df), \
+            side_arrays(head, between_var, between_df)
+        d, se = eh - eb, np.sqrt(vb + vh)
+        df = satterthwaite([vb, vh], [fb, fh])
     slower, faster, same = pvalues(d, se, df, threshold_pct)
     return verdicts(d, holm(slower), holm(faster), same, alpha, threshold_pct)
