@@ -12,6 +12,11 @@ when any cell's step_ms is judged slower (Holm over the cells at diff.alpha, bey
 diff.threshold_pct), an unstable cell's ratio lies beyond the threshold, or the head lacks
 or FAILED cells the base has (a release gate); 2 when the gate cannot state its error rate
 (a one-start side with no between-start estimate: the line says what to run).
+
+A paired study (measured with pair.against=[...]) holds both sides in one sweep:
+`diff.base=<study or sweep>` with diff.head unset (or the same) diffs its side a (base)
+against its side b (head), cell by cell over the start pairs. paired_diff_of_sweep is that
+diff for the sweep that just measured it.
 """
 from __future__ import annotations
 
@@ -20,15 +25,18 @@ import logging
 import sys
 from datetime import datetime
 from pathlib import Path
+from typing import Optional
 
 from omegaconf import DictConfig
 
 from hostsweep.config.redact import redact
 from hostsweep.config.schema import ConfigError, DiffConfig
 from hostsweep.config.stages import StageInfo
-from hostsweep.record.read.readback import FilterRefused
+from hostsweep.record.read.readback import FilterRefused, experiment_ids
 from hostsweep.record.reports import ReportRun
-from hostsweep.record.read.sides import Side, check_store, locate, read_side_cells, with_pairs
+from hostsweep.record.read.sides import (
+    Located, Side, check_store, locate, paired_halves, read_side_cells, sides_held, with_pairs,
+)
 from hostsweep.record.views import open_ui_line, runs_table_url, ui_base
 from hostsweep.report.diff import DiffOptions, DiffResult, diff
 from hostsweep.report.diff_report import DiffContext, SideInfo, build, console, headline, to_json
@@ -57,30 +65,58 @@ def diff_options(cfg: DiffConfig) -> DiffOptions:
     return options
 
 
-def read_sides(uri: str, cfg: DiffConfig) -> tuple[Side, Side]:
-    """Both sides named (both checked before either is read), then read."""
-    check_store(uri)
-    where = [locate(uri, cfg.base, "diff.base"), locate(uri, cfg.head, "diff.head")]
-    keys = ("diff.base", "diff.head")
+HEAD_REQUIRED = "diff.head is required unless diff.base names a paired study (measured with pair.against=...)"
+
+
+def _cells(uri: str, where: Located, cfg: DiffConfig, key: str):
     try:
-        cells = [read_side_cells(uri, w, cfg.filter, key) for w, key in zip(where, keys)]
+        return read_side_cells(uri, where, cfg.filter, key)
     except FilterRefused as exc:
         raise ConfigError(f"diff.filter={cfg.filter!r} was refused by MLflow: {exc}") from None
-    if set(cells[0]["run_id"]) == set(cells[1]["run_id"]):
-        raise ConfigError(f"diff.base={cfg.base} and diff.head={cfg.head} are the same {len(cells[0])} cell runs; "
-                          "name two studies or two sweeps")
-    base, head = (with_pairs(w, c, key) for w, c, key in zip(where, cells, keys))
+
+
+def _paired_sides(where: Located, cells, key: str) -> Optional[tuple[Side, Side]]:
+    """A paired study's (or sweep's) cells as base = side a, head = side b; None when unpaired."""
+    halves = paired_halves(where, cells)
+    if halves is None:
+        return None
+    base, head = (with_pairs(w, c, f"{key} (side {w.side})") for w, c in halves)
     return base, head
+
+
+def read_sides(uri: str, cfg: DiffConfig) -> tuple[Side, Side]:
+    """Both sides named (both checked before either is read), then read. diff.head unset or
+    naming the same runs: diff.base must be a paired study, split into its sides a and b."""
+    check_store(uri)
+    base_at = locate(uri, cfg.base, "diff.base")
+    one = cfg.head is None or str(cfg.head) == str(cfg.base)
+    head_at = None if one else locate(uri, cfg.head, "diff.head")
+    cells = _cells(uri, base_at, cfg, "diff.base")
+    head_cells = None if head_at is None else _cells(uri, head_at, cfg, "diff.head")
+    if head_at is not None and head_cells is not None and set(cells["run_id"]) != set(head_cells["run_id"]):
+        return with_pairs(base_at, cells, "diff.base"), with_pairs(head_at, head_cells, "diff.head")
+    paired = _paired_sides(base_at, cells, "diff.base")
+    if paired is not None:
+        return paired
+    held = sides_held(cells)
+    only = f" (its cells hold only side {held[0]} of a paired study{': check diff.filter' if cfg.filter else ''})" \
+        if held else ""
+    if cfg.head is None:
+        raise ConfigError(HEAD_REQUIRED + only)
+    raise ConfigError(f"diff.base={cfg.base} and diff.head={cfg.head} are the same {len(cells)} cell runs{only}; "
+                      "name two studies or two sweeps, or a paired study (measured with pair.against=...) alone")
 
 
 def side_info(side: Side) -> SideInfo:
     w = side.located
     return SideInfo(w.given, w.label, w.kind, w.experiment, w.experiment_id, side.parent_runs, len(side.cells),
-                    side.raw_missing)
+                    side.raw_missing, w.side)
 
 
 def _params(result: DiffResult, ctx: DiffContext) -> dict[str, object]:
-    params: dict[str, object] = {"base": ctx.base.given, "head": ctx.head.given,
+    named = lambda s: f"{s.given}:{s.side}" if s.side else s.given  # noqa: E731 - a paired study's side
+    params: dict[str, object] = {"base": named(ctx.base), "head": named(ctx.head),
+                                 "design": result.design,
                                  "base_experiment": ctx.base.experiment, "head_experiment": ctx.head.experiment,
                                  "base_sweeps": ",".join(ctx.base.parent_runs), "head_sweeps": ",".join(ctx.head.parent_runs),
                                  "matched_on": ",".join(result.matched_on), "differs": ",".join(d.name for d in result.differs)
@@ -101,7 +137,9 @@ def _metrics(result: DiffResult) -> dict[str, float]:
     return metrics | {"failing": float(len(result.failing())), "gate_failed": float(result.gate()[0]),
                       "unmatched": float(len(result.unmatched)), "missing": float(len(result.missing())),
                       "judged": float(s.get("judged", 0)), "alpha": result.options.alpha,
-                      "mde_pct_median": s.get("mde_pct_median", float("nan"))}
+                      "mde_pct_median": s.get("mde_pct_median", float("nan")),
+                      **({"noise_floor_pct": result.noise_floor_pct, "noise_floor_df": result.noise_floor_df}
+                         if result.noise_floor_pct is not None else {})}
 
 
 def write(result: DiffResult, ctx: DiffContext, folder: Path) -> None:
@@ -144,11 +182,9 @@ def _closing(result: DiffResult, run: ReportRun, folder: Path, uri: str, port: i
     return "\n".join(lines)
 
 
-def run(raw_cfg: DictConfig, run_dir: Path) -> int:
-    study = resolve_for_reading(raw_cfg)
-    cfg, uri = study.config.diff, study.config.tracking.uri
-    options = diff_options(cfg)
-    base, head = read_sides(uri, cfg)
+def _report(base: Side, head: Side, cfg: DiffConfig, options: DiffOptions, uri: str, run_dir: Path
+            ) -> tuple[DiffResult, int]:
+    """Compare, write, log, print the console and the gate's line; the exit code."""
     experiment = cfg.experiment or head.located.experiment
     result, _, report_run, folder = diff_sides(base, head, options, uri, experiment, run_dir)
     print(console(result))
@@ -156,5 +192,35 @@ def run(raw_cfg: DictConfig, run_dir: Path) -> int:
     refused = result.refusal()
     if refused:
         print(f"hostsweep: error: {refused}", file=sys.stderr)
-        return GATE_REFUSED
-    return GATE_FAILED if result.gate()[0] else 0
+        return result, GATE_REFUSED
+    return result, GATE_FAILED if result.gate()[0] else 0
+
+
+def run(raw_cfg: DictConfig, run_dir: Path) -> int:
+    study = resolve_for_reading(raw_cfg)
+    cfg, uri = study.config.diff, study.config.tracking.uri
+    options = diff_options(cfg)
+    base, head = read_sides(uri, cfg)
+    return _report(base, head, cfg, options, uri, run_dir)[1]
+
+
+def paired_diff_of_sweep(uri: str, experiment: str, parent_run_id: str, cfg: DiffConfig, run_dir: Path
+                         ) -> tuple[DiffResult, int]:
+    """The diff a paired sweep runs at its end: that sweep's FINISHED cells (experiment: its
+    name or id; parent_run_id: the sweep's parent run), side a against side b, written under
+    run_dir/diff/, logged as a diff run (cfg.experiment, else the sweep's experiment), the
+    console and the gate's line printed. Returns the result and the exit code: 0, GATE_FAILED
+    (cfg.fail_on tripped) or GATE_REFUSED. ConfigError (one line) for a bad diff section, a
+    sweep with no FINISHED cells or one that is not paired. The cells' raw_timings.csv must be
+    in the store (uploads done) before the call."""
+    options = diff_options(cfg)
+    known = experiment_ids(uri)
+    experiment_id = known.get(experiment, str(experiment))
+    name = {v: k for k, v in known.items()}.get(experiment_id, str(experiment))
+    where = Located(parent_run_id, "sweep", name, experiment_id, parent_run_id)
+    cells = _cells(uri, where, cfg, "the paired sweep")
+    paired = _paired_sides(where, cells, "the paired sweep")
+    if paired is None:
+        raise ConfigError(f"sweep {parent_run_id} is not a paired sweep: its cells hold side(s) "
+                          f"{', '.join(sides_held(cells)) or 'none'}, not both a and b")
+    return _report(*paired, cfg, options, uri, run_dir)

@@ -5,17 +5,22 @@ paired CI (the mean of the start pairs' log-ratios, a t on k - 1 df) keeps the g
 false-alarm rate at alpha and covers the true ratio, where the same machine measured as two
 studies apart either raises false alarms (one start each, no floor) or sees nothing (k
 starts each); every row says its design; the between-start noise floor a paired diff states
-is the one simulated."""
+is the one simulated; and stage=diff reads a paired study alone, refusing a missing head on
+an unpaired one in one line."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 from pathlib import Path
 
+import mlflow
 import numpy as np
 import pandas as pd
 import pytest
 
+from hostsweep.config.schema import ConfigError, DiffConfig
 from hostsweep.report import diff_stats as S
 from hostsweep.report.diff import GATED, PAIRED, PAIRED_HOST, RAW, DiffOptions, diff, floor_text
 from hostsweep.report.diff_report import DiffContext, SideInfo, build, console, to_json
@@ -210,3 +215,89 @@ def test_the_floor_a_paired_aa_states_keeps_a_sequential_gate_of_one_start_sides
 @pytest.mark.parametrize("pct,typed", [(2.2361, "2.3"), (0.0434, "0.044"), (12.3, "13"), (2.0, "2.0"), (0, "0")])
 def test_the_floor_is_printed_as_typed_back_rounded_up(pct, typed):
     assert floor_text(pct) == typed
+
+
+# ---------------------------------------------------------------------------------------
+# stage=diff on a local sqlite store.
+
+def log_sweep(uri: str, study: str, cells: pd.DataFrame, raw: dict[str, list[np.ndarray]]) -> str:
+    """One parent run and a FINISHED child per row, with its params, metrics and
+    raw_timings.csv (one row per timed pair, its engine start in `replicate`)."""
+    from mlflow.entities import Metric, Param
+
+    from hostsweep.record.tracking import SweepTracker
+
+    tracker = SweepTracker(uri, f"hostsweep-{study}")
+    client = tracker.client
+    parent = client.create_run(tracker.experiment_id, run_name=f"{study} sweep").info.run_id
+    params = [c for c in cells if c not in ("step_ms", "device_ms", "host_ms", "parent_run_id", "run_id")]
+    for row in cells.to_dict("records"):
+        run = client.create_run(tracker.experiment_id, run_name=row["run_id"],
+                                tags={"mlflow.parentRunId": parent, "cell_key": f"{study}/{row['run_id']}"})
+        client.log_batch(run.info.run_id, params=[Param(k, str(row[k])) for k in params],
+                         metrics=[Metric(k, float(row[k]), 0, 0) for k in ("step_ms", "device_ms", "host_ms")])
+        table = pd.concat([pd.DataFrame({"replicate": i, "step_ms": s}) for i, s in enumerate(raw[row["run_id"]])])
+        client.log_text(run.info.run_id, table.to_csv(index=False), "raw_timings.csv")
+        client.set_terminated(run.info.run_id, "FINISHED")
+    client.set_terminated(parent, "FINISHED")
+    return parent
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, new_store):
+    root = tmp_path_factory.mktemp("paired")
+    uri = new_store(root / "mlflow.db")
+    base, head = paired_sweeps(np.random.default_rng(20), 1, 1.3, drift=0.1, cells=4)
+    b, h, raw = frames(base[0], head[0])
+    paired = log_sweep(uri, "ab", pd.concat([b, h]), raw)
+    unpaired = log_sweep(uri, "plain", b.drop(columns=["side", "pair_against"]), raw)
+    yield {"root": root, "uri": uri, "paired": paired, "unpaired": unpaired}
+    mlflow.set_tracking_uri(None)
+
+
+def stage_diff(store, *args: str) -> tuple[int, str, Path]:
+    from hostsweep.stages import diff as diff_stage
+    from tests.conftest import compose_raw
+
+    run_dir = store["root"] / f"run{len(list(store['root'].glob('run*')))}"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = diff_stage.run(compose_raw([f"tracking.uri={store['uri']}", "stage=diff", *args]), run_dir)
+    return code, out.getvalue(), run_dir
+
+
+def test_stage_diff_refuses_a_missing_head_on_an_unpaired_study_in_one_line(store):
+    for args in (["diff.base=plain"], ["diff.base=plain", "diff.head=plain"]):
+        with pytest.raises(ConfigError) as refused:
+            stage_diff(store, *args)
+        assert "\n" not in str(refused.value)
+    with pytest.raises(ConfigError, match=r"^diff\.head is required unless diff\.base names a paired study "
+                                          r"\(measured with pair\.against=\.\.\.\)$"):
+        stage_diff(store, "diff.base=plain")
+
+
+def test_stage_diff_of_a_paired_study_alone_is_side_a_against_side_b(store):
+    for given in ("ab", store["paired"]):
+        code, out, run_dir = stage_diff(store, f"diff.base={given}", "diff.fail_on=slower")
+        data = json.loads((run_dir / "diff" / "diff.json").read_text())
+        assert code == 1 and data["design"].startswith("paired: 3 start pairs") and data["noise_floor_pct"] > 0
+        assert {c["design"] for c in data["cells"]} == {"paired"} and len(data["failing"]) == 4, out
+        assert "pair_against" in data["matched_on"] and data["unmatched"] == []
+        assert data["base"]["side"] == "a" and data["head"]["side"] == "b"
+        assert "between-start spread on this machine" in out and "design: paired" in out
+
+
+def test_the_sweep_diffs_itself_at_its_end_and_returns_the_gates_code(store, tmp_path):
+    from hostsweep.stages.diff import GATE_FAILED, paired_diff_of_sweep
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result, code = paired_diff_of_sweep(store["uri"], "hostsweep-ab", store["paired"],
+                                            DiffConfig(fail_on="slower"), tmp_path)
+        _, quiet = paired_diff_of_sweep(store["uri"], "hostsweep-ab", store["paired"], DiffConfig(), tmp_path / "x")
+    assert code == GATE_FAILED and quiet == 0 and result.design.startswith("paired")
+    assert "diff.fail_on=slower: FAIL: 4 cell(s) slower" in out.getvalue()
+    runs = mlflow.search_runs(experiment_names=["hostsweep-ab"], filter_string="tags.`hostsweep.kind` = 'diff'")
+    assert runs["metrics.noise_floor_pct"].notna().all() and f"{store['paired']}:a" in set(runs["params.base"])
+    with pytest.raises(ConfigError, match="is not a paired sweep"):
+        paired_diff_of_sweep(store["uri"], "hostsweep-plain", store["unpaired"], DiffConfig(), tmp_path / "y")

@@ -4,7 +4,9 @@ cell runs, the newest per cell key, as the fit and compare stages read them) or 
 and its timed pairs from the run's raw_timings.csv.
 
 Naming a side is checked first, for both sides, before any artifact is read: an unknown
-study or run is a one-line ConfigError.
+study or run is a one-line ConfigError. A paired study (measured with pair.against) holds
+both sides in one sweep, told apart by the cell param `side` (a, b): paired_halves splits
+its cells into the two.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import logging
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -32,6 +34,7 @@ log = logging.getLogger(__name__)
 
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 STUDY_PREFIX = "hostsweep-"
+PAIR_SIDES = ("a", "b")  # a paired study's sides (param `side`): the study as given, and with pair.against
 # Tags kept as columns: provenance and the per-cell stability flag (absent on older cells).
 CELL_TAGS = ("vllm_version", "torch_version", "hostsweep_version", "ray_version", "git_sha", "device_name",
              "hostname", "stable", "unstable_reasons", "cell_key", "mlflow.parentRunId", "mlflow.runName")
@@ -46,12 +49,15 @@ class Located:
     experiment: str
     experiment_id: str
     parent_run: Optional[str] = None
+    side: str = ""  # one side of a paired study ("a", "b"), "" for all of its cells
 
     @property
     def label(self) -> str:
         if self.kind == "sweep":
-            return self.parent_run[:8]  # type: ignore[index]
-        return self.experiment[len(STUDY_PREFIX):] if self.experiment.startswith(STUDY_PREFIX) else self.experiment
+            name = self.parent_run[:8]  # type: ignore[index]
+        else:
+            name = self.experiment[len(STUDY_PREFIX):] if self.experiment.startswith(STUDY_PREFIX) else self.experiment
+        return f"{name}:{self.side}" if self.side else name
 
 
 @dataclass(frozen=True)
@@ -143,6 +149,36 @@ def read_side_cells(tracking_uri: str, where: Located, filter_string: Optional[s
     frame = frame.reset_index(drop=True)
     frame.attrs["failed"] = failed  # read by with_pairs: a gate fails on them
     return frame
+
+
+def _side_values(frame: pd.DataFrame) -> pd.Series:
+    if "side" not in frame:
+        return pd.Series([""] * len(frame), index=frame.index, dtype=object)
+    return frame["side"].map(lambda v: "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v))
+
+
+def sides_held(cells: pd.DataFrame) -> tuple[str, ...]:
+    """The paired-study sides (a, b) the cells hold, in order; () for an unpaired study."""
+    held = set(_side_values(cells))
+    return tuple(s for s in PAIR_SIDES if s in held)
+
+
+def paired_halves(where: Located, cells: pd.DataFrame) -> Optional[tuple[tuple[Located, pd.DataFrame], ...]]:
+    """read_side_cells' frame of a paired study split into side a (the base) and side b (the
+    head), each with its own FAILED runs and named `<label>:a`, `<label>:b`; None unless the
+    cells hold both sides. Cells of the study measured unpaired (no side) are left out."""
+    if sides_held(cells) != PAIR_SIDES:
+        return None
+    failed = cells.attrs.get("failed", pd.DataFrame())
+    halves = []
+    for name in PAIR_SIDES:
+        part = cells[_side_values(cells) == name].reset_index(drop=True)
+        part.attrs["failed"] = failed[_side_values(failed) == name].reset_index(drop=True) if len(failed) else failed
+        halves.append((replace(where, side=name), part))
+    left = int((~_side_values(cells).isin(PAIR_SIDES)).sum())
+    if left:
+        log.warning("%s: %d cell(s) measured unpaired (no side) are left out of the paired diff", where.given, left)
+    return tuple(halves)
 
 
 def _failed(runs: pd.DataFrame) -> pd.DataFrame:
