@@ -22,7 +22,7 @@ import pytest
 
 from hostsweep.config.schema import ConfigError, DiffConfig
 from hostsweep.report import diff_stats as S
-from hostsweep.report.diff import GATED, PAIRED, PAIRED_HOST, RAW, DiffOptions, diff, floor_text
+from hostsweep.report.diff import CELL_DIMS, GATED, PAIRED, PAIRED_HOST, RAW, DiffOptions, diff, floor_text
 from hostsweep.report.diff_report import DiffContext, SideInfo, build, console, to_json
 from hostsweep.report.document import to_markdown
 
@@ -282,7 +282,10 @@ def test_stage_diff_of_a_paired_study_alone_is_side_a_against_side_b(store):
         data = json.loads((run_dir / "diff" / "diff.json").read_text())
         assert code == 1 and data["design"].startswith("paired: 3 start pairs") and data["noise_floor_pct"] > 0
         assert {c["design"] for c in data["cells"]} == {"paired"} and len(data["failing"]) == 4, out
-        assert "pair_against" in data["matched_on"] and data["unmatched"] == []
+        assert data["unmatched"] == [] and "pair_against" not in {d["name"] for d in data["differs"]}
+        # side is what differs and pair_against (the same on both sides) is matched on, as cell params
+        assert ("pair_against" in data["matched_on"]) == ("pair_against" in CELL_DIMS)
+        assert ({"name": "side", "base": ["a"], "head": ["b"]} in data["differs"]) == ("side" in CELL_DIMS)
         assert data["base"]["side"] == "a" and data["head"]["side"] == "b"
         assert "between-start spread on this machine" in out and "design: paired" in out
 

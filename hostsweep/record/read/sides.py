@@ -166,7 +166,9 @@ def sides_held(cells: pd.DataFrame) -> tuple[str, ...]:
 def paired_halves(where: Located, cells: pd.DataFrame) -> Optional[tuple[tuple[Located, pd.DataFrame], ...]]:
     """read_side_cells' frame of a paired study split into side a (the base) and side b (the
     head), each with its own FAILED runs and named `<label>:a`, `<label>:b`; None unless the
-    cells hold both sides. Cells of the study measured unpaired (no side) are left out."""
+    cells hold both sides. Cells of the study measured unpaired (no side) are left out. Both
+    halves keep the param pair_against (side b's overrides, the same on both sides), which the
+    diff matches on, so sweeps of one study against different overrides are not mixed."""
     if sides_held(cells) != PAIR_SIDES:
         return None
     failed = cells.attrs.get("failed", pd.DataFrame())
