@@ -31,6 +31,9 @@ def poisoned_path(tmp_path_factory) -> Path:
 
 BAD_INPUT = [
     (["+sku=h300"], "unknown sku 'h300'"),
+    (["+sku=cpu", "+pair.against.mode=graph", "pair.python=/nonexistent/bin/python"],
+     "pair.python=/nonexistent/bin/python: no executable there"),
+    (["+sku=cpu", "+pair.against.batch=[4]"], "pair.against.batch: batch is what both sides share"),
     (["model=llama-9b"], "unknown model 'llama-9b'"),
     (["mode=turbo"], "unknown mode 'turbo'"),
     (["+sku=cpu", "tp=3"], "tp=3 does not divide"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from itertools import product
 from typing import Any, Optional
@@ -17,8 +17,9 @@ from typing import Any, Optional
 from hostsweep.config.engine_args import (
     LEGACY_EAGER_ARGS, canonical_json, keyed_engine_args, resolved_engine_args, unsupported_reason,
 )
+from hostsweep.config.pairing import against_text
 from hostsweep.config.resolve import Study
-from hostsweep.config.schema import ModeConfig, ModelConfig, SkuConfig
+from hostsweep.config.schema import ConfigError, ModeConfig, ModelConfig, SkuConfig
 
 # The cell's identity, defined here once: every table, report, read-back and selection
 # names a cell by these (a new axis is added here, as a field of EngineSpec or Cell of the
@@ -35,7 +36,7 @@ ENGINE_PARAMS = ("tp_executor", "engine_args")
 CELL_PARAMS = (*CELL_AXES, *PROTOCOL_PARAMS, *ENGINE_PARAMS)
 # Logged only off their default (adaptive repetitions, several engine starts): a cell
 # without them was measured with the default.
-OPTIONAL_PARAMS = ("target_ci_pct", "target_mde_pct", "min_reps", "max_reps", "replicates")
+OPTIONAL_PARAMS = ("target_ci_pct", "target_mde_pct", "min_reps", "max_reps", "replicates", "side", "pair_against")
 INT_PARAMS = ("tp", "batch", "ctx", "T", "reps", "warmups")
 # What a run logged before an axis existed stands for (cells read back from older sweeps).
 LEGACY_AXIS_VALUES = {"mode": "eager", "workload": "random"}
@@ -63,10 +64,14 @@ class EngineSpec:
     random_weights: bool = False  # the worker writes random weights for the shape (engines/weights.py)
     debug_delay: str = ""  # "<phase>:<ms>": the test-only delay hook (config debug.), "" = none
     phases: bool = True  # phase scopes in the profiled pairs (split.phases; engines/vllm_plugin.py)
+    # A paired study's side ("a" or "b", "" unpaired: config/pairing.py), and the Python its
+    # workers run under ("" the driver's; pair.python for side b, through Ray's runtime_env).
+    side: str = ""
+    python: str = ""
 
     @property
     def label(self) -> str:
-        return f"{self.sku}/{self.model}/{self.mode}/tp{self.tp}"
+        return f"{self.sku}/{self.model}/{self.mode}/tp{self.tp}" + (f"/{self.side}" if self.side else "")
 
     @property
     def engine_args(self) -> dict[str, Any]:
@@ -107,6 +112,8 @@ class Cell:
     # Independent engine starts the cell is measured in (measure.replicates); its CI then
     # comes from a two-level bootstrap over them (measure/replicates.py).
     replicates: int = 1
+    # A paired study's overrides of side b (pair.against as one string; the engine says the side).
+    pair_against: str = ""
 
     @cached_property  # asked many times a cell (plan, dispatch, worker); in __dict__, not a field
     def key(self) -> str:
@@ -134,6 +141,10 @@ class Cell:
             fields.append({"target_mde_pct": self.target_mde_pct, "min_reps": self.min_reps})
         if self.replicates != 1:
             fields.append({"replicates": self.replicates})
+        if e.debug_delay:
+            fields.append({"debug_delay": e.debug_delay})
+        if e.side:
+            fields.append({"pair": {"side": e.side, "against": self.pair_against, "python": e.python}})
         identity = json.dumps(fields, sort_keys=True)
         digest = hashlib.sha1(identity.encode()).hexdigest()[:10]
         return f"{e.label}/b{self.batch}/ctx{self.ctx}/T{self.T}/{digest}"
@@ -144,7 +155,8 @@ class Cell:
             {**({"target_ci_pct": self.target_ci_pct} if self.target_ci_pct is not None else
                 {"target_mde_pct": self.target_mde_pct}), "min_reps": self.min_reps, "max_reps": self.reps}
         return {**{name: self.param(name) for name in CELL_PARAMS}, **adaptive,
-                **({"replicates": self.replicates} if self.replicates != 1 else {})}
+                **({"replicates": self.replicates} if self.replicates != 1 else {}),
+                **({"side": self.engine.side, "pair_against": self.pair_against} if self.engine.side else {})}
 
     @property
     def adaptive(self) -> bool:
@@ -190,7 +202,24 @@ def engine_spec(study: Study, sku: SkuConfig, tp: int, mode: Optional[ModeConfig
 
 def build_cells(study: Study) -> list[Cell]:
     """Every cell of the study, grouped by engine spec (SKU-major, then model, mode, TP,
-    batch, ctx, workload). Cells of a mode their SKU cannot run carry the reason in `skip`."""
+    batch, ctx, workload). Cells of a mode their SKU cannot run carry the reason in `skip`.
+    A paired study (pair.enabled or pair.against): side a's cells, then side b's, each in pair.starts engine
+    starts; the i-th engine group of one side is the partner of the other's i-th."""
+    if study.side_b is None:
+        return _side_cells(study)
+    p = study.config.pair
+    text = against_text(p.against)
+    a = _side_cells(study, "a", "", text, p.starts)
+    b = _side_cells(study.side_b, "b", p.python or "", text, p.starts)
+    for cell_a, cell_b in zip(a, b):
+        if (cell_a.skip is None) != (cell_b.skip is None):
+            raise ConfigError(f"pair.against: side {'b' if cell_b.skip else 'a'} cannot run "
+                              f"{(cell_b if cell_b.skip else cell_a).engine.label}: {cell_b.skip or cell_a.skip}")
+    return a + b
+
+
+def _side_cells(study: Study, side: str = "", python: str = "", pair_against: str = "",
+                starts: Optional[int] = None) -> list[Cell]:
     cfg, m = study.config, study.config.measure
     adaptive = m.target_ci_pct is not None or m.target_mde_pct is not None
     reps = m.max_reps if adaptive else m.reps
@@ -199,10 +228,12 @@ def build_cells(study: Study) -> list[Cell]:
     cells = []
     for sku, model, mode, tp in product(study.skus, study.models, study.modes, cfg.tp):
         spec = engine_spec(study, sku, tp, mode, model)
+        if side:
+            spec = replace(spec, side=side, python=python)
         skip = unsupported_reason(mode, sku, spec.keyed_args)
         for batch, ctx, workload in product(cfg.batch, cfg.ctx, cfg.workload):
             cells.append(Cell(spec, batch, ctx, m.T, m.warmups, reps, m.seed, workload, skip, *rule,
-                              target_mde_pct=mde, replicates=m.replicates))
+                              target_mde_pct=mde, replicates=starts or m.replicates, pair_against=pair_against))
     return cells
 
 
@@ -217,3 +248,23 @@ def group_by_engine(cells: list[Cell]) -> dict[EngineSpec, list[Cell]]:
     for cell in cells:
         groups.setdefault(cell.engine, []).append(cell)
     return groups
+
+
+def partner_specs(cells: list[Cell]) -> dict[EngineSpec, EngineSpec]:
+    """A paired study's engine groups, each mapped to its partner on the other side (the
+    i-th group of side a with the i-th of side b, both ways); {} when unpaired."""
+    groups = list(group_by_engine(cells))
+    a = [spec for spec in groups if spec.side == "a"]
+    b = [spec for spec in groups if spec.side == "b"]
+    if len(a) != len(b):
+        raise ValueError(f"a paired study needs as many engine groups on each side, got {len(a)} and {len(b)}")
+    return {**dict(zip(a, b)), **dict(zip(b, a))}
+
+
+def partner_keys(cells: list[Cell]) -> dict[str, str]:
+    """Each paired cell's key mapped to its partner's: the cell of the partner group at the
+    same load axes (batch, ctx, workload); {} when unpaired."""
+    specs = partner_specs(cells)
+    by_slot = {(c.engine, c.batch, c.ctx, c.workload): c.key for c in cells}
+    return {c.key: by_slot[(specs[c.engine], c.batch, c.ctx, c.workload)] for c in cells
+            if c.engine in specs and (specs[c.engine], c.batch, c.ctx, c.workload) in by_slot}

@@ -7,7 +7,7 @@ re-reads conf/ or re-validates.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Collection, Optional
 
@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hostsweep.config.machine import cpu_flags, default_dtype, local_sku_name
 from hostsweep.config.options import check_option, load_mode, load_model, load_sku
+from hostsweep.config.pairing import check_pair, check_side_python, check_sides, side_b_raw
 from hostsweep.config.schema import ConfigError, ModeConfig, ModelConfig, ShapeConfig, SkuConfig, SweepConfig
 from hostsweep.config.shapes import shape_from_hf_config
 from hostsweep.config.validation import names, positive_ints, validate
@@ -31,6 +32,8 @@ class Study:
     skus: tuple[SkuConfig, ...]
     models: tuple[ModelConfig, ...] = ()
     modes: tuple[ModeConfig, ...] = ()
+    # A paired A/B study (pair.against): its side b, resolved on its own (config/pairing.py).
+    side_b: Optional["Study"] = None
 
     @property
     def name(self) -> str:
@@ -105,4 +108,14 @@ def resolve(raw: DictConfig, engine_fields: Collection[str] = ENGINE_ARG_FIELDS)
     models = _models(cfg)
     study = Study(cfg, skus, models, modes)
     validate(cfg, skus, models, modes, study.longest_generate(), engine_fields)
-    return study
+    if not cfg.pair.paired:
+        return study
+    check_pair(cfg)
+    try:
+        side_b = resolve(side_b_raw(raw, cfg.pair.against), engine_fields)
+    except ConfigError as exc:
+        message = str(exc)
+        raise ConfigError(message if message.startswith("pair.") else f"pair.against (side b): {message}") from None
+    check_sides(study, side_b)
+    check_side_python(cfg.pair.python)
+    return replace(study, side_b=side_b)

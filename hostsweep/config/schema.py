@@ -185,6 +185,24 @@ DELAY_PHASES = ("schedule", "update_from_output", "preprocess", "forward", "post
 
 
 @dataclass
+class PairConfig:
+    """A paired A/B study (config/pairing.py, docs/measurement.md#paired-ab-sweeps): side b is
+    this study with the `against` keys set (+pair.against.mode=graph, +pair.against.tp=2,
+    +pair.against.debug.delay_ms=0.6, +pair.against.engine.engine_args.KEY=V); both sides
+    are measured in one sweep, their engine starts alternated A B, B A, A B ... so both
+    meet the same machine."""
+
+    enabled: bool = False  # true with no `against`: a paired A/A (the machine's noise floor); implied by `against`
+    against: dict[str, Any] = field(default_factory=dict)  # side b's overrides, as nested keys
+    starts: int = 3  # engine starts per side (start pairs); the paired CI has starts - 1 df
+    python: Optional[str] = None  # side b's Python (another vLLM/torch release), Ray's runtime_env py_executable
+
+    @property
+    def paired(self) -> bool:
+        return self.enabled or bool(self.against)
+
+
+@dataclass
 class LinearityConfig:
     """Opt-in: wall and kernel time over a decade of T, to check the two-point slope."""
 
@@ -445,6 +463,7 @@ class SweepConfig:
     compare: CompareConfig = field(default_factory=CompareConfig)
     diff: DiffConfig = field(default_factory=DiffConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    pair: PairConfig = field(default_factory=PairConfig)
 
 
 def register_configs() -> None:

@@ -48,6 +48,7 @@ def display_row(row: dict[str, object]) -> dict[str, str]:
         shown["device_ms"], shown["host_frac"], shown["regime"] = "-", "-", "-"
     shown.update({axis: str(row.get(axis) or usual) for axis, usual in VARIED_ONLY.items()})
     shown["stable"] = stable_mark(row)
+    shown["side"] = "" if row.get("side") is None or pd.isna(row.get("side")) else str(row.get("side"))  # type: ignore[arg-type]
     return shown
 
 
@@ -64,13 +65,16 @@ def stable_mark(row: dict[str, object]) -> str:
 
 def table_columns(rows: list[dict[str, object]]) -> list[str]:
     """COLUMNS, with a workload column when a study has a workload other than random prompts,
-    and a stable column when its cells were judged (measure/stability.py)."""
+    a stable column when its cells were judged (measure/stability.py), and a side column
+    first in a paired study."""
     columns = list(COLUMNS)
     for axis, usual in VARIED_ONLY.items():
         if any(str(r.get(axis) or usual) != usual for r in rows):
             columns.insert(sum(c in CELL_AXES for c in columns), axis)  # after the last axis shown
     if any(stable_mark(r) for r in rows):
         columns.append("stable")
+    if any(display_row(r)["side"] for r in rows):  # a paired study: each cell twice, side a and side b
+        columns.insert(0, "side")
     return columns
 
 

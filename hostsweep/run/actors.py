@@ -35,10 +35,16 @@ def actor_options(spec: EngineSpec, cpu_cpus: int = 1) -> dict[str, object]:
     """Ray scheduling options for a worker without a placement group: a CPU engine, or a
     single-GPU engine pinned to its SKU. (TP-k on GPUs: new_worker's placement group.)"""
     if spec.accelerator_type is None:
-        return {"num_cpus": cpu_cpus, "num_gpus": 0}
+        return {"num_cpus": cpu_cpus, "num_gpus": 0, **side_env(spec)}
     if spec.tp > 1:
         raise ValueError(f"{spec.label}: a TP-{spec.tp} GPU worker is placed through a placement group")
-    return {"num_cpus": 1, "num_gpus": 1, "accelerator_type": spec.accelerator_type}
+    return {"num_cpus": 1, "num_gpus": 1, "accelerator_type": spec.accelerator_type, **side_env(spec)}
+
+
+def side_env(spec: EngineSpec) -> dict[str, object]:
+    """A paired study's side b under another environment's Python (pair.python): Ray starts
+    its worker with that interpreter (runtime_env py_executable); {} for the driver's."""
+    return {"runtime_env": {"py_executable": spec.python}} if spec.python else {}
 
 
 @dataclass(frozen=True)
@@ -80,7 +86,7 @@ def new_worker(spec: EngineSpec, log_file: Optional[str] = None) -> WorkerHandle
         group = placement_group(placement_bundles(spec.tp, spec.accelerator_type), strategy="STRICT_PACK")
         strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0,
                                                     placement_group_capture_child_tasks=True)
-        actor = remote_worker.options(num_cpus=1, num_gpus=0, scheduling_strategy=strategy).remote(
+        actor = remote_worker.options(num_cpus=1, num_gpus=0, scheduling_strategy=strategy, **side_env(spec)).remote(
             spec, None, log_file, own_process=True)
         return WorkerHandle(actor, group)
     options = actor_options(spec, cpu_engine_cpus(live_nodes()))

@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional, Protocol
 
-from hostsweep.config.grid import Cell, EngineSpec, group_by_engine
+from hostsweep.config.grid import Cell, EngineSpec, group_by_engine, partner_specs
 from hostsweep.measure.replicates import merge_starts
 from hostsweep.measure.results import CellResult, MeasureOptions, stability_rules_of
 from hostsweep.run import signals
@@ -97,6 +97,13 @@ class Dispatcher:
         self.replicates = max((cell.replicates for cell in cells), default=1)
         self.spec_cells = {spec: tuple(queue) for spec, queue in self.queues.items()} if self.replicates > 1 else {}
         self.start_number = {spec: 1 for spec in self.queues}
+        # A paired study (pair.against): each engine group and its partner take turns, one
+        # engine start at a time, A B, B A, A B ... (ABBA: drift that is linear over a pair
+        # of pairs lands on both sides alike); the turns of each pair, keyed by its side a.
+        self.partner = partner_specs(cells)
+        self.turns: dict[EngineSpec, deque[EngineSpec]] = {
+            a: deque(spec for i in range(self.replicates) for spec in ((a, b) if i % 2 == 0 else (b, a)))
+            for a, b in self.partner.items() if a.side == "a"}
         self.held: dict[str, list[CellResult]] = defaultdict(list)
         self.log_dir = log_dir  # where workers log (workers/<spec>.log), None: not to files
         self.options, self.on_result, self.policy = options, on_result, policy
@@ -181,12 +188,36 @@ class Dispatcher:
                      self.replicates, len(again))
             self.queues[spec].extend(again)
 
+    def _turns(self, spec: EngineSpec) -> Optional[deque[EngineSpec]]:
+        """The turns of a paired spec's pair (None when unpaired)."""
+        if spec not in self.partner:
+            return None
+        return self.turns[spec if spec.side == "a" else self.partner[spec]]
+
+    def _my_turn(self, spec: EngineSpec) -> bool:
+        turns = self._turns(spec)
+        return turns is None or (bool(turns) and turns[0] == spec)
+
+    def _pass_turn(self, spec: EngineSpec) -> None:
+        """A paired spec's engine start is over: its partner (or, ABBA, itself) starts next."""
+        turns = self._turns(spec)
+        if turns and turns[0] == spec:
+            turns.popleft()
+            if turns:
+                self._submit_next(turns[0])
+
     def _submit_next(self, spec: EngineSpec) -> None:
+        if not self._my_turn(spec):
+            return  # its partner's engine start is on; the turn comes back through _pass_turn
         if not self.queues[spec] and not self.stopped:
             self._hand_on()  # nothing to overlap: recorded before a close can keep it waiting
-            if not any(s == spec for s, _, _ in self.inflight.values()):
+            ended = not any(s == spec for s, _, _ in self.inflight.values())
+            if ended:
                 self._next_start(spec)
             self._retire(spec)
+            if ended and spec in self.partner:
+                self._pass_turn(spec)
+                return
         if not self.queues[spec] or self.stopped:
             return
         if spec not in self.workers:

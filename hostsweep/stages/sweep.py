@@ -30,7 +30,7 @@ import pandas as pd
 
 from omegaconf import DictConfig, OmegaConf
 
-from hostsweep.config.grid import Cell, build_cells, group_by_engine, runnable
+from hostsweep.config.grid import Cell, build_cells, group_by_engine, partner_keys, runnable
 from hostsweep.config.redact import error_line, redact
 from hostsweep.config.resolve import Study, resolve
 from hostsweep.config.schema import ConfigError
@@ -112,18 +112,24 @@ def skip_finished(cells: list[Cell], tracker: SweepTracker, options: MeasureOpti
     again. Decided on each run's cell key and the names of its metrics alone: the rows of
     the resumed cells are read afterwards (ResumedRows), while measuring starts."""
     finished = tracker.finished_index([PART_METRICS[part] for part in sorted(requested_parts(options))])
-    remaining, resumed = [], []
+    complete: dict[str, str] = {}  # cell key -> its FINISHED run with every part asked for
     for cell in cells:
         runs = finished.get(cell.key, [])
-        complete = [run for run in runs if not missing_parts(options, run.metric_keys)]
-        if complete:
-            resumed.append(complete[0].run_id)
-            continue
-        if runs:
+        done = [run for run in runs if not missing_parts(options, run.metric_keys)]
+        if done:
+            complete[cell.key] = done[0].run_id
+        elif runs:
             lacks = ", ".join(missing_parts(options, runs[0].metric_keys))
             log.info("%s: its FINISHED run %s has no %s, which this sweep asks for: measuring it again",
                      cell.key, runs[0].run_id, lacks)
-        remaining.append(cell)
+    # A paired cell is compared with its partner start by start: one whose partner is not
+    # finished is measured again with it, never paired with starts of another sweep.
+    for key, partner in partner_keys(cells).items():
+        if key in complete and partner not in complete:
+            log.info("%s: measured again with its paired cell %s, which is not finished", key, partner)
+            del complete[key]
+    remaining = [cell for cell in cells if cell.key not in complete]
+    resumed = [complete[cell.key] for cell in cells if cell.key in complete]
     if resumed:
         log.info("resuming: %d of %d cells already FINISHED in experiment %s are skipped "
                  "(resume=false measures them again)", len(resumed), len(cells), tracker.experiment_id)
@@ -312,7 +318,9 @@ def _sweep(study: Study, grid: list[Cell], run_dir: Path, backend: WorkerBackend
     # Engines start (actor, vLLM import, engine init: tens of seconds) while MLflow is opened,
     # earlier cells are looked up and claims are made; those left with nothing to do go back.
     try:
-        prestarted = {spec: (backend.start(spec), backend.now()) for spec in group_by_engine(runnable(grid))}
+        # a paired study's side b waits for its turn (run/dispatch.py): its engines are not prestarted
+        prestarted = {spec: (backend.start(spec), backend.now()) for spec in group_by_engine(runnable(grid))
+                      if spec.side != "b"}
     except BaseException as exc:
         opening.abandon(f"an engine could not be started: {error_line(exc)}")
         raise
@@ -346,7 +354,7 @@ def _sweep(study: Study, grid: list[Cell], run_dir: Path, backend: WorkerBackend
         # instant cells they were about 3 % of the driver's time)
         freeze_long_lived()
     dispatcher = Dispatcher(to_run, options, recorder.on_result, backend, FaultPolicy.of(cfg.faults),
-                            ProgressReporter(len(to_run) * cfg.measure.replicates), should_stop,
+                            ProgressReporter(sum(c.replicates for c in to_run)), should_stop,
                             worker_log_folder(run_dir, cfg.verbose), prestarted)
     try:  # the workers (and Ray) end while the sweep records and writes its results
         return _measure_and_record(study, grid, run_dir, dispatcher, recorder, tracker, claims, tags, started,

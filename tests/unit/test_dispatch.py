@@ -330,3 +330,31 @@ def test_the_dispatcher_keeps_nothing_of_a_cell_once_it_is_reported(tmp_path):
         next(c for c in grid if c.key == r.key)))] == [0, 1, 2, 0]  # the reasons still reach the results
     # 10,000-cell sweeps: no per-cell entry outlives its report (a defaultdict grows one on every lookup)
     assert not dispatcher.attempts and not dispatcher.reasons and not dispatcher.inflight
+
+
+PAIRED = ("+pair.against.debug.delay_phase=sample", "+pair.against.debug.delay_ms=0.1", "pair.starts=3")
+
+
+def test_a_paired_studys_sides_take_turns_abba_one_engine_at_a_time(tmp_path):
+    grid = cells(*FOUR, *PAIRED)
+    backend = FakeBackend(tmp_path)
+    results, _ = dispatch(backend, grid)
+    assert sorted(r.key for r in results) == sorted(c.key for c in grid)  # each reported once, merged
+    assert Counter(backend.measured) == {c.key: 3 for c in grid}  # in each of its side's 3 engine starts
+    starts = [e.split()[1].rsplit("/", 1)[1] for e in backend.events if e.startswith("start")]
+    assert starts == ["a", "b", "b", "a", "a", "b"]
+    # each engine ends before the next starts: both sides meet the machine in turn, never together
+    lifetimes = [e for e in backend.events if e.startswith(("start", "end"))]
+    assert all(kind.startswith("start") == (i % 2 == 0) for i, kind in enumerate(lifetimes))
+    by_key = {r.key: r for r in results}
+    assert all(len(by_key[c.key].stability.start_medians_ms) == 3 for c in grid)
+
+
+def test_a_paired_side_whose_engine_cannot_start_fails_its_cells_and_the_other_side_still_takes_its_turns(tmp_path):
+    grid = cells(*FOUR, *PAIRED)
+    b_label = next(c.engine.label for c in grid if c.engine.side == "b")
+    backend = FakeBackend(tmp_path, start_fails=frozenset({b_label}))
+    results, _ = dispatch(backend, grid)
+    status = Counter((r.params["side"], r.status) for r in results)
+    assert status == {("a", "FINISHED"): 4, ("b", "FAILED"): 4}
+    assert sum(1 for e in backend.events if e.startswith("start") and e.endswith("/a")) == 3

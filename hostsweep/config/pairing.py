@@ -1,0 +1,138 @@
+"""A paired A/B study's second side, from the study and Hydra overrides (pure but for one
+subprocess that asks side b's Python what it holds).
+
+`+pair.against.mode=graph` names side b as overrides of the study, the keys the command
+line sets, under pair.against, so a user says "against what" the way they said "what". Side a is the study as
+given; side b is the same study with the overrides applied, resolved and validated on its
+own. Only what changes the engine may differ (ALLOWED_KEYS): the grid's load axes and the
+protocol are the study's, so each cell of side a has one partner in side b, timed with the
+same protocol. `pair.python` runs side b's workers under another environment's Python
+(another vLLM or torch release) through Ray's runtime_env.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+
+from hostsweep.config.options import check_option, load_mode, load_model, load_sku
+from hostsweep.config.schema import ConfigError
+
+# What side b may change: the engine, never the grid's load axes or the protocol (a cell of
+# one side is compared with the cell of the other at the same batch, ctx and workload,
+# timed the same way).
+ALLOWED_KEYS = ("mode", "modes", "model", "models", "tp", "sku", "skus", "engine", "debug")
+GROUP_LOADERS = {"mode": load_mode, "model": load_model, "sku": load_sku}
+# What side b's Python must hold: the worker's own code and Ray at the driver's release.
+SIDE_MODULES = ("ray", "hostsweep", "vllm")
+
+
+def flat_overrides(against: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """pair.against's nested keys as dotted ones ({'debug': {'delay_ms': 0.6}} ->
+    {'debug.delay_ms': 0.6}); a config group named by a string stays one key (mode: graph)."""
+    flat: dict[str, Any] = {}
+    for key, value in against.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flat_overrides(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def against_text(against: Mapping[str, Any]) -> str:
+    """Side b's overrides as one canonical string (a cell param, part of the cell key):
+    'debug.delay_ms=0.6 debug.delay_phase=sample'; '' for a paired A/A."""
+    return " ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}"
+                    for k, v in sorted(flat_overrides(against).items()))
+
+
+def side_b_raw(raw: DictConfig, against: Mapping[str, Any]) -> DictConfig:
+    """The study's composed config with side b's overrides applied (config groups reloaded
+    from conf/, keys set as the command line sets them); pair is cleared on it."""
+    side = copy.deepcopy(raw)
+    OmegaConf.set_struct(side, True)
+    for key, value in flat_overrides(against).items():
+        if key.split(".")[0] not in ALLOWED_KEYS:
+            raise ConfigError(f"pair.against.{key}: {key} is what both sides share; side b may change only the "
+                              f"engine: {', '.join(ALLOWED_KEYS)}")
+        if key in GROUP_LOADERS:
+            check_option(key, str(value), f" in pair.against.{key}")
+            with open_dict(side):
+                side[key] = OmegaConf.structured(GROUP_LOADERS[key](str(value)))
+            continue
+        try:
+            if ".engine_args." in f".{key}":  # vLLM's arguments: any key, checked against the engine's fields
+                with open_dict(side):
+                    OmegaConf.update(side, key, value, merge=True)
+            else:
+                OmegaConf.update(side, key, value, merge=True)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"pair.against.{key}: {str(exc).splitlines()[0]}") from None
+    with open_dict(side):
+        side.pair.enabled, side.pair.against = False, {}
+    return side
+
+
+def check_side_python(python: Optional[str]) -> None:
+    """pair.python must be a Python whose environment holds the worker's code and Ray at the
+    driver's release (Ray refuses workers of another); a one-line ConfigError otherwise. It
+    asks that Python without importing anything heavy (find_spec and package metadata)."""
+    if python is None:
+        return
+    path = Path(python)
+    if not path.is_file() or not os.access(path, os.X_OK):
+        raise ConfigError(f"pair.python={python}: no executable there (side b's Python: the interpreter of an "
+                          "environment holding another vLLM or torch release)")
+    probe = ("import importlib.util as u, importlib.metadata as m, json; "
+             f"mods={list(SIDE_MODULES)!r}; "
+             "print(json.dumps({'missing': [n for n in mods if u.find_spec(n) is None], "
+             "'ray': m.version('ray') if u.find_spec('ray') else None}))")
+    try:
+        # from the root folder: the current one (a checkout) would lend it hostsweep
+        out = subprocess.run([str(path), "-c", probe], capture_output=True, text=True, timeout=60, check=True,
+                             cwd=Path(path.anchor)).stdout
+        found = json.loads(out.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
+        raise ConfigError(f"pair.python={python}: it did not answer what it holds ({type(exc).__name__})") from None
+    if found["missing"]:
+        raise ConfigError(f"pair.python={python}: its environment lacks {', '.join(found['missing'])} "
+                          f"(side b's workers need {', '.join(SIDE_MODULES)})")
+    from importlib.metadata import version
+
+    if found["ray"] != version("ray"):
+        raise ConfigError(f"pair.python={python}: its Ray is {found['ray']}, the driver's {version('ray')}; "
+                          "Ray runs workers of its own release only")
+
+
+def check_pair(cfg: Any) -> None:
+    """The pair section of a paired study (pair.enabled or pair.against), before side b is resolved."""
+    p = cfg.pair
+    if p.starts < 2:
+        raise ConfigError(f"pair.starts must be >= 2 (engine starts per side: the paired CI has starts - 1 degrees "
+                          f"of freedom), got {p.starts}")
+    if cfg.measure.replicates != 1:
+        raise ConfigError("measure.replicates and pair.starts both set engine starts: a paired study "
+                          f"(pair.against) takes pair.starts only, got measure.replicates={cfg.measure.replicates}")
+    if cfg.stage != "sweep":
+        raise ConfigError(f"pair.against is the sweep's (stage=sweep), not stage={cfg.stage}'s: the sweep of a paired "
+                          "study ends with its paired diff")
+
+
+def engine_groups(study: Any) -> int:
+    """How many engines a resolved study starts per replicate: one per (sku, model, mode, tp)."""
+    return len(study.skus) * len(study.models) * len(study.modes) * len(study.config.tp)
+
+
+def check_sides(a: Any, b: Any) -> None:
+    """Each engine group of one side needs a partner on the other (they pair in grid order)."""
+    if engine_groups(a) != engine_groups(b):
+        raise ConfigError(f"pair.against: side a has {engine_groups(a)} engine group(s), side b {engine_groups(b)}; "
+                          "each engine group of one side needs a partner on the other (e.g. tp=[1,2] against tp=4 "
+                          "does not pair: give side b as many)")

@@ -1,0 +1,108 @@
+"""A paired A/B study (pair.enabled / pair.against): side b composed from the study and the
+overrides, refused in one line where the sides cannot pair, every cell keyed by its side,
+and a rerun after a stop that never pairs a start of one sweep with a start of another."""
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+import mlflow
+import pytest
+
+from hostsweep.config.grid import build_cells, group_by_engine, partner_keys
+from hostsweep.config.schema import ConfigError
+from hostsweep.stages import sweep
+from tests.conftest import compose_raw, compose_typed
+from tests.fakes import FakeBackend
+
+FAST = ["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=3", "measure.warmups=1", "ctx=[16]",
+        "batch=[1,2]", "split.enabled=false", "ray.exclusive=false", "tracking.heartbeat_s=0.5",
+        "tracking.outage_s=1", "tracking.stale_after_s=5"]
+DELAY = ["+pair.against.debug.delay_phase=sample", "+pair.against.debug.delay_ms=0.2"]
+
+
+def test_side_b_is_the_study_with_the_against_keys_and_side_a_the_study_as_given():
+    study = compose_typed([*FAST, "+pair.against.mode=graph", "+pair.against.engine.engine_args.block_size=32"])
+    assert study.config.mode.name == "eager" and study.side_b is not None
+    assert study.side_b.config.mode.name == "graph" and study.side_b.config.engine.engine_args == {"block_size": 32}
+    assert study.side_b.config.batch == study.config.batch and not study.side_b.config.pair.paired
+    cells = build_cells(study)
+    a, b = [c for c in cells if c.engine.side == "a"], [c for c in cells if c.engine.side == "b"]
+    assert len(a) == len(b) == 2 and {c.engine.mode for c in b} == {"graph"}
+    assert {c.replicates for c in cells} == {3}  # pair.starts engine starts per side
+    assert {c.params()["pair_against"] for c in cells} == {"engine.engine_args.block_size=32 mode=graph"}
+    assert partner_keys(cells) == {**{x.key: y.key for x, y in zip(a, b)}, **{y.key: x.key for x, y in zip(a, b)}}
+
+
+def test_a_paired_aa_keys_its_sides_apart_and_a_delay_is_part_of_a_cells_identity():
+    cells = build_cells(compose_typed([*FAST, "pair.enabled=true"]))
+    assert len({c.key for c in cells}) == 4 and len(group_by_engine(cells)) == 2
+    assert [c.params()["side"] for c in cells] == ["a", "a", "b", "b"]
+    unpaired = build_cells(compose_typed(FAST))
+    assert {c.key for c in unpaired}.isdisjoint(c.key for c in cells)
+    planted = build_cells(compose_typed([*FAST, "debug.delay_phase=sample", "debug.delay_ms=0.2"]))
+    assert {c.key for c in planted}.isdisjoint(c.key for c in unpaired)  # a planted delay never resumes a plain cell
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["+pair.against.measure.reps=24"], "pair.against.measure.reps: measure.reps is what both sides share"),
+    (["+pair.against.ctx=[32]"], "pair.against.ctx: ctx is what both sides share"),
+    (["+pair.against.mode=turbo"], "unknown mode 'turbo' in pair.against.mode"),
+    (["+pair.against.debug.delay_msec=1"], "pair.against.debug.delay_msec"),
+    (["pair.enabled=true", "pair.starts=1"], "pair.starts must be >= 2"),
+    (["pair.enabled=true", "measure.replicates=2"], "a paired study (pair.against) takes pair.starts only"),
+    (["tp=[1,2]", "+pair.against.tp=2"], "side a has 2 engine group(s), side b 1"),
+    (["pair.enabled=true", "pair.python=/nonexistent/python"], "pair.python=/nonexistent/python: no executable"),
+    (["+pair.against.engine.engine_args.max_num_seqs=8"], "pair.against (side b): engine.engine_args.max_num_seqs is set by"),
+])
+def test_sides_that_cannot_pair_are_refused_in_one_line(overrides, needle):
+    with pytest.raises(ConfigError) as refused:
+        compose_typed([*FAST, *overrides])
+    assert needle in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_side_b_python_whose_environment_lacks_the_worker_is_refused_naming_what_it_lacks(tmp_path):
+    bare = tmp_path / "bare"  # a Python environment holding neither Ray nor hostsweep nor vLLM
+    import venv
+
+    venv.EnvBuilder(with_pip=False).create(bare)
+    with pytest.raises(ConfigError, match=r"its environment lacks ray, hostsweep, vllm"):
+        compose_typed([*FAST, "pair.enabled=true", f"pair.python={bare / 'bin' / 'python'}"])
+    # the driver's own environment holds all three: accepted, and side b's engines get it
+    study = compose_typed([*FAST, "pair.enabled=true", f"pair.python={sys.executable}"])
+    from hostsweep.run.actors import actor_options
+
+    specs = {c.engine.side: c.engine for c in build_cells(study)}
+    assert actor_options(specs["b"])["runtime_env"] == {"py_executable": sys.executable}
+    assert "runtime_env" not in actor_options(specs["a"])
+
+
+@pytest.fixture
+def study(request, new_store, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    store = new_store(tmp_path / "mlflow.db")
+    return store, [*FAST, f"tracking.uri={store}", f"study={request.node.name[:50]}"]
+
+
+def test_a_stop_in_the_last_engine_start_measures_both_sides_again_never_one_with_the_others_starts(study, tmp_path):
+    store, args = study
+    args = [*args, *DELAY]
+    cells = build_cells(compose_typed(args))
+
+    def stop_in_sixth_start(cell, seen=[]):  # A B B A A B: the sixth is side b's last
+        seen.append(cell.key)
+        if len(seen) == 5 * 2 + 1:
+            raise KeyboardInterrupt
+
+    first = FakeBackend(tmp_path / "w1", on_measure=stop_in_sixth_start)
+    with pytest.raises(KeyboardInterrupt):
+        sweep.run(compose_raw(args), tmp_path / "first", first)
+    mlflow.set_tracking_uri(store)
+    runs = mlflow.search_runs(experiment_names=[compose_typed(args).experiment])
+    finished = set(runs[(runs["status"] == "FINISHED") & runs["tags.cell_key"].notna()]["tags.cell_key"])
+    assert finished == {c.key for c in cells if c.engine.side == "a"}  # side a ended its starts; b did not
+    rerun = FakeBackend(tmp_path / "w2")
+    assert sweep.run(compose_raw(args), tmp_path / "second", rerun) == 0
+    assert Counter(rerun.measured) == {c.key: 3 for c in cells}  # both sides again, in three starts each
+    starts = [e.rsplit("/", 1)[1] for e in rerun.events if e.startswith("start")]
+    assert starts == ["a", "b", "b", "a", "a", "b"]
