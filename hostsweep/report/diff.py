@@ -383,12 +383,14 @@ class NoiseFloor:
 
 def paired_noise_floor(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]], raw: Mapping[str, RawPairs]
                        ) -> Optional[NoiseFloor]:
-    """The machine's between-start spread from the paired cells (those unstable for their step
-    left out: a flagged cell's spread is the flag's, not the machine's); None when none is paired."""
+    """The machine's between-start spread from the paired cells, flagged ones included (what
+    flagged them is the machine's noise too: leaving them out would state a floor lower than
+    the machine's, and a low floor lets a sequential gate's false alarms through); None when
+    none is paired."""
     variances, dfs, cells = [], [], 0
     for b, h in pairs:
         groups = starts_of(raw.get(str(b.get("run_id")))), starts_of(raw.get(str(h.get("run_id"))))
-        if not paired_starts(b, h, groups) or step_unstable(*_side_flags(b, h)):
+        if not paired_starts(b, h, groups):
             continue
         cells += 1
         for side in groups:
@@ -446,7 +448,11 @@ def _cell_rows(pairs: list[tuple[dict, dict]], raw: Mapping[str, RawPairs], labe
                 continue  # neither cell has it (no split, no phases)
             c = compare_quantity(quantity, b, h, raw.get(str(b.get("run_id"))), raw.get(str(h.get("run_id"))),
                                  options, between)
-            unstable = step_unstable(flags, reasons) if quantity == GATED else False in flags
+            # A paired step's CI comes from its start pairs, over whatever the machine did between
+            # them: what makes one side's cell unstable (drift, machine speed, a wide CI) is inside
+            # it, so the paired verdict stands on its CI; the reasons stay listed.
+            unstable = (c.design != "paired" and step_unstable(flags, reasons)) if quantity == GATED \
+                else False in flags
             rows.append({"cell": cell_label(b, label_dims), "quantity": quantity, "base": _finite(b, quantity),
                          "head": _finite(h, quantity), "ratio": c.ratio, "d": c.d, "se": c.se, "df": c.df,
                          "ci_source": c.source, "design": c.design, "between": c.between,

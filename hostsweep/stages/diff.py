@@ -13,7 +13,7 @@ diff.threshold_pct), an unstable cell's ratio lies beyond the threshold, or the 
 or FAILED cells the base has (a release gate); 2 when the gate cannot state its error rate
 (a one-start side with no between-start estimate: the line says what to run).
 
-A paired study (measured with pair.against=[...]) holds both sides in one sweep:
+A paired study (pair.enabled=true or +pair.against.KEY=V) holds both sides in one sweep:
 `diff.base=<study or sweep>` with diff.head unset (or the same) diffs its side a (base)
 against its side b (head), cell by cell over the start pairs. paired_diff_of_sweep is that
 diff for the sweep that just measured it.
@@ -65,7 +65,7 @@ def diff_options(cfg: DiffConfig) -> DiffOptions:
     return options
 
 
-HEAD_REQUIRED = "diff.head is required unless diff.base names a paired study (measured with pair.against=...)"
+HEAD_REQUIRED = "diff.head is required unless diff.base names a paired study (measured with pair.enabled=true or +pair.against.KEY=V)"
 
 
 def _cells(uri: str, where: Located, cfg: DiffConfig, key: str):
@@ -104,7 +104,7 @@ def read_sides(uri: str, cfg: DiffConfig) -> tuple[Side, Side]:
     if cfg.head is None:
         raise ConfigError(HEAD_REQUIRED + only)
     raise ConfigError(f"diff.base={cfg.base} and diff.head={cfg.head} are the same {len(cells)} cell runs{only}; "
-                      "name two studies or two sweeps, or a paired study (measured with pair.against=...) alone")
+                      "name two studies or two sweeps, or a paired study (measured with pair.enabled=true or +pair.against.KEY=V) alone")
 
 
 def side_info(side: Side) -> SideInfo:

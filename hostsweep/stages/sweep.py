@@ -31,6 +31,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from hostsweep.config.grid import Cell, build_cells, group_by_engine, partner_keys, runnable
+from hostsweep.config.pairing import against_text
 from hostsweep.config.redact import error_line, redact
 from hostsweep.config.resolve import Study, resolve
 from hostsweep.config.schema import ConfigError
@@ -395,7 +396,28 @@ def _measure_and_record(study: Study, grid: list[Cell], run_dir: Path, dispatche
     elif unlogged:  # every cell was measured; only MLflow is missing some
         print(f"hostsweep: {unlogged} measured cell(s) not recorded to MLflow, kept in the journal {journal.path}: "
               "rerun the same command once MLflow answers to upload them", file=sys.stderr)
-    return 0 if status == "FINISHED" and not unlogged else 1
+    code = 0 if status == "FINISHED" and not unlogged else 1
+    if study.side_b is not None and not stop and mlflow_up and tracker.parent_run_id:
+        return max(code, paired_diff(study, tracker, run_dir))
+    return code
+
+
+def paired_diff(study: Study, tracker: SweepTracker, run_dir: Path) -> int:
+    """A paired study's sweep ends with its diff, side a against side b (stages/diff.py): the
+    verdicts and, with diff.fail_on, the gate's exit code. What was measured is recorded
+    already: a diff that cannot be made is one line and exit 1, never a lost sweep."""
+    from hostsweep.stages.diff import paired_diff_of_sweep
+
+    cfg = study.config
+    print(f"\npaired diff: side b ({cfg.pair.against and against_text(cfg.pair.against) or 'the same configuration: A/A'}) "
+          "against side a, start pair by start pair")
+    try:
+        return paired_diff_of_sweep(tracker.tracking_uri, experiment_name(study), str(tracker.parent_run_id), cfg.diff,
+                                    run_dir)[1]
+    except Exception as exc:  # noqa: BLE001 - the sweep is recorded; the diff can be rerun from MLflow
+        print(f"hostsweep: error: the paired diff failed ({error_line(exc)}); the sweep is recorded: rerun it with "
+              f"python -m hostsweep stage=diff diff.base={tracker.parent_run_id}", file=sys.stderr)
+        return 1
 
 
 def close_records(tracker: SweepTracker, recorder: SweepRecorder, journal: Journal, claims: dict[str, Optional[str]],

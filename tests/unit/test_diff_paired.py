@@ -129,6 +129,19 @@ def test_host_ms_of_a_paired_cell_holds_each_sides_device_fixed():
     assert device["verdict"].isna().all() and set(device["design"]) == {"paired"}
 
 
+def test_a_paired_step_flagged_unstable_on_a_side_is_judged_on_its_paired_ci_and_counts_in_the_floor():
+    base, head = paired_sweeps(np.random.default_rng(17), 1)
+    b, h, raw = frames(base[0], head[0])
+    flagged = {"stable": "false", "unstable_reasons": "machine_speed,drift"}
+    result = diff(b.assign(**flagged), h.assign(**flagged), raw, DiffOptions(fail_on="slower"))
+    steps = result._gated()
+    assert not steps["unstable"].any() and set(steps["unstable_reasons"]) == {"drift,machine_speed"}
+    assert steps["verdict"].notna().all() and result.summary[GATED]["cells_in_geomean"] == CELLS
+    assert result.noise_floor_pct == diff(b, h, raw, DiffOptions()).noise_floor_pct  # flagged cells count too
+    sequential = diff(b.assign(**flagged), h.assign(**flagged).drop(columns="side"), raw, DiffOptions())
+    assert sequential._gated()["unstable"].all()  # unpaired, the flag still stands
+
+
 def test_only_side_a_against_side_b_of_one_sweep_in_equal_starts_is_paired():
     base, head = paired_sweeps(np.random.default_rng(16), 1)
     b, h, raw = frames(base[0], head[0])
@@ -272,7 +285,7 @@ def test_stage_diff_refuses_a_missing_head_on_an_unpaired_study_in_one_line(stor
             stage_diff(store, *args)
         assert "\n" not in str(refused.value)
     with pytest.raises(ConfigError, match=r"^diff\.head is required unless diff\.base names a paired study "
-                                          r"\(measured with pair\.against=\.\.\.\)$"):
+                                          r"\(measured with pair\.enabled=true or \+pair\.against\.KEY=V\)$"):
         stage_diff(store, "diff.base=plain")
 
 

@@ -106,3 +106,22 @@ def test_a_stop_in_the_last_engine_start_measures_both_sides_again_never_one_wit
     assert Counter(rerun.measured) == {c.key: 3 for c in cells}  # both sides again, in three starts each
     starts = [e.rsplit("/", 1)[1] for e in rerun.events if e.startswith("start")]
     assert starts == ["a", "b", "b", "a", "a", "b"]
+
+
+def test_a_paired_sweep_ends_with_its_diff_the_gate_passing_an_aa_and_failing_a_planted_slowdown(study, tmp_path,
+                                                                                                  capsys):
+    store, args = study
+    aa = [*args, "pair.enabled=true", "diff.fail_on=slower", "study=aa"]
+    assert sweep.run(compose_raw(aa), tmp_path / "aa", FakeBackend(tmp_path / "w1")) == 0
+    out = capsys.readouterr().out
+    assert "paired diff: side b (the same configuration: A/A)" in out and "design: paired" in out
+    assert "between-start spread on this machine" in out and "diff.fail_on=slower: pass" in out
+    # side b sleeps 3 ms more every engine step (the fake engine's steps take about 1 ms)
+    planted = [*args, "+pair.against.debug.delay_phase=sample", "+pair.against.debug.delay_ms=3",
+               "diff.fail_on=slower", "study=planted"]
+    assert sweep.run(compose_raw(planted), tmp_path / "ab", FakeBackend(tmp_path / "w2")) == 1
+    out = capsys.readouterr().out
+    assert "debug.delay_ms=3 debug.delay_phase=sample" in out and "diff.fail_on=slower: FAIL" in out
+    table = __import__("pandas").read_csv(tmp_path / "ab" / "diff" / "diff.csv")
+    steps = table[table["quantity"] == "step_ms"]
+    assert (steps["verdict"] == "slower").all() and (steps["design"] == "paired").all()

@@ -1,0 +1,129 @@
+"""Do a release gate's verdicts hold while the VM's speed drifts? Paired against sequential,
+on the real engine, against known truth.
+
+Runs `python -m hostsweep` on a 16-cell grid (batch 1/2/4/8 x ctx 128/256/512/1024, split
+off, 12 timed pairs), each run in a fresh folder with its own MLflow store:
+
+    aa-1, aa-2, aa-3   paired A/A (pair.enabled=true): both sides the same configuration,
+                       engine starts alternated A B, B A, A B; the sweep's own paired diff
+                       with diff.fail_on=slower. Truth: nothing changed.
+    ab                 paired A/B with a planted 0.6 ms busy-wait in every engine step's
+                       sample phase on side b (+pair.against.debug.delay_ms=0.6). Truth: each
+                       cell's step grows by 0.6 ms, a ratio of 1 + 0.6 / step_a.
+    seq-a1, seq-a2,    the same as separately measured studies (unpaired, the same number of
+    seq-b              engine starts per study as one side of a paired run), one after another,
+                       then `stage=diff` between them: seq-a1 vs seq-a2 (A/A) and seq-a1 vs
+                       seq-b (the planted delay), widened by the noise floor the first paired
+                       A/A measured (diff.noise_floor_pct), as docs/diff.md says to.
+
+It prints per run the gate's result, the verdict counts, how many planted ratios lie inside
+their cell's CI, and the wall time; the targets: every paired A/A passes with no cell slower
+or faster; the planted pair finds every cell slower with the planted ratio inside >= 90 %
+of the CIs. Ratios and CIs come from each run's diff/diff.csv.
+
+    .venv/bin/python benchmarks/paired_proofs.py [--runs aa-1,aa-2,aa-3,ab,seq] [--keep DIR]
+        [--starts 3] [hydra overrides...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+
+GRID = ["batch=[1,2,4,8]", "ctx=[128,256,512,1024]", "split.enabled=false", "ray.exclusive=false"]
+DELAY_MS = 0.6
+PLANT = ["debug.delay_phase=sample", f"debug.delay_ms={DELAY_MS}"]
+RUNS = ("aa-1", "aa-2", "aa-3", "ab", "seq")
+GATE = ["diff.fail_on=slower"]
+
+
+def hostsweep(folder: Path, args: list[str]) -> tuple[int, float, str]:
+    """`python -m hostsweep ARGS` in `folder` against its store; (exit code, seconds, console)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "hostsweep", f"tracking.uri=sqlite:///{folder.parent / 'mlflow.db'}",
+           f"output.pending_dir={folder.parent / 'pending'}", f"hydra.run.dir={folder / 'run'}", *args]
+    started = time.time()
+    proc = subprocess.run(cmd, cwd=folder, capture_output=True, text=True)
+    console = proc.stdout + proc.stderr
+    (folder / "console.txt").write_text(console)
+    return proc.returncode, time.time() - started, console
+
+
+def diff_rows(run_dir: Path) -> pd.DataFrame:
+    table = pd.read_csv(run_dir / "diff" / "diff.csv")
+    return table[table["quantity"] == "step_ms"]
+
+
+def judged(name: str, rows: pd.DataFrame, rc: int, seconds: float, planted: bool) -> dict:
+    counts = rows["verdict"].fillna("none").value_counts().to_dict()
+    out = {"run": name, "exit": rc, "minutes": round(seconds / 60, 1), "cells": len(rows),
+           **{v: int(counts.get(v, 0)) for v in ("slower", "faster", "same", "inconclusive")},
+           "design": ",".join(sorted(set(rows.get("design", pd.Series(["?"])).astype(str))))}
+    if planted:
+        truth = 1 + DELAY_MS / rows["base"]
+        inside = (rows["ci_low"] <= truth) & (truth <= rows["ci_high"])
+        out |= {"planted_inside": int(inside.sum()), "planted_ratio": f"{truth.min():.3f}-{truth.max():.3f}",
+                "measured_ratio": f"{rows['ratio'].min():.3f}-{rows['ratio'].max():.3f}"}
+    else:
+        out |= {"ratio": f"{rows['ratio'].min():.3f}-{rows['ratio'].max():.3f}"}
+    return out
+
+
+def noise_floor(run_dir: Path) -> Optional[float]:
+    data = json.loads((run_dir / "diff" / "diff.json").read_text())
+    value = data.get("noise_floor_pct") or data.get("summary", {}).get("noise_floor_pct")
+    return float(value) if value is not None else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", default=",".join(RUNS))
+    parser.add_argument("--keep", type=Path, default=None, help="folder for the runs (default: a temporary one)")
+    parser.add_argument("--starts", type=int, default=3, help="engine starts per side (pair.starts)")
+    args, overrides = parser.parse_known_args()
+    root = args.keep or Path(tempfile.mkdtemp(prefix="paired-proofs-"))
+    grid = [*GRID, *overrides]
+    results, floor = [], None
+    for name in args.runs.split(","):
+        if name.startswith(("aa", "ab")):
+            pair = ["pair.enabled=true"] if name.startswith("aa") else [f"+pair.against.{p}" for p in PLANT]
+            folder = root / name
+            rc, seconds, _ = hostsweep(folder, [f"study={name}", *grid, *pair, f"pair.starts={args.starts}", *GATE])
+            rows = diff_rows(folder / "run")
+            results.append(judged(name, rows, rc, seconds, planted=name == "ab"))
+            if floor is None and name.startswith("aa"):
+                floor = noise_floor(folder / "run")
+            print(json.dumps(results[-1]), flush=True)
+        elif name == "seq":
+            spent = {}
+            for study, extra in (("seq-a1", []), ("seq-a2", []), ("seq-b", PLANT)):
+                rc, spent[study], _ = hostsweep(root / study, [f"study={study}", *grid, *extra,
+                                                               f"measure.replicates={args.starts}"])
+                if rc != 0:
+                    print(f"{study}: exit {rc} (see {root / study / 'console.txt'})", flush=True)
+            floor_arg = [f"diff.noise_floor_pct={floor:.2f}"] if floor is not None else []
+            for head, planted in (("seq-a2", False), ("seq-b", True)):
+                folder = root / f"diff-{head}"
+                rc, seconds, _ = hostsweep(folder, ["stage=diff", "diff.base=seq-a1", f"diff.head={head}", *GATE,
+                                                    *floor_arg])
+                rows = diff_rows(folder / "run")
+                results.append(judged(f"sequential seq-a1 vs {head}", rows, rc,
+                                      spent["seq-a1"] + spent[head], planted))
+                print(json.dumps(results[-1]), flush=True)
+    table = pd.DataFrame(results)
+    print()
+    print(table.to_markdown(index=False))
+    if floor is not None:
+        print(f"\nnoise floor from the first paired A/A: {floor:.2f} % (diff.noise_floor_pct for the sequential diffs)")
+    print(f"runs kept in {root}")
+
+
+if __name__ == "__main__":
+    main()
