@@ -19,7 +19,9 @@ off, 12 timed pairs), each run in a fresh folder with its own MLflow store:
 It prints per run the gate's result, the verdict counts, how many planted ratios lie inside
 their cell's CI, and the wall time; the targets: every paired A/A passes with no cell slower
 or faster; the planted pair finds every cell slower with the planted ratio inside >= 90 %
-of the CIs. Ratios and CIs come from each run's diff/diff.csv.
+of the CIs. Ratios and CIs come from each run's diff/diff.csv. Then, per paired run, the
+speed canary beside the cells' steps for each engine start in the order they ran: how far
+the machine's speed moved between starts and whether the canary saw it.
 
     .venv/bin/python benchmarks/paired_proofs.py [--runs aa-1,aa-2,aa-3,ab,seq] [--keep DIR]
         [--starts 3] [hydra overrides...]
@@ -45,7 +47,12 @@ GATE = ["diff.fail_on=slower"]
 
 
 def hostsweep(folder: Path, args: list[str]) -> tuple[int, float, str]:
-    """`python -m hostsweep ARGS` in `folder` against its store; (exit code, seconds, console)."""
+    """`python -m hostsweep ARGS` in `folder` against its store; (exit code, seconds, console).
+    A folder that holds a finished run (status.json) is not run again: --keep resumes."""
+    done = folder / "status.json"
+    if done.is_file():
+        status = json.loads(done.read_text())
+        return status["exit"], status["seconds"], (folder / "console.txt").read_text()
     folder.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "hostsweep", f"tracking.uri=sqlite:///{folder.parent / 'mlflow.db'}",
            f"output.pending_dir={folder.parent / 'pending'}", f"hydra.run.dir={folder / 'run'}", *args]
@@ -53,6 +60,7 @@ def hostsweep(folder: Path, args: list[str]) -> tuple[int, float, str]:
     proc = subprocess.run(cmd, cwd=folder, capture_output=True, text=True)
     console = proc.stdout + proc.stderr
     (folder / "console.txt").write_text(console)
+    done.write_text(json.dumps({"exit": proc.returncode, "seconds": time.time() - started}))
     return proc.returncode, time.time() - started, console
 
 
@@ -80,6 +88,36 @@ def noise_floor(run_dir: Path) -> Optional[float]:
     data = json.loads((run_dir / "diff" / "diff.json").read_text())
     value = data.get("noise_floor_pct") or data.get("summary", {}).get("noise_floor_pct")
     return float(value) if value is not None else None
+
+
+def abba(k: int) -> list[tuple[str, int]]:
+    """The order a paired sweep starts its engines: (side, start) for A B, B A, A B, ..."""
+    return [(side, i) for i in range(k) for side in (("a", "b") if i % 2 == 0 else ("b", "a"))]
+
+
+def canary_beside_steps(root: Path, study: str) -> pd.DataFrame:
+    """Per engine start of a paired run, in the order they ran: the speed canary's median and
+    the cells' steps relative to each cell's own median over every start (the machine's speed
+    as the engine saw it), from every cell's raw_timings.csv."""
+    import io
+
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{root / 'mlflow.db'}")
+    runs = mlflow.search_runs(experiment_names=[f"hostsweep-{study}"])
+    runs = runs[runs["tags.cell_key"].notna() & (runs["status"] == "FINISHED")]
+    per_start = []
+    for run_id, side in zip(runs["run_id"], runs["params.side"]):
+        table = pd.read_csv(io.StringIO(mlflow.artifacts.load_text(f"runs:/{run_id}/raw_timings.csv")))
+        medians = table.groupby("replicate").agg(step=("step_ms", "median"), canary=("canary_ms", "median"))
+        medians["step_rel"] = medians["step"] / medians["step"].median()
+        per_start += [{"side": side, "start": int(r), "step_rel": row.step_rel, "canary_ms": row.canary}
+                      for r, row in medians.iterrows()]
+    frame = pd.DataFrame(per_start).groupby(["side", "start"]).median().reset_index()
+    k = int(frame["start"].max()) + 1
+    order = {key: i for i, key in enumerate(abba(k))}
+    frame["ran"] = [order[(s, i)] + 1 for s, i in zip(frame["side"], frame["start"])]
+    return frame.sort_values("ran")[["ran", "side", "start", "canary_ms", "step_rel"]]
 
 
 def main() -> None:
@@ -117,6 +155,12 @@ def main() -> None:
                 results.append(judged(f"sequential seq-a1 vs {head}", rows, rc,
                                       spent["seq-a1"] + spent[head], planted))
                 print(json.dumps(results[-1]), flush=True)
+    for name in [n for n in args.runs.split(",") if n.startswith(("aa", "ab"))]:
+        starts = canary_beside_steps(root, name)
+        r = float(pd.Series(starts["canary_ms"]).corr(pd.Series(starts["step_rel"])))
+        print(f"\n{name}: speed canary beside the steps, per engine start in the order they ran "
+              f"(correlation {r:.2f})")
+        print(starts.to_markdown(index=False, floatfmt=".3f"))
     table = pd.DataFrame(results)
     print()
     print(table.to_markdown(index=False))

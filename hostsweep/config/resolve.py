@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Collection, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hostsweep.config.machine import cpu_flags, default_dtype, local_sku_name
 from hostsweep.config.options import check_option, load_mode, load_model, load_sku
@@ -97,7 +97,9 @@ def resolve(raw: DictConfig, engine_fields: Collection[str] = ENGINE_ARG_FIELDS)
     """Type, normalize and validate the composed config; ConfigError on bad input.
 
     `engine_fields` are the keys engine_args may hold: vLLM's EngineArgs fields, from the
-    installed vLLM where the driver has one (stages pass them), else the shipped snapshot."""
+    installed vLLM where the driver has one (stages pass them), else the shipped snapshot.
+    A paired study's `raw` is given the paired design's measure settings, so the config a
+    sweep logs says what ran."""
     cfg: SweepConfig = OmegaConf.to_object(raw)  # type: ignore[assignment]
     skus, modes = _skus(cfg), _modes(cfg)
     cfg.tp, cfg.batch, cfg.ctx = (positive_ints(name, getattr(cfg, name)) for name in ("tp", "batch", "ctx"))
@@ -111,6 +113,11 @@ def resolve(raw: DictConfig, engine_fields: Collection[str] = ENGINE_ARG_FIELDS)
     if not cfg.pair.paired:
         return study
     check_pair(cfg)
+    # The start pairs are a paired study's re-measure: a side's group is not timed again in
+    # periods, nor its first cell alone at the group's end, within a start (half the cost).
+    cfg.measure.remeasure_unstable, cfg.measure.replicate_first = 0, False
+    with open_dict(raw):
+        raw.measure.remeasure_unstable, raw.measure.replicate_first = 0, False
     try:
         side_b = resolve(side_b_raw(raw, cfg.pair.against), engine_fields)
     except ConfigError as exc:

@@ -130,7 +130,7 @@ def few_starts_warning(starts: int) -> Optional[str]:
     if starts <= 1:
         return "one engine start: the CI covers pair-to-pair noise only, not what changes between starts"
     return (f"{starts} engine starts: the between-start CI has {starts - 1} degree(s) of freedom and is wide; "
-            f"measure.replicates >= {MIN_STARTS} narrows it")
+            f"measure.replicates (or, paired, pair.starts) >= {MIN_STARTS} narrows it")
 
 
 def shift_pvalue(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -31,6 +31,9 @@ def test_side_b_is_the_study_with_the_against_keys_and_side_a_the_study_as_given
     assert len(a) == len(b) == 2 and {c.engine.mode for c in b} == {"graph"}
     assert {c.replicates for c in cells} == {3}  # pair.starts engine starts per side
     assert {c.params()["pair_against"] for c in cells} == {"engine.engine_args.block_size=32 mode=graph"}
+    # the start pairs are the re-measure: no periods or lone replicate within a start, on both sides
+    for side in (study.config, study.side_b.config):
+        assert side.measure.remeasure_unstable == 0 and side.measure.replicate_first is False
     assert partner_keys(cells) == {**{x.key: y.key for x, y in zip(a, b)}, **{y.key: x.key for x, y in zip(a, b)}}
 
 
