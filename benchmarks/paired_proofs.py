@@ -10,6 +10,9 @@ off, 12 timed pairs), each run in a fresh folder with its own MLflow store:
     ab                 paired A/B with a planted 0.6 ms busy-wait in every engine step's
                        sample phase on side b (+pair.against.debug.delay_ms=0.6). Truth: each
                        cell's step grows by 0.6 ms, a ratio of 1 + 0.6 / step_a.
+    seq-paired         the paired runs' sides read as studies measured apart (stage=diff of
+                       aa-1's side a against aa-2's, aa-2's side b against ab's): the same
+                       measurements, judged sequentially, to show what pairing buys.
     seq-a1, seq-a2,    the same as separately measured studies (unpaired, the same number of
     seq-b              engine starts per study as one side of a paired run), one after another,
                        then `stage=diff` between them: seq-a1 vs seq-a2 (A/A) and seq-a1 vs
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -42,7 +46,7 @@ import pandas as pd
 GRID = ["batch=[1,2,4,8]", "ctx=[128,256,512,1024]", "split.enabled=false", "ray.exclusive=false"]
 DELAY_MS = 0.6
 PLANT = ["debug.delay_phase=sample", f"debug.delay_ms={DELAY_MS}"]
-RUNS = ("aa-1", "aa-2", "aa-3", "ab", "seq")
+RUNS = ("aa-1", "ab", "aa-2", "aa-3", "seq-paired")
 GATE = ["diff.fail_on=slower"]
 
 
@@ -95,10 +99,11 @@ def abba(k: int) -> list[tuple[str, int]]:
     return [(side, i) for i in range(k) for side in (("a", "b") if i % 2 == 0 else ("b", "a"))]
 
 
-def canary_beside_steps(root: Path, study: str) -> pd.DataFrame:
+def canary_beside_steps(root: Path, study: str) -> tuple[pd.DataFrame, float]:
     """Per engine start of a paired run, in the order they ran: the speed canary's median and
-    the cells' steps relative to each cell's own median over every start (the machine's speed
-    as the engine saw it), from every cell's raw_timings.csv."""
+    the cells' steps relative to each cell's own median over every start of both sides (the
+    machine's speed as the engine saw it), from every cell's raw_timings.csv; and the
+    correlation of canary and relative step over the rounds of every start."""
     import io
 
     import mlflow
@@ -106,21 +111,23 @@ def canary_beside_steps(root: Path, study: str) -> pd.DataFrame:
     mlflow.set_tracking_uri(f"sqlite:///{root / 'mlflow.db'}")
     runs = mlflow.search_runs(experiment_names=[f"hostsweep-{study}"])
     runs = runs[runs["tags.cell_key"].notna() & (runs["status"] == "FINISHED")]
-    per_start = []
-    for run_id, side in zip(runs["run_id"], runs["params.side"]):
+    tables = []
+    for run_id, side, batch, ctx in zip(runs["run_id"], runs["params.side"], runs["params.batch"], runs["params.ctx"]):
         table = pd.read_csv(io.StringIO(mlflow.artifacts.load_text(f"runs:/{run_id}/raw_timings.csv")))
-        medians = table.groupby("replicate").agg(step=("step_ms", "median"), canary=("canary_ms", "median"))
-        medians["step_rel"] = medians["step"] / medians["step"].median()
-        per_start += [{"side": side, "start": int(r), "step_rel": row.step_rel, "canary_ms": row.canary}
-                      for r, row in medians.iterrows()]
-    frame = pd.DataFrame(per_start).groupby(["side", "start"]).median().reset_index()
-    k = int(frame["start"].max()) + 1
-    order = {key: i for i, key in enumerate(abba(k))}
-    frame["ran"] = [order[(s, i)] + 1 for s, i in zip(frame["side"], frame["start"])]
-    return frame.sort_values("ran")[["ran", "side", "start", "canary_ms", "step_rel"]]
+        tables.append(table.assign(side=side, cell=f"b{batch}-ctx{ctx}"))
+    pairs = pd.concat(tables)
+    pairs["step_rel"] = pairs["step_ms"] / pairs.groupby("cell")["step_ms"].transform("median")
+    k = int(pairs["replicate"].max()) + 1
+    order = {key: i + 1 for i, key in enumerate(abba(k))}
+    pairs["ran"] = [order[(s, int(r))] for s, r in zip(pairs["side"], pairs["replicate"])]
+    rounds = pairs.groupby(["ran", "round"])[["canary_ms", "step_rel"]].median()
+    starts = pairs.groupby("ran").agg(side=("side", "first"), start=("replicate", "first"),
+                                      canary_ms=("canary_ms", "median"), step_rel=("step_rel", "median"))
+    return starts.reset_index(), float(rounds["canary_ms"].corr(rounds["step_rel"]))
 
 
 def main() -> None:
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", default=",".join(RUNS))
     parser.add_argument("--keep", type=Path, default=None, help="folder for the runs (default: a temporary one)")
@@ -139,6 +146,17 @@ def main() -> None:
             if floor is None and name.startswith("aa"):
                 floor = noise_floor(folder / "run")
             print(json.dumps(results[-1]), flush=True)
+        elif name == "seq-paired":
+            # The paired runs' sides read as two studies measured apart: aa-1's side a against
+            # aa-2's (an A/A, minutes apart), aa-2's side b against ab's (the planted delay).
+            for base, head, side, planted in (("aa-1", "aa-2", "a", False), ("aa-2", "ab", "b", True)):
+                folder = root / f"seq-{base}-{head}"
+                rc, seconds, _ = hostsweep(folder, ["stage=diff", f"diff.base={base}", f"diff.head={head}", *GATE,
+                                                    f"diff.filter=params.side = '{side}'"])
+                rows = diff_rows(folder / "run")
+                results.append(judged(f"sequential: {base} side {side} vs {head} side {side}", rows, rc, seconds,
+                                      planted))
+                print(json.dumps(results[-1]), flush=True)
         elif name == "seq":
             spent = {}
             for study, extra in (("seq-a1", []), ("seq-a2", []), ("seq-b", PLANT)):
@@ -155,15 +173,14 @@ def main() -> None:
                 results.append(judged(f"sequential seq-a1 vs {head}", rows, rc,
                                       spent["seq-a1"] + spent[head], planted))
                 print(json.dumps(results[-1]), flush=True)
-    for name in [n for n in args.runs.split(",") if n.startswith(("aa", "ab"))]:
-        starts = canary_beside_steps(root, name)
-        r = float(pd.Series(starts["canary_ms"]).corr(pd.Series(starts["step_rel"])))
-        print(f"\n{name}: speed canary beside the steps, per engine start in the order they ran "
-              f"(correlation {r:.2f})")
-        print(starts.to_markdown(index=False, floatfmt=".3f"))
+    for name in [n for n in args.runs.split(",") if n.startswith(("aa-", "ab"))]:
+        starts, r = canary_beside_steps(root, name)
+        print(f"\n{name}: speed canary beside the steps (each cell's pairs over its median across both sides), "
+              f"per engine start in the order they ran; correlation over the rounds {r:.2f}")
+        print(starts.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     table = pd.DataFrame(results)
     print()
-    print(table.to_markdown(index=False))
+    print(table.to_string(index=False))
     if floor is not None:
         print(f"\nnoise floor from the first paired A/A: {floor:.2f} % (diff.noise_floor_pct for the sequential diffs)")
     print(f"runs kept in {root}")

@@ -186,7 +186,7 @@ DELAY_PHASES = ("schedule", "update_from_output", "preprocess", "forward", "post
 
 @dataclass
 class PairConfig:
-    """A paired A/B study (config/pairing.py, docs/measurement.md#paired-ab-sweeps): side b is
+    """A paired A/B study (config/pairing.py, docs/measurement.md#paired-ab-sweeps-pairenabled-pairagainst): side b is
     this study with the `against` keys set (+pair.against.mode=graph, +pair.against.tp=2,
     +pair.against.debug.delay_ms=0.6, +pair.against.engine.engine_args.KEY=V); both sides
     are measured in one sweep, their engine starts alternated A B, B A, A B ... so both

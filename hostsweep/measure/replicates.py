@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from hostsweep.measure.intervals import between_starts_ci, few_starts_warning
+from hostsweep.measure.periods import DesignRecord
 from hostsweep.measure.protocol import CellMeasurement, summarize
 from hostsweep.measure.results import CellResult
 from hostsweep.measure.split import SplitResult
@@ -90,7 +91,25 @@ def merged_stability(starts: Sequence[CellResult], measurement: CellMeasurement,
         contention=contention_summary(measurement.reps),
         replicate_step_ms=first.replicate_step_ms if first is not None else None,
         start_medians_ms=tuple(float(np.median(_steps_ms(r))) for r in starts),
+        design=merged_design([r.stability.design for r in starts if r.stability is not None], measurement),
     )
+
+
+def merged_design(designs: Sequence[Optional[DesignRecord]], measurement: CellMeasurement) -> Optional[DesignRecord]:
+    """The design record of a cell merged from several starts: periods and pairs summed over
+    the starts, the canary the median over every pair that carries one, its shift the largest
+    a start saw (what the diff and the summary read of the machine's speed)."""
+    known = [d for d in designs if d is not None]
+    if not known:
+        return None
+    canaries = [rep.canary_ms for rep in measurement.reps if rep.canary_ms is not None]
+    shifts = [d.canary_shift_pct for d in known if d.canary_shift_pct is not None]
+    return DesignRecord(periods=max(d.periods for d in known),
+                        period_medians_ms=tuple(m for d in known for m in d.period_medians_ms),
+                        clean_pairs=sum(d.clean_pairs for d in known),
+                        contended_rounds=sum(d.contended_rounds for d in known),
+                        canary_ms=float(np.median(canaries)) if canaries else None,
+                        canary_shift_pct=max(shifts) if shifts else None)
 
 
 def merge_starts(starts: Sequence[CellResult], rules: StabilityRules, host_bound_threshold: float) -> CellResult:

@@ -43,7 +43,9 @@ import pandas as pd
 from hostsweep.measure.detectable import mde_from_se, se_from_ci
 from hostsweep.measure.intervals import few_starts_warning
 from hostsweep.report import diff_stats as S
-from hostsweep.report.diff_canary import NORMALIZE, machine_line, side_canary, with_canary_ratios
+from hostsweep.report.diff_canary import (
+    CANARY_COLUMNS, NORMALIZE, machine_line, paired_canary_ratio, side_canary, with_canary_ratios,
+)
 from hostsweep.report.diff_match import (  # noqa: F401 - re-exported: the rules live in one place for readers
     CELL_DIMS, PROVENANCE_DIMS, Difference, cell_label, dimensions, match_cells, text,
 )
@@ -289,6 +291,7 @@ class DiffResult:
     design: str = ""  # one line: paired, sequential, or how many of each (design_line)
     noise_floor_pct: Optional[float] = None  # a paired diff's between-start spread (SD, %): NoiseFloor
     noise_floor_df: float = 0.0
+    against: str = ""  # a paired study's side b overrides (pair_against), "" for an A/A or two studies
 
     def noise_floor_line(self) -> Optional[str]:
         """What a paired diff says of the machine's between-start spread, or None."""
@@ -491,6 +494,18 @@ def judge(cells: pd.DataFrame, options: DiffOptions) -> pd.DataFrame:
     return out
 
 
+def _paired_canary_ratios(cells: pd.DataFrame, raw_canary: Mapping[str, list[np.ndarray]], level: float
+                          ) -> pd.DataFrame:
+    """The paired step rows' canary columns from their pairs' step / canary, start pair by
+    start pair (report/diff_canary.paired_canary_ratio), where both runs have them."""
+    cells = cells.copy()
+    for i in cells.index[(cells["quantity"] == GATED) & (cells["design"] == "paired")]:
+        base, head = raw_canary.get(str(cells.at[i, "base_run"])), raw_canary.get(str(cells.at[i, "head_run"]))
+        if base is not None and head is not None:
+            cells.loc[i, list(CANARY_COLUMNS)] = paired_canary_ratio(base, head, level)
+    return cells
+
+
 def geometric_mean(d: np.ndarray, se: np.ndarray, df: np.ndarray, level: float) -> tuple[float, float, float]:
     """The geometric mean of the cells' ratios and its CI: the mean log-ratio, its standard
     error from the cells' (independent) ones, Welch–Satterthwaite df."""
@@ -560,10 +575,12 @@ COLUMNS = ["cell", "quantity", "base", "head", "ratio", "ci_low", "ci_high", "ve
 
 
 def diff(base: pd.DataFrame, head: pd.DataFrame, raw: Mapping[str, RawPairs], options: DiffOptions,
-         head_failed: Optional[pd.DataFrame] = None) -> DiffResult:
+         head_failed: Optional[pd.DataFrame] = None,
+         raw_canary: Optional[Mapping[str, list[np.ndarray]]] = None) -> DiffResult:
     """Compare two sides' cells (one row per cell: its params, metrics, provenance tags,
     run_id, an optional `stable` and `unstable_reasons`); `raw` holds each run's timed step_ms
-    pairs (one array, or one per engine start); head_failed the head's FAILED cell runs."""
+    pairs (one array, or one per engine start); head_failed the head's FAILED cell runs;
+    raw_canary each run's step / canary per pair by start (diff.normalize=canary on paired cells)."""
     base, head = with_replicates(base, head)
     matched_on, differs, shared = dimensions(base, head)
     pairs, unmatched, warnings = match_cells(base, head, matched_on)
@@ -583,13 +600,15 @@ def diff(base: pd.DataFrame, head: pd.DataFrame, raw: Mapping[str, RawPairs], op
     canaries = side_canary(base), side_canary(head)
     if options.normalize == "canary":
         cells = with_canary_ratios(cells, GATED, options.level, *canaries)
+        cells = _paired_canary_ratios(cells, raw_canary or {}, options.level)
     sources = {"base": between[0].source, "head": between[1].source}
     floor = paired_noise_floor(pairs, raw)
     result = DiffResult(options, matched_on, differs, shared, label_dims, cells, unmatched, warnings=warnings,
                         between=sources, machine=machine_line(*canaries),
                         canary_ms={name: c.ms if c else None for name, c in zip(("base", "head"), canaries)},
                         design=design_line(cells, sources), noise_floor_pct=floor.pct if floor else None,
-                        noise_floor_df=floor.df if floor else 0.0)
+                        noise_floor_df=floor.df if floor else 0.0,
+                        against=text(pairs[0][0].get("pair_against")) if pairs and "pair_against" in matched_on else "")
     if options.normalize == "canary" and None in canaries:
         result.warnings.append("diff.normalize=canary: a side has fewer than 3 cells with a speed canary "
                                "(measured before the canary existed?): no normalized ratios")

@@ -7,6 +7,10 @@ percent apart; the canary says so, and `diff.normalize=canary` divides each cell
 the sides' canary ratio. The normalized ratio is shown beside the raw one, never instead:
 it assumes the step slows as the canary does, which holds for a hypervisor taking CPU time
 from the guest and need not hold for everything else (a slower memory path, another CPU).
+A paired cell (side a and side b of one sweep) is normalized pair by pair instead: each
+timed pair's step over the canary timed beside it, then the paired statistics over the
+start pairs (paired_canary_ratio), so a slow spell inside a start is taken out where it
+happened.
 """
 from __future__ import annotations
 
@@ -69,6 +73,21 @@ def normalized_ratio(ratio: float, low: float, high: float, level: float, base: 
     z = float(stats.norm.ppf(0.5 + level / 2.0))
     half = math.hypot(half, z * math.hypot(base.log_se, head.log_se))
     return math.exp(centre), math.exp(centre - half), math.exp(centre + half)
+
+
+def paired_canary_ratio(base: list[np.ndarray], head: list[np.ndarray], level: float) -> tuple[float, float, float]:
+    """A paired cell's ratio and CI with each pair's step divided by its own canary: per start
+    the median of step / canary, d_i = log(head_i / base_i) over the k start pairs, its mean
+    with a t-interval on k - 1 df; nan with fewer than 2 start pairs or unequal starts."""
+    if len(base) != len(head) or len(base) < 2 or not all(len(g) for g in (*base, *head)):
+        return math.nan, math.nan, math.nan
+    from hostsweep.report.diff_stats import paired_log_ratio
+
+    d, se, df = paired_log_ratio(np.array([np.median(g) for g in base]), np.array([np.median(g) for g in head]))
+    if not (np.isfinite(d) and np.isfinite(se)):
+        return math.nan, math.nan, math.nan
+    half = float(stats.t.ppf(0.5 + level / 2.0, df)) * float(se)
+    return math.exp(float(d)), math.exp(float(d) - half), math.exp(float(d) + half)
 
 
 CANARY_COLUMNS = ("ratio_canary", "ci_low_canary", "ci_high_canary")

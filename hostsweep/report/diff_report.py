@@ -55,7 +55,9 @@ def fmt_ratio(ratio: float, low: float, high: float) -> str:
 
 def differs_lines(result: DiffResult) -> list[str]:
     lines = [f"**{d.name}**: {d.text()}" for d in result.differs]
-    if lines and {d.name for d in result.differs} == {"side"}:  # a paired A/A (pair.enabled=true)
+    if result.against:  # a paired A/B: what the overrides change need not be a cell param (a debug delay)
+        lines.append(f"side b's overrides: {result.against}")
+    elif lines and {d.name for d in result.differs} == {"side"}:  # a paired A/A (pair.enabled=true)
         lines.append("nothing else: a paired A/A, the sides are repeats of one measurement (this machine's noise)")
     return lines or ["nothing detected: the cell params and the provenance (versions, git SHA, device, host) "
                      "are the same on both sides, so the sides are repeats of one measurement"]

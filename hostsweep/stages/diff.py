@@ -153,7 +153,8 @@ def write(result: DiffResult, ctx: DiffContext, folder: Path) -> None:
 def diff_sides(base: Side, head: Side, options: DiffOptions, uri: str, experiment: str, run_dir: Path
                ) -> tuple[DiffResult, DiffContext, ReportRun, Path]:
     """Compare, write the files, log the diff run."""
-    result = diff(base.cells, head.cells, {**base.raw, **head.raw}, options, head.failed)
+    result = diff(base.cells, head.cells, {**base.raw, **head.raw}, options, head.failed,
+                  {**base.raw_canary, **head.raw_canary})
     name = f"diff-{base.located.label}-{head.located.label}"
     run = ReportRun(uri, experiment, name, {"hostsweep.kind": "diff", "diff.base": base.located.given,
                                             "diff.head": head.located.given})

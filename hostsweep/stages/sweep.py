@@ -92,6 +92,8 @@ def sweep_params(study: Study, cells: list[Cell]) -> dict[str, object]:
         "tp": sorted({c.engine.tp for c in cells}), "batch": sorted({c.batch for c in cells}),
         "ctx": sorted({c.ctx for c in cells}), "T": cfg.measure.T, "reps": cfg.measure.reps,
         "warmups": cfg.measure.warmups, "engine": cfg.engine.name, "n_cells": len(cells),
+        **({"pair_against": against_text(cfg.pair.against) or "A/A", "pair_starts": cfg.pair.starts}
+           if cfg.pair.paired else {}),
     }
 
 

@@ -255,7 +255,7 @@ def test_sides_of_two_starts_are_judged_with_a_warning_that_the_interval_is_wide
     head, raw_h = side("b", {}, 8)
     starts = {run: np.split(p, 2) for run, p in {**raw_b, **raw_h}.items()}
     result = diff(base.assign(replicates="2"), head.assign(replicates="2"), starts, DiffOptions())
-    assert any("2 engine starts" in w and "measure.replicates >= 3" in w for w in result.warnings)
+    assert any("2 engine starts" in w and "pair.starts) >= 3" in w for w in result.warnings)
     assert (result.cells[result.cells["quantity"] == GATED]["df"] < 3).all()
 
 

@@ -317,3 +317,28 @@ def test_the_sweep_diffs_itself_at_its_end_and_returns_the_gates_code(store, tmp
     assert runs["metrics.noise_floor_pct"].notna().all() and f"{store['paired']}:a" in set(runs["params.base"])
     with pytest.raises(ConfigError, match="is not a paired sweep"):
         paired_diff_of_sweep(store["uri"], "hostsweep-plain", store["unpaired"], DiffConfig(), tmp_path / "y")
+
+
+def test_normalize_canary_takes_a_slow_spell_out_of_a_paired_cell_pair_by_pair():
+    """Spells of +50 % that cover part of some starts (one side of a start pair only) widen the
+    raw paired CI; dividing each pair by the canary timed beside it takes them out where they
+    happened, and the planted ratio is recovered with a narrower CI; the verdicts stay raw."""
+    rng = np.random.default_rng(21)
+    cells, k, n, planted = 4, 3, 8, 1.10
+    spell = rng.random((2, cells, k, n)) < 0.35  # which pairs met a slow spell, per side
+    factor = np.where(spell, 1.5, 1.0)
+    steps = 5.0 * factor * np.exp(rng.normal(0, 0.01, factor.shape))
+    steps[1] *= planted
+    canary = 1.7 * factor * np.exp(rng.normal(0, 0.01, factor.shape))
+    b, h, raw = frames(steps[0], steps[1])
+    per_canary = {f"{name}-{c}": list(steps[i, c] / canary[i, c]) for i, name in enumerate("ab") for c in range(cells)}
+    result = diff(b, h, raw, DiffOptions(normalize="canary"), raw_canary=per_canary)
+    rows = result._gated()
+    assert (rows["design"] == "paired").all()
+    assert rows["ratio_canary"].to_numpy() == pytest.approx(planted, rel=0.02)
+    raw_width = np.log(rows["ci_high"] / rows["ci_low"])
+    canary_width = np.log(rows["ci_high_canary"] / rows["ci_low_canary"])
+    assert canary_width.max() < 0.1 and canary_width.sum() < raw_width.sum() / 3
+    assert ((rows["ci_low_canary"] <= planted) & (planted <= rows["ci_high_canary"])).all()
+    unnormalized = diff(b, h, raw, DiffOptions(), raw_canary=per_canary)._gated()
+    assert list(unnormalized["verdict"]) == list(rows["verdict"])  # beside, never instead of, the raw verdict

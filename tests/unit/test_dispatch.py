@@ -348,6 +348,8 @@ def test_a_paired_studys_sides_take_turns_abba_one_engine_at_a_time(tmp_path):
     assert all(kind.startswith("start") == (i % 2 == 0) for i, kind in enumerate(lifetimes))
     by_key = {r.key: r for r in results}
     assert all(len(by_key[c.key].stability.start_medians_ms) == 3 for c in grid)
+    # the merged cell keeps its design record: the canary over all its starts (the diff reads it)
+    assert all(by_key[c.key].stability.design.canary_ms > 0 for c in grid)
 
 
 def test_a_paired_side_whose_engine_cannot_start_fails_its_cells_and_the_other_side_still_takes_its_turns(tmp_path):

@@ -65,6 +65,9 @@ class Side:
     located: Located
     cells: pd.DataFrame  # one row per cell: params, metrics, CELL_TAGS, run_id, start_time
     raw: dict[str, list[np.ndarray]]  # run id -> step_ms of every timed pair, one array per engine start
+    # run id -> step_ms / canary_ms of every timed pair with a canary, one array per engine
+    # start: the step in units of the machine's speed at that moment (diff.normalize=canary)
+    raw_canary: dict[str, list[np.ndarray]] = field(default_factory=dict)
     failed: pd.DataFrame = field(default_factory=pd.DataFrame)  # cells whose newest run FAILED: params, run_id
 
     @property
@@ -212,6 +215,16 @@ def pairs_by_start(table: pd.DataFrame) -> Optional[list[np.ndarray]]:
     return [g["step_ms"].to_numpy(dtype=float) for _, g in table.groupby(table["replicate"].fillna(0), sort=True)]
 
 
+def pairs_per_canary(table: pd.DataFrame) -> Optional[list[np.ndarray]]:
+    """A raw_timings table's step_ms / canary_ms per pair, grouped by engine start like
+    pairs_by_start; None when its pairs carry no canary."""
+    if "canary_ms" not in table or "step_ms" not in table:
+        return None
+    canary = pd.to_numeric(table["canary_ms"], errors="coerce")
+    keep = table[(canary > 0) & table["step_ms"].notna()].assign(step_ms=lambda t: t["step_ms"] / canary)
+    return pairs_by_start(keep) if len(keep) else None
+
+
 def period_spread(steps: Sequence[float], periods: Sequence[int]) -> tuple[float, float]:
     """(variance, df) of the log medians of one cell's periods (the group timed again later
     in the same engine start): nan, 0 with fewer than two periods."""
@@ -228,10 +241,12 @@ def with_pairs(where: Located, cells: pd.DataFrame, key: str) -> Side:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per cell on stderr otherwise
     tables = {run_id: table for run_id in cells["run_id"] if (table := timed_pairs(run_id)) is not None}
     raw = {run_id: groups for run_id, table in tables.items() if (groups := pairs_by_start(table)) is not None}
+    per_canary = {run_id: groups for run_id, table in tables.items()
+                  if (groups := pairs_per_canary(table)) is not None}
     spreads = {run_id: period_spread(*((t["step_ms"], t["period"]) if "period" in t else ([], [])))
                for run_id, t in tables.items()}
     cells = cells.assign(period_var=[spreads.get(r, (math.nan, 0.0))[0] for r in cells["run_id"]],
                          period_df=[spreads.get(r, (math.nan, 0.0))[1] for r in cells["run_id"]])
     log.info("%s=%s: %d cells from %s, %d with raw timed pairs", key, where.given, len(cells), where.experiment,
              len(raw))
-    return Side(where, cells, raw, cells.attrs.get("failed", pd.DataFrame()))
+    return Side(where, cells, raw, raw_canary=per_canary, failed=cells.attrs.get("failed", pd.DataFrame()))
