@@ -172,6 +172,7 @@ class Compared:
     between: str = ""  # the between-start component each one-start side was widened by
     starts: tuple[int, int] = (0, 0)
     design: str = "sequential"  # or "paired" (DESIGNS)
+    d_starts: tuple[float, ...] = ()  # a paired cell's log ratio in each start pair
 
 
 def _step_side(row: Mapping[str, Any], groups: Optional[list[np.ndarray]], between: Between,
@@ -231,7 +232,7 @@ def _paired(quantity: str, base: Mapping[str, Any], head: Mapping[str, Any], gro
         if all(np.isfinite(m).all() and (m > 0).all() for m in medians):
             d, se, df = S.paired_log_ratio(medians[0], medians[1])
             return Compared(math.exp(float(d)), source, float(d), float(se), float(df), f"paired: {k} start pairs",
-                            (k, k), "paired")
+                            (k, k), "paired", tuple(float(x) for x in np.log(medians[1]) - np.log(medians[0])))
     b, h = _finite(base, quantity), _finite(head, quantity)
     return Compared(h / b if b is not None and h is not None and b > 0 and h > 0 else math.nan, POINT,
                     design="paired")
@@ -465,6 +466,7 @@ def _cell_rows(pairs: list[tuple[dict, dict]], raw: Mapping[str, RawPairs], labe
                                                               if r.strip()})),
                          "stable_flag": "unknown" if flags == (None, None) else "present",
                          "base_run": b.get("run_id"), "head_run": h.get("run_id"),
+                         "d_starts": " ".join(f"{x:.5f}" for x in c.d_starts),
                          **{d: b.get(d) for d in label_dims}})
     return rows
 
@@ -522,6 +524,23 @@ def geometric_mean(d: np.ndarray, se: np.ndarray, df: np.ndarray, level: float) 
     return point, float(low), float(high)
 
 
+def paired_geometric_mean(rows: pd.DataFrame, level: float) -> Optional[tuple[float, float, float]]:
+    """The geometric mean of paired cells' ratios with its CI over the start pairs: the cells of
+    one start pair met the same machine, so their errors are not independent; per start pair
+    the mean log ratio over the cells, then a t-interval over the k start pairs (k - 1 df).
+    None unless every row is paired with the same k >= 2."""
+    if rows.empty or not (rows["design"] == "paired").all():
+        return None
+    starts = [[float(x) for x in str(v).split()] for v in rows["d_starts"]]
+    k = len(starts[0])
+    if k < 2 or any(len(d) != k for d in starts):
+        return None
+    per_pair = np.array(starts).mean(axis=0)
+    low, high = S.ci(np.array(per_pair.mean()), np.array(per_pair.std(ddof=1) / math.sqrt(k)), np.array(k - 1.0),
+                     level)
+    return float(np.exp(per_pair.mean())), float(low), float(high)
+
+
 def _summary(rows: pd.DataFrame, options: DiffOptions) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for quantity in options.quantities:
@@ -530,7 +549,8 @@ def _summary(rows: pd.DataFrame, options: DiffOptions) -> dict[str, dict]:
             continue
         stable = mine[~mine["unstable"]]
         tested = stable[stable["verdict"].notna()]
-        gm, low, high = geometric_mean(*(tested[c].to_numpy(float) for c in ("d", "se", "df")), options.level)
+        gm, low, high = paired_geometric_mean(tested, options.level) or \
+            geometric_mean(*(tested[c].to_numpy(float) for c in ("d", "se", "df")), options.level)
         everything = mine["ratio"][mine["ratio"] > 0].dropna()
         out[quantity] = {"geomean_ratio": gm, "ci_low": low, "ci_high": high, "cells": int(len(mine)),
                          "geomean_ratio_all": float(np.exp(np.log(everything).mean())) if len(everything) else math.nan,
@@ -571,7 +591,7 @@ def _failed_reasons(unmatched: pd.DataFrame, failed: Optional[pd.DataFrame], on:
 COLUMNS = ["cell", "quantity", "base", "head", "ratio", "ci_low", "ci_high", "verdict", "p_slower", "p_slower_holm",
            "p_faster", "p_faster_holm", "p_same", "mde_pct", "d", "se", "df", "ci_source", "design", "between",
            "starts_base",
-           "starts_head", "unstable", "unstable_reasons", "stable_flag", "base_run", "head_run"]
+           "starts_head", "unstable", "unstable_reasons", "stable_flag", "base_run", "head_run", "d_starts"]
 
 
 def diff(base: pd.DataFrame, head: pd.DataFrame, raw: Mapping[str, RawPairs], options: DiffOptions,
