@@ -152,7 +152,7 @@ def main() -> None:
             for base, head, side, planted in (("aa-1", "aa-2", "a", False), ("aa-2", "ab", "b", True)):
                 folder = root / f"seq-{base}-{head}"
                 rc, seconds, _ = hostsweep(folder, ["stage=diff", f"diff.base={base}", f"diff.head={head}", *GATE,
-                                                    f"diff.filter=params.side = '{side}'"])
+                                                    f"diff.filter=\"params.side = '{side}'\""])
                 rows = diff_rows(folder / "run")
                 results.append(judged(f"sequential: {base} side {side} vs {head} side {side}", rows, rc, seconds,
                                       planted))
