@@ -11,6 +11,7 @@ same protocol. `pair.python` runs side b's workers under another environment's P
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -67,11 +68,10 @@ def side_b_raw(raw: DictConfig, against: Mapping[str, Any]) -> DictConfig:
             with open_dict(side):
                 side[key] = OmegaConf.structured(GROUP_LOADERS[key](str(value)))
             continue
+        # vLLM's arguments take any key (checked against the engine's fields); elsewhere the schema's only
+        free = ".engine_args." in f".{key}"
         try:
-            if ".engine_args." in f".{key}":  # vLLM's arguments: any key, checked against the engine's fields
-                with open_dict(side):
-                    OmegaConf.update(side, key, value, merge=True)
-            else:
+            with open_dict(side) if free else contextlib.nullcontext():
                 OmegaConf.update(side, key, value, merge=True)
         except OmegaConfBaseException as exc:
             raise ConfigError(f"pair.against.{key}: {str(exc).splitlines()[0]}") from None

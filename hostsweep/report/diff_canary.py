@@ -81,13 +81,13 @@ def paired_canary_ratio(base: list[np.ndarray], head: list[np.ndarray], level: f
     with a t-interval on k - 1 df; nan with fewer than 2 start pairs or unequal starts."""
     if len(base) != len(head) or len(base) < 2 or not all(len(g) for g in (*base, *head)):
         return math.nan, math.nan, math.nan
-    from hostsweep.report.diff_stats import paired_log_ratio
+    from hostsweep.report.diff_stats import ci, paired_log_ratio
 
     d, se, df = paired_log_ratio(np.array([np.median(g) for g in base]), np.array([np.median(g) for g in head]))
     if not (np.isfinite(d) and np.isfinite(se)):
         return math.nan, math.nan, math.nan
-    half = float(stats.t.ppf(0.5 + level / 2.0, df)) * float(se)
-    return math.exp(float(d)), math.exp(float(d) - half), math.exp(float(d) + half)
+    low, high = ci(d, se, df, level)
+    return math.exp(float(d)), float(low), float(high)
 
 
 CANARY_COLUMNS = ("ratio_canary", "ci_low_canary", "ci_high_canary")

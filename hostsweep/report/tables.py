@@ -48,8 +48,14 @@ def display_row(row: dict[str, object]) -> dict[str, str]:
         shown["device_ms"], shown["host_frac"], shown["regime"] = "-", "-", "-"
     shown.update({axis: str(row.get(axis) or usual) for axis, usual in VARIED_ONLY.items()})
     shown["stable"] = stable_mark(row)
-    shown["side"] = "" if row.get("side") is None or pd.isna(row.get("side")) else str(row.get("side"))  # type: ignore[arg-type]
+    shown["side"] = side_of(row)
     return shown
+
+
+def side_of(row: dict[str, object]) -> str:
+    """A paired study's side of the cell (a, b), '' for an unpaired one."""
+    side = row.get("side")
+    return "" if side is None or pd.isna(side) else str(side)  # type: ignore[arg-type]
 
 
 def stable_mark(row: dict[str, object]) -> str:
@@ -73,7 +79,7 @@ def table_columns(rows: list[dict[str, object]]) -> list[str]:
             columns.insert(sum(c in CELL_AXES for c in columns), axis)  # after the last axis shown
     if any(stable_mark(r) for r in rows):
         columns.append("stable")
-    if any(display_row(r)["side"] for r in rows):  # a paired study: each cell twice, side a and side b
+    if any(side_of(r) for r in rows):  # a paired study: each cell twice, side a and side b
         columns.insert(0, "side")
     return columns
 
