@@ -52,6 +52,9 @@ class RepTiming:
     # in a period of its own (measure/group.py); (period, round) names a round.
     period: int = 0
     canary_ms: Optional[float] = None  # the speed canary timed right after the pair (run/canary.py)
+    # A paired study measured in paired rounds (pair.design=rounds): the round's id, shared by
+    # the pairs of a cell's two sides timed back to back in it; "" otherwise.
+    pair_round: str = ""
 
 
 @dataclass(frozen=True)
