@@ -36,7 +36,8 @@ ENGINE_PARAMS = ("tp_executor", "engine_args")
 CELL_PARAMS = (*CELL_AXES, *PROTOCOL_PARAMS, *ENGINE_PARAMS)
 # Logged only off their default (adaptive repetitions, several engine starts): a cell
 # without them was measured with the default.
-OPTIONAL_PARAMS = ("target_ci_pct", "target_mde_pct", "min_reps", "max_reps", "replicates", "side", "pair_against")
+OPTIONAL_PARAMS = ("target_ci_pct", "target_mde_pct", "min_reps", "max_reps", "replicates", "side", "pair_against",
+                   "pair_design")
 INT_PARAMS = ("tp", "batch", "ctx", "T", "reps", "warmups")
 # What a run logged before an axis existed stands for (cells read back from older sweeps).
 LEGACY_AXIS_VALUES = {"mode": "eager", "workload": "random"}
@@ -114,6 +115,8 @@ class Cell:
     replicates: int = 1
     # A paired study's overrides of side b (pair.against as one string; the engine says the side).
     pair_against: str = ""
+    # How its pair is measured: "rounds" (both sides back to back in every round) or "starts".
+    pair_design: str = ""
 
     @cached_property  # asked many times a cell (plan, dispatch, worker); in __dict__, not a field
     def key(self) -> str:
@@ -144,7 +147,9 @@ class Cell:
         if e.debug_delay:
             fields.append({"debug_delay": e.debug_delay})
         if e.side:
-            fields.append({"pair": {"side": e.side, "against": self.pair_against, "python": e.python}})
+            pair = {"side": e.side, "against": self.pair_against, "python": e.python}
+            # paired rounds are another measurement than start pairs (start-pair keys stay as they were)
+            fields.append({"pair": {**pair, "design": "rounds"} if self.pair_design == "rounds" else pair})
         identity = json.dumps(fields, sort_keys=True)
         digest = hashlib.sha1(identity.encode()).hexdigest()[:10]
         return f"{e.label}/b{self.batch}/ctx{self.ctx}/T{self.T}/{digest}"
@@ -156,7 +161,8 @@ class Cell:
                 {"target_mde_pct": self.target_mde_pct}), "min_reps": self.min_reps, "max_reps": self.reps}
         return {**{name: self.param(name) for name in CELL_PARAMS}, **adaptive,
                 **({"replicates": self.replicates} if self.replicates != 1 else {}),
-                **({"side": self.engine.side, "pair_against": self.pair_against} if self.engine.side else {})}
+                **({"side": self.engine.side, "pair_against": self.pair_against, "pair_design": self.pair_design}
+                   if self.engine.side else {})}
 
     @property
     def adaptive(self) -> bool:
@@ -203,14 +209,15 @@ def engine_spec(study: Study, sku: SkuConfig, tp: int, mode: Optional[ModeConfig
 def build_cells(study: Study) -> list[Cell]:
     """Every cell of the study, grouped by engine spec (SKU-major, then model, mode, TP,
     batch, ctx, workload). Cells of a mode their SKU cannot run carry the reason in `skip`.
-    A paired study (pair.enabled or pair.against): side a's cells, then side b's, each in pair.starts engine
-    starts; the i-th engine group of one side is the partner of the other's i-th."""
+    A paired study (pair.enabled or pair.against): side a's cells, then side b's (in paired rounds
+    one engine start each, else pair.starts); the i-th engine group of one side is the partner
+    of the other's i-th."""
     if study.side_b is None:
         return _side_cells(study)
     p = study.config.pair
     text = against_text(p.against)
-    a = _side_cells(study, "a", "", text, p.starts)
-    b = _side_cells(study.side_b, "b", p.python or "", text, p.starts)
+    a = _side_cells(study, "a", "", text, p.starts, p.design)
+    b = _side_cells(study.side_b, "b", p.python or "", text, p.starts, p.design)
     for cell_a, cell_b in zip(a, b):
         if (cell_a.skip is None) != (cell_b.skip is None):
             raise ConfigError(f"pair.against: side {'b' if cell_b.skip else 'a'} cannot run "
@@ -219,7 +226,7 @@ def build_cells(study: Study) -> list[Cell]:
 
 
 def _side_cells(study: Study, side: str = "", python: str = "", pair_against: str = "",
-                starts: Optional[int] = None) -> list[Cell]:
+                starts: Optional[int] = None, design: str = "") -> list[Cell]:
     cfg, m = study.config, study.config.measure
     adaptive = m.target_ci_pct is not None or m.target_mde_pct is not None
     reps = m.max_reps if adaptive else m.reps
@@ -233,7 +240,8 @@ def _side_cells(study: Study, side: str = "", python: str = "", pair_against: st
         skip = unsupported_reason(mode, sku, spec.keyed_args)
         for batch, ctx, workload in product(cfg.batch, cfg.ctx, cfg.workload):
             cells.append(Cell(spec, batch, ctx, m.T, m.warmups, reps, m.seed, workload, skip, *rule,
-                              target_mde_pct=mde, replicates=starts or m.replicates, pair_against=pair_against))
+                              target_mde_pct=mde, replicates=starts or m.replicates, pair_against=pair_against,
+                              pair_design=design))
     return cells
 
 
@@ -268,3 +276,10 @@ def partner_keys(cells: list[Cell]) -> dict[str, str]:
     by_slot = {(c.engine, c.batch, c.ctx, c.workload): c.key for c in cells}
     return {c.key: by_slot[(specs[c.engine], c.batch, c.ctx, c.workload)] for c in cells
             if c.engine in specs and (specs[c.engine], c.batch, c.ctx, c.workload) in by_slot}
+
+
+def rounds_partners(cells: list[Cell]) -> dict[EngineSpec, EngineSpec]:
+    """A study's engine groups paired by rounds (pair.design=rounds), side a's spec mapped to
+    its partner's: the partner's engine starts in side a's worker, which times both."""
+    rounds = {c.engine for c in cells if c.pair_design == "rounds"}
+    return {a: b for a, b in partner_specs(cells).items() if a.side == "a" and a in rounds}

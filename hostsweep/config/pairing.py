@@ -32,6 +32,12 @@ ALLOWED_KEYS = ("mode", "modes", "model", "models", "tp", "sku", "skus", "engine
 GROUP_LOADERS = {"mode": load_mode, "model": load_model, "sku": load_sku}
 # What side b's Python must hold: the worker's own code and Ray at the driver's release.
 SIDE_MODULES = ("ray", "hostsweep", "vllm")
+# rounds: both engines in one worker, a cell's two sides timed back to back in every round;
+# starts: engine starts alternated ABBA; auto: rounds where the sides can share a worker.
+PAIR_DESIGNS = ("auto", "rounds", "starts")
+DEFAULT_STARTS = 3
+# Two engines on one GPU share its memory: their vLLM gpu_memory_utilization must fit beside each other.
+SHARED_GPU_MEMORY = 0.95
 
 
 def flat_overrides(against: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -114,7 +120,9 @@ def check_side_python(python: Optional[str]) -> None:
 def check_pair(cfg: Any) -> None:
     """The pair section of a paired study (pair.enabled or pair.against), before side b is resolved."""
     p = cfg.pair
-    if p.starts < 2:
+    if p.design not in PAIR_DESIGNS:
+        raise ConfigError(f"pair.design must be one of {', '.join(PAIR_DESIGNS)}, got {p.design!r}")
+    if p.starts is not None and p.starts < 2:
         raise ConfigError(f"pair.starts must be >= 2 (engine starts per side: the paired CI has starts - 1 degrees "
                           f"of freedom), got {p.starts}")
     if cfg.measure.replicates != 1:
@@ -136,3 +144,46 @@ def check_sides(a: Any, b: Any) -> None:
         raise ConfigError(f"pair.against: side a has {engine_groups(a)} engine group(s), side b {engine_groups(b)}; "
                           "each engine group of one side needs a partner on the other (e.g. tp=[1,2] against tp=4 "
                           "does not pair: give side b as many)")
+
+
+def rounds_refusal(a: Any, b: Any, asked: bool) -> Optional[str]:
+    """Why the sides cannot be measured in paired rounds (both engines in one worker), or None.
+    `asked`: pair.design=rounds was given (on a GPU the user then vouches for the memory split)."""
+    if a.config.pair.python:
+        return "side b runs under another Python (pair.python), so its engine cannot live in side a's worker"
+    if [s.name for s in a.skus] != [s.name for s in b.skus] or list(a.config.tp) != list(b.config.tp):
+        return "the sides differ in SKU or TP, so their engines need other nodes or GPUs"
+    if any(s.accelerator_type is not None for s in a.skus):
+        if not asked:
+            return ("on a GPU both engines would share its memory (give each side engine.gpu_memory_utilization "
+                    "that fit together, then pair.design=rounds)")
+        total = a.config.engine.gpu_memory_utilization + b.config.engine.gpu_memory_utilization
+        if total > SHARED_GPU_MEMORY:
+            return (f"both engines share each GPU, and their engine.gpu_memory_utilization add up to {total:g} "
+                    f"(> {SHARED_GPU_MEMORY}): lower it, for example engine.gpu_memory_utilization=0.45 for both")
+    return None
+
+
+def choose_design(a: Any, b: Any) -> str:
+    """The paired design a study is measured in (rounds or starts), from pair.design (auto: rounds
+    where the sides can share a worker and pair.starts is unset); a one-line
+    ConfigError where rounds was asked for and cannot be, or where the rounds design is given
+    what only the starts design takes."""
+    p, m = a.config.pair, a.config.measure
+    why = rounds_refusal(a, b, asked=p.design == "rounds")
+    if p.design == "rounds" and why:
+        raise ConfigError(f"pair.design=rounds: {why}; pair.design=starts pairs engine starts instead")
+    # auto: a study that names its engine starts (pair.starts) asks for start pairs
+    design = p.design if p.design != "auto" else ("starts" if why or p.starts is not None else "rounds")
+    if design == "starts":
+        return design
+    if p.starts is not None:
+        raise ConfigError(f"pair.starts={p.starts} is the starts design's: paired rounds start each side's engine once "
+                          "and pair within it (measure.reps rounds); drop pair.starts or give pair.design=starts")
+    if m.target_ci_pct is not None or m.target_mde_pct is not None:
+        raise ConfigError("measure.target_ci_pct / target_mde_pct stop a cell by its own CI; paired rounds time both "
+                          "sides measure.reps rounds each (give measure.reps, or pair.design=starts)")
+    if a.config.linearity.enabled:
+        raise ConfigError("linearity.enabled with paired rounds: the linearity check runs on one engine per worker; "
+                          "give pair.design=starts")
+    return design

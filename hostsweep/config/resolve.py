@@ -7,6 +7,7 @@ re-reads conf/ or re-validates.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Collection, Optional
@@ -15,11 +16,15 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hostsweep.config.machine import cpu_flags, default_dtype, local_sku_name
 from hostsweep.config.options import check_option, load_mode, load_model, load_sku
-from hostsweep.config.pairing import check_pair, check_side_python, check_sides, side_b_raw
+from hostsweep.config.pairing import (
+    DEFAULT_STARTS, check_pair, check_side_python, check_sides, choose_design, side_b_raw,
+)
 from hostsweep.config.schema import ConfigError, ModeConfig, ModelConfig, ShapeConfig, SkuConfig, SweepConfig
 from hostsweep.config.shapes import shape_from_hf_config
 from hostsweep.config.validation import names, positive_ints, validate
 from hostsweep.config.vllm_fields import ENGINE_ARG_FIELDS
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -125,4 +130,15 @@ def resolve(raw: DictConfig, engine_fields: Collection[str] = ENGINE_ARG_FIELDS)
         raise ConfigError(message if message.startswith("pair.") else f"pair.against (side b): {message}") from None
     check_sides(study, side_b)
     check_side_python(cfg.pair.python)
+    design = choose_design(study, side_b)
+    starts = 1 if design == "rounds" else (cfg.pair.starts or DEFAULT_STARTS)
+    split = cfg.split.enabled and design != "rounds"
+    if cfg.split.enabled and not split:
+        # Both engines live in one process, whose front-end hooks the profiled pairs need one engine to own.
+        log.warning("pair.design=rounds: the split (split.enabled) is not measured in paired rounds; "
+                    "pair.design=starts measures it")
+    for side in (cfg, side_b.config):
+        side.pair.design, side.pair.starts, side.split.enabled = design, starts, split
+    with open_dict(raw):
+        raw.pair.design, raw.pair.starts, raw.split.enabled = design, starts, split
     return replace(study, side_b=side_b)

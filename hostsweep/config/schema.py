@@ -189,12 +189,17 @@ class PairConfig:
     """A paired A/B study (config/pairing.py, docs/measurement.md#paired-ab-sweeps-pairenabled-pairagainst): side b is
     this study with the `against` keys set (+pair.against.mode=graph, +pair.against.tp=2,
     +pair.against.debug.delay_ms=0.6, +pair.against.engine.engine_args.KEY=V); both sides
-    are measured in one sweep, their engine starts alternated A B, B A, A B ... so both
-    meet the same machine."""
+    are measured in one sweep so both meet the same machine: in paired rounds (a cell's
+    two sides timed back to back in every round) or in start pairs (engine starts
+    alternated A B, B A, A B ...)."""
 
     enabled: bool = False  # true with no `against`: a paired A/A (the machine's noise floor); implied by `against`
     against: dict[str, Any] = field(default_factory=dict)  # side b's overrides, as nested keys
-    starts: int = 3  # engine starts per side (start pairs); the paired CI has starts - 1 df
+    # rounds: both sides' engines in one worker, a cell's two pairs timed back to back in every
+    # round; starts: engine starts alternated ABBA, the CI over start pairs; auto: rounds where
+    # the sides can share a worker (one CPU node, same TP, one Python), else starts
+    design: str = "auto"
+    starts: Optional[int] = None  # engine starts per side of the starts design (default 3); the CI has starts - 1 df
     python: Optional[str] = None  # side b's Python (another vLLM/torch release), Ray's runtime_env py_executable
 
     @property

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, defaultdict, deque
-from itertools import islice
+from itertools import chain, islice, zip_longest
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional, Protocol
 
-from hostsweep.config.grid import Cell, EngineSpec, group_by_engine, partner_specs
+from hostsweep.config.grid import Cell, EngineSpec, group_by_engine, partner_specs, rounds_partners
 from hostsweep.measure.replicates import merge_starts
 from hostsweep.measure.results import CellResult, MeasureOptions, stability_rules_of
 from hostsweep.run import signals
@@ -42,8 +42,9 @@ class WorkerBackend(Protocol):
     def now(self) -> float:
         """Seconds on a monotonic clock."""
 
-    def start(self, spec: EngineSpec) -> object:
-        """A new worker; its engine starts in the background."""
+    def start(self, spec: EngineSpec, partner: Optional[EngineSpec] = None) -> object:
+        """A new worker; its engine starts in the background (and `partner`'s beside it, in the
+        same worker: a paired study's side b, measured in paired rounds)."""
 
     def submit(self, worker: object, cell: Cell, options: MeasureOptions, companions: tuple[Cell, ...] = ()) -> object:
         """Ask the worker to measure a cell (with `companions`, the cells it will be asked for
@@ -92,6 +93,14 @@ class Dispatcher:
                  should_stop: Callable[[], Optional[str]] = lambda: None, log_dir: Optional[Path] = None,
                  prestarted: Optional[dict[EngineSpec, tuple[object, float]]] = None) -> None:
         self.queues = {spec: deque(group) for spec, group in group_by_engine(cells).items()}
+        # Paired rounds (pair.design=rounds): side b's engine starts in side a's worker, which
+        # times a cell's two sides back to back in every round; the pair is one queue (a1 b1
+        # a2 b2 ...), so a cell and its partner go to that worker in one group of companions.
+        self.rounds_partner = rounds_partners(cells)
+        for a, b in self.rounds_partner.items():
+            both = zip_longest(self.queues[a], self.queues.pop(b))
+            self.queues[a] = deque(cell for cell in chain.from_iterable(both) if cell is not None)
+        self.worker_spec = {b: a for a, b in self.rounds_partner.items()}
         # measure.replicates: each spec's cells again in fresh engine starts; a cell's results
         # are held until its last start, then merged (measure/replicates.py) and reported.
         self.replicates = max((cell.replicates for cell in cells), default=1)
@@ -100,7 +109,8 @@ class Dispatcher:
         # A paired study (pair.against): each engine group and its partner take turns, one
         # engine start at a time, A B, B A, A B ... (ABBA: drift that is linear over a pair
         # of pairs lands on both sides alike); the turns of each pair, keyed by its side a.
-        self.partner = partner_specs(cells)
+        self.partner = {spec: other for spec, other in partner_specs(cells).items()
+                        if spec in self.queues and other in self.queues}
         self.turns: dict[EngineSpec, deque[EngineSpec]] = {
             a: deque(spec for i in range(self.replicates) for spec in ((a, b) if i % 2 == 0 else (b, a)))
             for a, b in self.partner.items() if a.side == "a"}
@@ -168,7 +178,7 @@ class Dispatcher:
         return worker_log_path(self.log_dir, spec.label) if self.log_dir is not None else None
 
     def _failed(self, cell: Cell, reason: str) -> CellResult:
-        return failed_result(cell, reason, self._log_file(cell.engine))
+        return failed_result(cell, reason, self._log_file(self.worker_spec.get(cell.engine, cell.engine)))
 
     def _start_cause(self, spec: EngineSpec, reason: str) -> str:
         """Why an engine did not start: the first error its worker's log shows since that
@@ -221,7 +231,7 @@ class Dispatcher:
         if not self.queues[spec] or self.stopped:
             return
         if spec not in self.workers:
-            self.workers[spec] = self.backend.start(spec)
+            self.workers[spec] = self.backend.start(spec, self.rounds_partner.get(spec))
             self.started_at[spec] = self.backend.now()
             self.ready_at.pop(spec, None)
             self.given[spec].clear()  # a new worker keeps nothing

@@ -79,7 +79,7 @@ def prompt_seed(cell: Cell) -> int:
 
 class SweepWorker(SplitProfiling):
     def __init__(self, spec: EngineSpec, workdir: Optional[str] = None, log_file: Optional[str] = None,
-                 own_process: bool = False) -> None:
+                 own_process: bool = False, partner: Optional[EngineSpec] = None) -> None:
         # First, so the engine's processes inherit the redirected fds.
         self.log_path = redirect_output(Path(log_file), f"worker for {spec.label}") if log_file else None
         self._phase = "starting engine"
@@ -98,15 +98,28 @@ class SweepWorker(SplitProfiling):
         if spec.accelerator_type is not None and spec.tp > 1:
             tp_gpus = hand_gpus_to_ranks(spec.tp_executor, os.environ)
         before = descendant_pids(os.getpid())
-        started = time.perf_counter()
+        self.partner = partner
+        self.engines: dict[EngineSpec, Engine] = {}
+        start_s: dict[EngineSpec, float] = {}
         try:
             with engine_temp_folder(self.scratch):
-                self.engine: Engine = start_engine(spec, folder)
+                # paired rounds: side b's engine beside side a's, in a folder of its own
+                for which, where in ((spec, folder), (partner, folder / "side-b")):
+                    if which is None:
+                        continue
+                    self._phase = f"starting the engine for {which.label}"
+                    where.mkdir(parents=True, exist_ok=True)
+                    started = time.perf_counter()
+                    self.engines[which] = start_engine(which, where)
+                    start_s[which] = time.perf_counter() - started
         except BaseException:
-            log.exception("the engine for %s did not start", spec.label)  # into the worker's log
+            log.exception("the engine for %s did not start", self._phase[len("starting the engine for "):])
+            for engine in self.engines.values():  # side a's, when side b's did not start
+                engine.close()
             self._remove_scratch()
             raise
-        engine_start_s = time.perf_counter() - started
+        self.engine: Engine = self.engines[spec]
+        engine_start_s = start_s[spec]
         self.watch = EngineWatch(engine_processes(os.getpid(), before) if self.engine.starts_processes else [])
         self._profile_count = 0
         # Cells measured in a group's rounds that the dispatcher has not asked for yet.
@@ -128,6 +141,11 @@ class SweepWorker(SplitProfiling):
         }
         if self.log_path is not None:
             self.host["worker_log"] = str(self.log_path)
+        # Each side's provenance is its own engine's; the machine's is the worker's.
+        self.hosts = {spec: self.host}
+        if partner is not None:
+            self.hosts[partner] = {**self.host, **self.engines[partner].describe(),
+                                   "engine_start_s": f"{start_s[partner]:.1f}"}
         if own_process:  # a Ray actor: what the engine's start made lives as long as this worker
             freeze_long_lived()
         self._phase = "ready"
@@ -169,33 +187,41 @@ class SweepWorker(SplitProfiling):
     def _remove_scratch(self) -> None:
         shutil.rmtree(self.scratch, ignore_errors=True)
 
-    def _timed_generate(self, prompts: list[list[int]], spec_log: Optional[list[list[dict]]] = None):
-        """A generate of the prompts timed in seconds; with speculation, the per-request
-        counts of each T-token generate go to spec_log."""
+    def _timed_generate(self, prompts: list[list[int]], spec_log: Optional[list[list[dict]]] = None,
+                        engine: Optional[Engine] = None):
+        """A generate of the prompts timed in seconds (on `engine`, else the worker's); with
+        speculation, the per-request counts of each T-token generate go to spec_log."""
+        engine = engine if engine is not None else self.engine
+
         def timed(tokens: int) -> float:
             start = time.perf_counter()
-            lengths = self.engine.generate(prompts, tokens)
+            lengths = engine.generate(prompts, tokens)
             elapsed = time.perf_counter() - start
             # A request that stopped early would shrink wall_T and corrupt the step time.
             if any(n != tokens for n in lengths):
                 raise RuntimeError(f"asked for {tokens} tokens per request, engine produced {lengths}")
-            stats = self.engine.spec_stats() if tokens > 1 and spec_log is not None else None
+            stats = engine.spec_stats() if tokens > 1 and spec_log is not None else None
             if stats is not None:
                 spec_log.append(stats)
             return elapsed
 
         return timed
 
+    def engine_of(self, cell: Cell) -> Engine:
+        """The engine that serves the cell: the worker's, or in paired rounds its side's."""
+        return self.engines.get(cell.engine, self.engine)
+
     def prompts(self, cell: Cell) -> list[list[int]]:
         """The cell's prompts: random token ids, or (workload=repeat) the model's own greedy
         text grown from a few random tokens to ctx, which it then continues as it did."""
-        prompts = random_prompts(cell.batch, cell.ctx, self.engine.vocab_size(), prompt_seed(cell))
+        engine = self.engine_of(cell)
+        prompts = random_prompts(cell.batch, cell.ctx, engine.vocab_size(), prompt_seed(cell))
         if cell.workload != "repeat":
             return prompts
         self._phase = "writing prompts"
         seeds = own_text_seeds(prompts)
-        self.engine.generate(seeds, cell.ctx - len(seeds[0]))
-        return [seed + text for seed, text in zip(seeds, self.engine.last_tokens())]
+        engine.generate(seeds, cell.ctx - len(seeds[0]))
+        return [seed + text for seed, text in zip(seeds, engine.last_tokens())]
 
     def _rounds(self, cells: Sequence[Cell], generates: list, options: MeasureOptions, what: str,
                 journal: Optional[RoundJournal] = None,
@@ -270,6 +296,63 @@ class SweepWorker(SplitProfiling):
                 journal.close(cell.key)
         return group.timed_cells()
 
+    def _measure_paired_group(self, cells: Sequence[Cell], options: MeasureOptions) -> dict[str, TimedCell]:
+        """Paired rounds (pair.design=rounds): each cell of side a and its partner of side b
+        (same batch, ctx, workload) are one slot of the group's rounds, their two pairs timed
+        back to back in it, side a first in every other round of the slot (so each side is
+        first as often), each pair with its contention record and canary. Both pairs of a
+        slot's round carry its id (RepTiming.pair_round), which the paired diff matches them
+        by: drift slower than a round's two pairs lands on both sides alike. A cell whose
+        partner is not in the group (its partner reported earlier, a retry) is timed in the
+        rounds alone and carries no partner's round. The rounds are not journaled: a killed
+        paired sweep measures the group again."""
+        slots: list[list[Cell]] = []
+        partners = {(c.batch, c.ctx, c.workload): c for c in cells if c.engine == self.partner}
+        for cell in cells:
+            if cell.engine == self.spec:
+                slots.append([cell, *([p] if (p := partners.pop((cell.batch, cell.ctx, cell.workload), None)) else [])])
+        slots += [[alone] for alone in partners.values()]
+        sides = {spec: [c for slot in slots for c in slot if c.engine == spec] for spec in self.engines}
+        groups = {spec: GroupMeasurement(side, [self.prompts(c) for c in side], options)
+                  for spec, side in sides.items() if side}
+        generates: dict[str, object] = {}
+        for spec, group in groups.items():
+            group.generates = [self._timed_generate(p, log, self.engines[spec])
+                               for p, log in zip(group.prompts, group.spec_logs)]
+            generates.update((c.key, g) for c, g in zip(group.cells, group.generates))
+            self._warm_up(group.cells, group.generates)
+            group.mark_attempt(range(len(group.cells)))
+        timings: dict[str, list[RepTiming]] = {c.key: [] for slot in slots for c in slot}
+        where = {"round": 0}
+        rounds_id = f"{os.getpid()}-{time.time_ns() % 10**12}"  # unique per group: a retry's rounds never match
+        m = options.measure
+
+        def timed(cell: Cell, k: int, t1_first: bool, round_id: str) -> RepTiming:
+            mark = self.probe.mark()
+            timing = time_pair(generates[cell.key], cell.T, k, t1_first)  # type: ignore[arg-type]
+            contention = self.probe.since(mark)
+            canary = self.canary.time_ms() if m.canary else None
+            return dataclasses.replace(timing, contention=contention, canary_ms=canary, pair_round=round_id)
+
+        def pair(i: int, k: int, t1_first: bool) -> RepTiming:
+            slot, r = slots[i], where["round"]
+            round_id = f"{rounds_id}:{r}"
+            order = slot if (k + i) % 2 == 0 else slot[::-1]
+            for cell in order:
+                timing = timed(cell, k, t1_first, round_id)
+                timings[cell.key].append(dataclasses.replace(timing, rep=k, round=r))
+            return timings[slot[0].key][-1]
+
+        def on_round(r: int, active: int) -> None:
+            where["round"] = r - 1
+            self._phase = f"paired rounds: round {r} of {max(c.reps for c in cells)}, {active} slot(s)"
+            self.probe.refresh()
+
+        interleaved_rounds([slot[0].reps for slot in slots], pair, cells[0].seed, None, on_round)
+        for group in groups.values():
+            group.take_period([timings[c.key] for c in group.cells])
+        return {key: timed_cell for group in groups.values() for key, timed_cell in group.timed_cells().items()}
+
     def _timed_cell(self, cell: Cell, options: MeasureOptions, companions: Sequence[Cell]) -> TimedCell:
         """The cell's timed measurement: kept from its group's rounds, or measured now with the
         companions the dispatcher will ask for next (measure.interleave), which are kept."""
@@ -277,9 +360,10 @@ class SweepWorker(SplitProfiling):
         if kept is not None:
             return kept
         group = [cell]
-        if options.measure.interleave:
+        if options.measure.interleave or self.partner is not None:  # paired rounds time partners together
             group += [c for c in companions if c.key not in self._timed_cells and c.key != cell.key]
-        measured = self._measure_group(group, options)
+        measured = self._measure_paired_group(group, options) if self.partner is not None \
+            else self._measure_group(group, options)
         kept = measured.pop(cell.key)
         self._timed_cells.update(measured)
         return kept
@@ -310,7 +394,7 @@ class SweepWorker(SplitProfiling):
             lin = self._linearity(prompts, options, keep) if options.linearity_T else None
             self._phase = "py-spy" if options.pyspy_seconds > 0 else self._phase
             states = record_thread_states(os.getpid(), options.pyspy_seconds,
-                                          lambda: self._timed_generate(prompts)(cell.T)) \
+                                          lambda: self._timed_generate(prompts, engine=self.engine_of(cell))(cell.T)) \
                 if options.pyspy_seconds > 0 else None
         except Exception as exc:  # the sweep goes on; the reason is recorded with the cell
             dead = self.watch.fault()
@@ -321,10 +405,10 @@ class SweepWorker(SplitProfiling):
             sys.stdout.flush()
             sys.stderr.flush()
             return CellResult(key=cell.key, params=cell.params(), status="FAILED", measurement=None, error=reason,
-                              host=self.host_info(), duration_s=time.perf_counter() - start, started_at=started_at,
+                              host=dict(self.hosts.get(cell.engine, self.host)), duration_s=time.perf_counter() - start, started_at=started_at,
                               ended_at=time.time(), log_tail=log_tail(self.log_path))
         self._phase = "recording"
-        host = {**self.host_info(), "prompt_digest": prompt_digest(prompts)}
+        host = {**self.hosts.get(cell.engine, self.host), "prompt_digest": prompt_digest(prompts)}
         journal = round_journal(options.rounds_dir, self.host)
         if journal:  # its pairs travel with the result now; the driver journals it at once
             journal.done(cell.key)
@@ -339,7 +423,8 @@ class SweepWorker(SplitProfiling):
         node (and its GPUs) must not start beside a dying one."""
         self.watch.closing = True
         try:
-            self.engine.close()
+            for engine in self.engines.values():
+                engine.close()
             self._engine_gone(ENGINE_EXIT_WAIT_S)
         finally:
             self._remove_scratch()

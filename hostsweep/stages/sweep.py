@@ -30,7 +30,7 @@ import pandas as pd
 
 from omegaconf import DictConfig, OmegaConf
 
-from hostsweep.config.grid import Cell, build_cells, group_by_engine, partner_keys, runnable
+from hostsweep.config.grid import Cell, build_cells, group_by_engine, partner_keys, rounds_partners, runnable
 from hostsweep.config.pairing import against_text
 from hostsweep.config.redact import error_line, redact
 from hostsweep.config.resolve import Study, resolve
@@ -321,9 +321,11 @@ def _sweep(study: Study, grid: list[Cell], run_dir: Path, backend: WorkerBackend
     # Engines start (actor, vLLM import, engine init: tens of seconds) while MLflow is opened,
     # earlier cells are looked up and claims are made; those left with nothing to do go back.
     try:
-        # a paired study's side b waits for its turn (run/dispatch.py): its engines are not prestarted
-        prestarted = {spec: (backend.start(spec), backend.now()) for spec in group_by_engine(runnable(grid))
-                      if spec.side != "b"}
+        # a paired study's side b waits for its turn, or (paired rounds) starts in side a's worker
+        # (run/dispatch.py): its engines are not prestarted on their own
+        partners = rounds_partners(runnable(grid))
+        prestarted = {spec: (backend.start(spec, partners.get(spec)), backend.now())
+                      for spec in group_by_engine(runnable(grid)) if spec.side != "b"}
     except BaseException as exc:
         opening.abandon(f"an engine could not be started: {error_line(exc)}")
         raise

@@ -22,7 +22,8 @@ DELAY = ["+pair.against.debug.delay_phase=sample", "+pair.against.debug.delay_ms
 
 
 def test_side_b_is_the_study_with_the_against_keys_and_side_a_the_study_as_given():
-    study = compose_typed([*FAST, "+pair.against.mode=graph", "+pair.against.engine.engine_args.block_size=32"])
+    study = compose_typed([*FAST, "+pair.against.mode=graph", "+pair.against.engine.engine_args.block_size=32",
+                           "pair.design=starts"])
     assert study.config.mode.name == "eager" and study.side_b is not None
     assert study.side_b.config.mode.name == "graph" and study.side_b.config.engine.engine_args == {"block_size": 32}
     assert study.side_b.config.batch == study.config.batch and not study.side_b.config.pair.paired
@@ -89,7 +90,7 @@ def study(request, new_store, tmp_path, monkeypatch):
 
 def test_a_stop_in_the_last_engine_start_measures_both_sides_again_never_one_with_the_others_starts(study, tmp_path):
     store, args = study
-    args = [*args, *DELAY]
+    args = [*args, *DELAY, "pair.design=starts"]
     cells = build_cells(compose_typed(args))
 
     def stop_in_sixth_start(cell, seen=[]):  # A B B A A B: the sixth is side b's last
@@ -114,6 +115,7 @@ def test_a_stop_in_the_last_engine_start_measures_both_sides_again_never_one_wit
 def test_a_paired_sweep_ends_with_its_diff_the_gate_passing_an_aa_and_failing_a_planted_slowdown(study, tmp_path,
                                                                                                   capsys):
     store, args = study
+    args = [*args, "pair.design=starts"]
     aa = [*args, "pair.enabled=true", "diff.fail_on=slower", "study=aa"]
     assert sweep.run(compose_raw(aa), tmp_path / "aa", FakeBackend(tmp_path / "w1")) == 0
     out = capsys.readouterr().out

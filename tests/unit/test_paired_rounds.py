@@ -1,0 +1,193 @@
+"""Paired rounds (pair.design=rounds): both sides' engines in one worker, a cell's two pairs
+timed back to back in every round, so a machine whose speed swings between rounds lands on
+both sides of a round alike; where the sides cannot share a worker the study says why in one
+line, or (auto) pairs engine starts instead."""
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from hostsweep.config.grid import build_cells, group_by_engine, rounds_partners
+from hostsweep.config.schema import ConfigError
+from hostsweep.measure.results import MeasureOptions
+from tests.conftest import compose_typed
+
+FAST = ["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=12", "measure.warmups=1", "ctx=[16]",
+        "batch=[1,2]", "measure.max_foreign_cpu_frac=1.0", "measure.max_canary_shift_pct=1000"]
+
+
+def sides(cells):
+    return [c for c in cells if c.engine.side == "a"], [c for c in cells if c.engine.side == "b"]
+
+
+def test_a_paired_study_on_a_cpu_node_is_measured_in_paired_rounds_one_engine_start_each(caplog):
+    study = compose_typed([*FAST, "pair.enabled=true"])
+    assert (study.config.pair.design, study.config.pair.starts) == ("rounds", 1)
+    cells = build_cells(study)
+    a, b = sides(cells)
+    assert {c.replicates for c in cells} == {1} and {c.params()["pair_design"] for c in cells} == {"rounds"}
+    assert rounds_partners(cells) == {a[0].engine: b[0].engine}
+    starts = build_cells(compose_typed([*FAST, "pair.enabled=true", "pair.design=starts"]))
+    assert {c.key for c in starts}.isdisjoint(c.key for c in cells)  # another measurement, another key
+    assert rounds_partners(starts) == {} and {c.replicates for c in starts} == {3}
+    # the split needs one engine per process: off in paired rounds, and the run says so
+    assert not compose_typed([*FAST, "pair.enabled=true", "split.enabled=true"]).config.split.enabled
+    assert "the split (split.enabled) is not measured in paired rounds" in caplog.text
+
+
+def test_sides_that_cannot_share_a_worker_pair_engine_starts_unless_rounds_were_asked_for(tmp_path):
+    import sys
+
+    auto = compose_typed([*FAST, "pair.enabled=true", f"pair.python={sys.executable}"])
+    assert (auto.config.pair.design, auto.config.pair.starts) == ("starts", 3)
+    assert compose_typed([*FAST, "+pair.against.tp=2", "tp=[1]"]).config.pair.design == "starts"
+    gpu = ["+sku=h200", "engine.name=fake", "ctx=[16]", "batch=[1]", "pair.enabled=true"]
+    assert compose_typed(gpu).config.pair.design == "starts"
+    shared = compose_typed([*gpu, "pair.design=rounds", "engine.gpu_memory_utilization=0.45"])
+    assert shared.config.pair.design == "rounds"
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["pair.design=rounds", "pair.python=" + __import__("sys").executable],
+     "pair.design=rounds: side b runs under another Python (pair.python)"),
+    (["pair.design=rounds", "+pair.against.tp=2"], "pair.design=rounds: the sides differ in SKU or TP"),
+    (["pair.design=rounds", "pair.starts=3"], "pair.starts=3 is the starts design's"),
+    (["measure.target_ci_pct=2"], "paired rounds time both sides measure.reps rounds each"),
+    (["linearity.enabled=true"], "linearity.enabled with paired rounds"),
+    (["pair.design=sometimes"], "pair.design must be one of auto, rounds, starts"),
+])
+def test_a_rounds_design_the_sides_cannot_take_is_refused_in_one_line(overrides, needle):
+    with pytest.raises(ConfigError) as refused:
+        compose_typed([*FAST, "pair.enabled=true", *overrides])
+    assert needle in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_two_gpu_engines_whose_memory_does_not_fit_beside_each_other_are_refused():
+    with pytest.raises(ConfigError, match=r"add up to 1.8 \(> 0.95\)"):
+        compose_typed(["+sku=h200", "engine.name=fake", "ctx=[16]", "batch=[1]", "pair.enabled=true",
+                       "pair.design=rounds"])
+
+
+class VirtualClock:
+    """The worker's clock, advanced only by the modelled work: known answers however busy the
+    machine running the test is."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    @staticmethod
+    def time() -> float:
+        return time.time()
+
+    @staticmethod
+    def time_ns() -> int:
+        return time.time_ns()
+
+
+def paired_worker(tmp_path, monkeypatch, cells, planted: float, swing: float, noise: float = 0.01):
+    """A worker holding both sides' fake engines on a virtual clock. Every generate takes the
+    fake engine's modelled time times the machine's speed, which swings between 1 and `swing`
+    every 5 generates (a machine whose speed changes faster than an engine start), times
+    `planted` on side b, with lognormal `noise`. Returns the worker and the generate log
+    (side, batch, tokens) in call order."""
+    from hostsweep.run import worker as worker_module
+
+    monkeypatch.setenv("HOSTSWEEP_FAKE_TIME_SCALE", "0")
+    clock, rng, calls = VirtualClock(), np.random.default_rng(5), []
+    monkeypatch.setattr(worker_module, "time", clock)
+    a, b = sides(cells)
+    worker = worker_module.SweepWorker(a[0].engine, str(tmp_path), partner=b[0].engine)
+    for spec, engine in worker.engines.items():
+        generate = engine.generate
+
+        def timed(prompts, tokens, engine=engine, generate=generate, side=spec.side):
+            out = generate(prompts, tokens)
+            speed = swing if (len(calls) // 5) % 2 else 1.0
+            modelled = engine.overhead_s + engine.cycle_seconds(len(prompts), len(prompts[0])) * tokens
+            clock.now += modelled * speed * (planted if side == "b" else 1.0) * float(np.exp(rng.normal(0, noise)))
+            calls.append((side, len(prompts), tokens))
+            return out
+
+        engine.generate = timed
+    return worker, calls
+
+
+def measured(worker, cells, options):
+    """Every cell measured as the dispatcher asks: the first with the rest as its companions."""
+    queue = [c for pair in zip(*sides(cells)) for c in pair]
+    return {c.key: worker.measure(c, options, tuple(queue[i + 1:])) for i, c in enumerate(queue)}
+
+
+def test_a_cells_two_sides_are_timed_back_to_back_in_every_round_each_side_first_as_often(tmp_path, monkeypatch):
+    study = compose_typed([*FAST, "pair.enabled=true"])
+    cells = build_cells(study)
+    worker, calls = paired_worker(tmp_path, monkeypatch, cells, planted=1.0, swing=1.0)
+    results = measured(worker, cells, MeasureOptions.of(study.config))
+    assert {r.status for r in results.values()} == {"FINISHED"}
+    assert {r.host["hostname"] for r in results.values()} and len(group_by_engine(cells)) == 2
+    for a, b in zip(*sides(cells)):
+        pa, pb = results[a.key].measurement.reps, results[b.key].measurement.reps
+        assert len(pa) == len(pb) == 12 and len({p.pair_round for p in pa}) == 12
+        assert [p.pair_round for p in pa] == [p.pair_round for p in pb] and [p.round for p in pa] == [p.round for p in pb]
+    timed = calls[2 * 2 * 2:]  # after each cell's warm-up pair (T=1 and T) on both sides
+    pairs = [timed[i:i + 2] for i in range(0, len(timed), 2)]
+    assert all(p[0][0] == p[1][0] and p[0][1] == p[1][1] for p in pairs)  # a pair is one side's T=1 and T
+    slots = [pairs[i:i + 2] for i in range(0, len(pairs), 2)]
+    assert all(s[0][0][1] == s[1][0][1] and {s[0][0][0], s[1][0][0]} == {"a", "b"} for s in slots)  # back to back
+    first = Counter((s[0][0][1], s[0][0][0]) for s in slots)
+    assert first == {(1, "a"): 6, (1, "b"): 6, (2, "a"): 6, (2, "b"): 6}
+
+
+@pytest.mark.parametrize("planted", [1.0, 1.10])
+def test_a_machine_whose_speed_swings_between_rounds_leaves_the_per_round_ratio_at_the_planted_one(
+        tmp_path, monkeypatch, planted):
+    study = compose_typed([*FAST, "pair.enabled=true"])
+    cells = build_cells(study)
+    worker, _ = paired_worker(tmp_path, monkeypatch, cells, planted=planted, swing=1.5)
+    results = measured(worker, cells, MeasureOptions.of(study.config))
+    for a, b in zip(*sides(cells)):
+        pa, pb = results[a.key].measurement.reps, results[b.key].measurement.reps
+        steps = np.array([p.step_s for p in pa])
+        assert steps.max() / steps.min() > 1.3  # each side met both speeds of the machine
+        ratios = np.array([q.step_s / p.step_s for p, q in zip(pa, pb)])
+        assert abs(float(np.median(ratios)) / planted - 1) < 0.03
+
+
+@pytest.fixture
+def study_args(request, new_store, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    store = new_store(tmp_path / "mlflow.db")
+    return store, [*FAST, "split.enabled=false", "ray.exclusive=false", "tracking.heartbeat_s=0.5",
+                   "tracking.outage_s=1", "tracking.stale_after_s=5", f"tracking.uri={store}",
+                   f"study={request.node.name[:50]}"]
+
+
+def test_a_paired_rounds_sweep_starts_one_worker_per_pair_holding_both_engines(study_args, tmp_path):
+    import mlflow
+
+    from hostsweep.record.read.sides import timed_pairs
+    from hostsweep.stages import sweep
+    from tests.conftest import compose_raw
+    from tests.fakes import FakeBackend
+
+    store, args = study_args
+    args = [*args, "+pair.against.debug.delay_phase=sample", "+pair.against.debug.delay_ms=0.5"]
+    backend = FakeBackend(tmp_path / "w")
+    assert sweep.run(compose_raw(args), tmp_path / "run", backend) == 0
+    cells = build_cells(compose_typed(args))
+    a, b = sides(cells)
+    assert [e for e in backend.events if e.startswith("start")] == [f"start {a[0].engine.label} with {b[0].engine.label}"]
+    assert Counter(backend.measured) == {c.key: 1 for c in cells}
+    mlflow.set_tracking_uri(store)
+    runs = mlflow.search_runs(experiment_names=[compose_typed(args).experiment])
+    run_of = dict(zip(runs["tags.cell_key"], runs["run_id"]))
+    for x, y in zip(a, b):
+        ta, tb = timed_pairs(run_of[x.key]), timed_pairs(run_of[y.key])
+        assert list(ta["pair_round"]) == list(tb["pair_round"]) and ta["pair_round"].nunique() == 12
+        assert float(np.median(tb["step_ms"] / ta["step_ms"])) > 1.1  # the planted 0.5 ms on about 1 ms steps
