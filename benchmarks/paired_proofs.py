@@ -2,14 +2,21 @@
 on the real engine, against known truth.
 
 Runs `python -m hostsweep` on a 16-cell grid (batch 1/2/4/8 x ctx 128/256/512/1024, split
-off, 12 timed pairs), each run in a fresh folder with its own MLflow store:
+off), each run in a fresh folder with its own MLflow store:
 
     aa-1, aa-2, aa-3   paired A/A (pair.enabled=true): both sides the same configuration,
-                       engine starts alternated A B, B A, A B; the sweep's own paired diff
-                       with diff.fail_on=slower. Truth: nothing changed.
+                       in paired rounds (--design rounds: both engines in one worker, a
+                       cell's two sides timed back to back in each of --reps rounds) or in
+                       start pairs (--design starts: engine starts alternated A B, B A, A B);
+                       the sweep's own paired diff with diff.fail_on=slower. Truth: nothing
+                       changed.
     ab                 paired A/B with a planted 0.6 ms busy-wait in every engine step's
                        sample phase on side b (+pair.against.debug.delay_ms=0.6). Truth: each
                        cell's step grows by 0.6 ms, a ratio of 1 + 0.6 / step_a.
+    calibrate          (by --runs) two cells, b1 and b8 at ctx 128, in paired rounds with many
+                       rounds: what the planted busy-wait really adds to a step here (the
+                       median over rounds of b - a, with its CI), the truth the planted
+                       ratios are read against beside 1 + 0.6 / step_a.
     seq-paired         the paired runs' sides read as studies measured apart (stage=diff of
                        aa-1's side a against aa-2's, aa-2's side b against ab's): the same
                        measurements, judged sequentially, to show what pairing buys.
@@ -23,17 +30,19 @@ It prints per run the gate's result, the verdict counts, how many planted ratios
 their cell's CI, and the wall time; the targets: every paired A/A passes with no cell slower
 or faster; the planted pair finds every cell slower with the planted ratio inside >= 90 %
 of the CIs. Ratios and CIs come from each run's diff/diff.csv. Then, per paired run, the
-speed canary beside the cells' steps for each engine start in the order they ran: how far
-the machine's speed moved between starts and whether the canary saw it.
+speed canary beside the cells' steps: per engine start in the order they ran (start pairs),
+or over the rounds (paired rounds: how far the machine's speed moved across the run against
+how far the per-round ratio of the two sides moved).
 
     .venv/bin/python benchmarks/paired_proofs.py [--runs aa-1,aa-2,aa-3,ab,seq] [--keep DIR]
-        [--starts 3] [hydra overrides...]
+        [--design rounds|starts] [--reps 40] [--starts 3] [--rediff] [hydra overrides...]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -104,6 +113,19 @@ def canary_beside_steps(root: Path, study: str) -> tuple[pd.DataFrame, float]:
     the cells' steps relative to each cell's own median over every start of both sides (the
     machine's speed as the engine saw it), from every cell's raw_timings.csv; and the
     correlation of canary and relative step over the rounds of every start."""
+    pairs = raw_pairs(root, study)
+    pairs["step_rel"] = pairs["step_ms"] / pairs.groupby("cell")["step_ms"].transform("median")
+    k = int(pairs["replicate"].max()) + 1
+    order = {key: i + 1 for i, key in enumerate(abba(k))}
+    pairs["ran"] = [order[(s, int(r))] for s, r in zip(pairs["side"], pairs["replicate"])]
+    rounds = pairs.groupby(["ran", "round"])[["canary_ms", "step_rel"]].median()
+    starts = pairs.groupby("ran").agg(side=("side", "first"), start=("replicate", "first"),
+                                      canary_ms=("canary_ms", "median"), step_rel=("step_rel", "median"))
+    return starts.reset_index(), float(rounds["canary_ms"].corr(rounds["step_rel"]))
+
+
+def raw_pairs(root: Path, study: str) -> pd.DataFrame:
+    """Every timed pair of a paired run's finished cells, with its side and cell."""
     import io
 
     import mlflow
@@ -115,15 +137,42 @@ def canary_beside_steps(root: Path, study: str) -> tuple[pd.DataFrame, float]:
     for run_id, side, batch, ctx in zip(runs["run_id"], runs["params.side"], runs["params.batch"], runs["params.ctx"]):
         table = pd.read_csv(io.StringIO(mlflow.artifacts.load_text(f"runs:/{run_id}/raw_timings.csv")))
         tables.append(table.assign(side=side, cell=f"b{batch}-ctx{ctx}"))
-    pairs = pd.concat(tables)
-    pairs["step_rel"] = pairs["step_ms"] / pairs.groupby("cell")["step_ms"].transform("median")
-    k = int(pairs["replicate"].max()) + 1
-    order = {key: i + 1 for i, key in enumerate(abba(k))}
-    pairs["ran"] = [order[(s, int(r))] for s, r in zip(pairs["side"], pairs["replicate"])]
-    rounds = pairs.groupby(["ran", "round"])[["canary_ms", "step_rel"]].median()
-    starts = pairs.groupby("ran").agg(side=("side", "first"), start=("replicate", "first"),
-                                      canary_ms=("canary_ms", "median"), step_rel=("step_rel", "median"))
-    return starts.reset_index(), float(rounds["canary_ms"].corr(rounds["step_rel"]))
+    return pd.concat(tables)
+
+
+def planted_delta(root: Path, study: str) -> dict[str, str]:
+    """Per cell of a paired-rounds run: the median over rounds of side b's step minus side a's
+    (ms), with the distribution-free 95 % CI of that median (hostsweep's median_ci)."""
+    from hostsweep.measure.intervals import median_ci
+
+    pairs = raw_pairs(root, study)
+    wide = pairs.pivot_table(index=["cell", "pair_round"], columns="side", values="step_ms").dropna()
+    out = {}
+    for cell, rows in wide.groupby(level="cell"):
+        delta = (rows["b"] - rows["a"]).to_numpy()
+        ci = median_ci(list(delta), 0.95)
+        out[cell] = (f"{float(pd.Series(delta).median()):.3f} ms [{ci.low:.3f}, {ci.high:.3f}] over {len(delta)} rounds, "
+                     f"side a {rows['a'].median():.3f} ms")
+    return out
+
+
+def machine_against_pairing(root: Path, study: str) -> str:
+    """Paired rounds: how far the machine's speed moved over the run (each cell's side-a step
+    per round over that cell's median, its 10th to 90th percentile, and the canary's) against
+    how far the per-round ratio of a cell's two sides moved (the same percentiles)."""
+    pairs = raw_pairs(root, study)
+    wide = pairs.pivot_table(index=["cell", "round"], columns="side", values=["step_ms", "canary_ms"])
+    step_a = wide[("step_ms", "a")]
+    machine = step_a / step_a.groupby(level="cell").transform("median")
+    ratio = wide[("step_ms", "b")] / step_a
+    canary = wide[("canary_ms", "a")] / wide[("canary_ms", "a")].median()
+
+    def spread(v: pd.Series) -> str:
+        return f"{v.quantile(0.1):.2f}-{v.quantile(0.9):.2f}"
+
+    return (f"side a's step over its cell's median {spread(machine)} (p10-p90 over {len(machine)} cell rounds), "
+            f"the canary over its median {spread(canary)}; the per-round ratio b/a {spread(ratio)}, "
+            f"median {ratio.median():.3f}")
 
 
 def main() -> None:
@@ -131,21 +180,44 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", default=",".join(RUNS))
     parser.add_argument("--keep", type=Path, default=None, help="folder for the runs (default: a temporary one)")
-    parser.add_argument("--starts", type=int, default=3, help="engine starts per side (pair.starts)")
+    parser.add_argument("--design", choices=("rounds", "starts"), default="rounds", help="pair.design")
+    parser.add_argument("--reps", type=int, default=40, help="timed pairs per cell and side (measure.reps)")
+    parser.add_argument("--calibration-rounds", type=int, default=150, help="rounds of the calibrate run")
+    parser.add_argument("--rediff", action="store_true", help="redo the kept runs' diffs (not their sweeps)")
+    parser.add_argument("--starts", type=int, default=3, help="engine starts per side (pair.starts, starts design)")
     args, overrides = parser.parse_known_args()
     root = args.keep or Path(tempfile.mkdtemp(prefix="paired-proofs-"))
-    grid = [*GRID, *overrides]
+    grid = [*GRID, f"measure.reps={args.reps}", *overrides]
+    design = [f"pair.design={args.design}"] + ([f"pair.starts={args.starts}"] if args.design == "starts" else [])
     results, floor = [], None
     for name in args.runs.split(","):
         if name.startswith(("aa", "ab")):
             pair = ["pair.enabled=true"] if name.startswith("aa") else [f"+pair.against.{p}" for p in PLANT]
             folder = root / name
-            rc, seconds, _ = hostsweep(folder, [f"study={name}", *grid, *pair, f"pair.starts={args.starts}", *GATE])
-            rows = diff_rows(folder / "run")
-            results.append(judged(name, rows, rc, seconds, planted=name == "ab"))
+            rc, seconds, _ = hostsweep(folder, [f"study={name}", *grid, *pair, *design, *GATE])
+            # the verdicts from stage=diff of the study: what the sweep's own diff said, redone by
+            # the diff of this tree (--rediff: after a change to the diff, without measuring again)
+            again = root / f"{name}-diff"
+            if args.rediff:
+                shutil.rmtree(again, ignore_errors=True)
+            diff_rc, _, _ = hostsweep(again, ["stage=diff", f"diff.base={name}", *GATE])
+            if diff_rc != rc:
+                print(f"{name}: the sweep exited {rc}, its stage=diff {diff_rc}", flush=True)
+            rows = diff_rows(again / "run")
+            results.append(judged(name, rows, diff_rc, seconds, planted=name == "ab"))
             if floor is None and name.startswith("aa"):
-                floor = noise_floor(folder / "run")
+                floor = noise_floor(again / "run")
             print(json.dumps(results[-1]), flush=True)
+        elif name == "calibrate":
+            # What the planted busy-wait really adds to a step on this machine: one paired-rounds
+            # run of two cells with many rounds, per cell the median over rounds of b - a (ms)
+            # with its order-statistic CI. The A/As say the design reads 0 when nothing changed.
+            folder = root / name
+            rc, seconds, _ = hostsweep(folder, [f"study={name}", *GRID, "batch=[1,8]", "ctx=[128]",
+                                                f"measure.reps={args.calibration_rounds}", "pair.design=rounds",
+                                                *[f"+pair.against.{p}" for p in PLANT]])
+            print(json.dumps({"run": name, "exit": rc, "minutes": round(seconds / 60, 1),
+                              **planted_delta(root, name)}), flush=True)
         elif name == "seq-paired":
             # The paired runs' sides read as two studies measured apart: aa-1's side a against
             # aa-2's (an A/A, minutes apart), aa-2's side b against ab's (the planted delay).
@@ -174,6 +246,9 @@ def main() -> None:
                                       spent["seq-a1"] + spent[head], planted))
                 print(json.dumps(results[-1]), flush=True)
     for name in [n for n in args.runs.split(",") if n.startswith(("aa-", "ab"))]:
+        if args.design == "rounds":
+            print(f"\n{name}: {machine_against_pairing(root, name)}")
+            continue
         starts, r = canary_beside_steps(root, name)
         print(f"\n{name}: speed canary beside the steps (each cell's pairs over its median across both sides), "
               f"per engine start in the order they ran; correlation over the rounds {r:.2f}")

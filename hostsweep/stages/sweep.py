@@ -414,7 +414,7 @@ def paired_diff(study: Study, tracker: SweepTracker, run_dir: Path) -> int:
 
     cfg = study.config
     print(f"\npaired diff: side b ({cfg.pair.against and against_text(cfg.pair.against) or 'the same configuration: A/A'}) "
-          "against side a, start pair by start pair")
+          f"against side a, {'round by round' if cfg.pair.design == 'rounds' else 'start pair by start pair'}")
     try:
         return paired_diff_of_sweep(tracker.tracking_uri, experiment_name(study), str(tracker.parent_run_id), cfg.diff,
                                     run_dir)[1]
