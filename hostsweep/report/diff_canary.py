@@ -10,7 +10,7 @@ from the guest and need not hold for everything else (a slower memory path, anot
 A paired cell (side a and side b of one sweep) is normalized pair by pair instead: each
 timed pair's step over the canary timed beside it, then the paired statistics over the
 start pairs (paired_canary_ratio), so a slow spell inside a start is taken out where it
-happened.
+happened; a cell paired by rounds likewise round by round (rounds_canary_ratio).
 """
 from __future__ import annotations
 
@@ -88,6 +88,24 @@ def paired_canary_ratio(base: list[np.ndarray], head: list[np.ndarray], level: f
         return math.nan, math.nan, math.nan
     low, high = ci(d, se, df, level)
     return math.exp(float(d)), float(low), float(high)
+
+
+def rounds_canary_ratio(base: np.ndarray, base_canary: np.ndarray, head: np.ndarray, head_canary: np.ndarray,
+                        level: float, min_rounds: int) -> tuple[float, float, float]:
+    """A cell paired by rounds, each pair's step divided by the canary timed right after it:
+    d_r = log((head_r / head canary_r) / (base_r / base canary_r)) over the rounds whose pairs
+    both carry a canary, exp of their median with the order-statistic CI (the raw rounds
+    statistic, diff_stats.rounds_log_ratio); nan with fewer than min_rounds such rounds."""
+    from hostsweep.report.diff_stats import rounds_log_ratio
+
+    arrays = [np.asarray(x, dtype=float) for x in (base, base_canary, head, head_canary)]
+    with np.errstate(invalid="ignore"):
+        keep = np.logical_and.reduce([np.isfinite(x) & (x > 0) for x in arrays])
+    if int(keep.sum()) < min_rounds:
+        return math.nan, math.nan, math.nan
+    b, bc, h, hc = (x[keep] for x in arrays)
+    median, low, high, _ = rounds_log_ratio(b / bc, h / hc, level)
+    return math.exp(float(median)), math.exp(float(low)), math.exp(float(high))
 
 
 CANARY_COLUMNS = ("ratio_canary", "ci_low_canary", "ci_high_canary")

@@ -12,7 +12,9 @@ import numpy as np
 import pandas as pd
 
 from hostsweep.report import figures as F
-from hostsweep.report.diff import GATED, HOST_FIXED, PAIRED, POINT, RAW, SUMMARY, VERDICTS, DiffResult
+from hostsweep.report.diff import (
+    GATED, HOST_FIXED, MIN_ROUNDS, PAIRED, PAIRED_ROUNDS, POINT, RAW, SUMMARY, VERDICTS, DiffResult,
+)
 from hostsweep.report.document import Bullets, Document, Figure, Heading, Table, Text
 
 VERDICT_COLORS = {"slower": "#d62728", "faster": "#2ca02c", "same": "#7f7f7f", "inconclusive": "#ff7f0e"}
@@ -159,13 +161,21 @@ def _method(result: DiffResult) -> Bullets:
         "A B, B A, A B, ...): d_i = log of start i's median of side b over start i's of side a, adjacent in time, "
         "so what the machine did to both cancels; the mean of the k d_i with a t on sd(d_i)/√k, k − 1 df; "
         "host_ms likewise with each side's device_ms held fixed. No between-start component is needed.",
+        f"{PAIRED_ROUNDS} (pair.design=rounds: both sides' engines in one worker, a cell's side-a pair and side-b "
+        "pair timed back to back in every round, matched by pair_round): d_r = log(b_r / a_r); the ratio is "
+        "exp(median d_r), its CI the order statistics of the d_r (exact coverage for any continuous noise; "
+        "`ci_coverage`), its p-values the exact sign tests that CI inverts (no se, no df). Drift slower than a "
+        "round cancels; an effect of one side's single engine start does not. Cells with fewer than "
+        f"{MIN_ROUNDS} matched rounds are judged as above. The geometric mean over such cells: per round the "
+        "mean over the cells of d_r, then the median of those with its order-statistic CI.",
         f"{HOST_FIXED}: host_ms = step − device_ms; the split has one profiled pair per cell, so device_ms "
         "is held fixed and only the step noise is in the CI.",
         f"{POINT}: the ratio of the logged metrics, no CI and no verdict. {SUMMARY}: each cell's logged CI read as "
         "log-normal.",
         f"Verdicts (t = {o.threshold_pct:g}%, alpha = {o.alpha:g}): slower = one-sided p-value of head > base, "
         "Holm-adjusted over the cells judged, ≤ alpha, and ratio above 1+t; faster the mirror; same = the "
-        "equivalence test (TOST) at ±t rejects at alpha; else inconclusive.",
+        "equivalence test (TOST) at ±t rejects at alpha; else inconclusive (Student t, or the sign test for "
+        "cells paired by rounds).",
         "mde_pct: the smallest slowdown this cell's gate calls slower 80% of the time at alpha / (cells judged) "
         "and the threshold: choose threshold_pct at or above it.",
         f"fail_on={o.fail_on or 'null'} judges {GATED}: it fails on every cell judged slower, on unstable cells whose "

@@ -22,6 +22,12 @@ and a between-start spread quoted in % is a standard deviation of the log step.
   freedom; what the machine did to both starts of a pair cancels in d_i. The spread of each
   side's start medians, pooled over the paired cells, is the machine's between-start noise
   floor, which a sequential diff of two studies measured apart needs.
+- Paired rounds (both sides' engines live in one worker, a cell's side-a pair and side-b pair
+  timed back to back in every round): d_r = log(head_r / base_r) per round, the ratio
+  exp(median d_r) and its CI the order statistics of the d_r (intervals.median_ci: exact
+  coverage for any continuous distribution, no normality on the heavy-tailed per-round
+  ratios); the p-values are the exact sign tests whose inversion that CI is, so the CI and the
+  verdict say the same thing. What the machine did for the length of a round cancels in d_r.
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ from typing import Sequence
 import numpy as np
 from scipy import stats
 
-from hostsweep.measure.intervals import between_starts_ci
+from hostsweep.measure.intervals import between_starts_ci, median_ci_bounds
 
 INF = math.inf
 
@@ -212,6 +218,47 @@ def start_spread(medians: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def noise_floor_pct(variance: float) -> float:
     """A between-start variance of the log step as the SD in % that diff.noise_floor_pct takes."""
     return math.expm1(math.sqrt(variance)) * 100 if math.isfinite(variance) and variance >= 0 else math.nan
+
+
+def rounds_log_ratio(base: np.ndarray, head: np.ndarray, level: float
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """(median d, its CI's low and high, the CI's exact coverage) of d_r = log(head_r) - log(base_r)
+    over the last axis: the two sides' pairs of paired cells, matched round by round (timed back
+    to back, so what the machine did to both cancels in d_r). The CI is the order-statistic
+    interval of the median (intervals.median_ci_bounds): its coverage, which depends on the
+    number of rounds only, is exact for any continuous distribution of d_r; below the level
+    asked for when the rounds are too few (the caller reports it)."""
+    d = np.log(np.asarray(head, dtype=float)) - np.log(np.asarray(base, dtype=float))
+    low, high, coverage = median_ci_bounds(d, level)
+    return np.median(d, axis=-1), low, high, coverage
+
+
+def sign_pvalues(d: np.ndarray, threshold_pct: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(p_slower, p_faster, p_same) of per-round log ratios d (last axis) by exact sign tests,
+    the tests whose inversion is the order-statistic CI of their median: p_slower tests H0
+    median <= 0 (the chance of at least this many positive d_r among n, Binomial(n, 1/2)),
+    p_faster the mirror, p_same the equivalence test (TOST) of H0 median outside
+    [log(1 - t), log(1 + t)], the larger of its two one-sided p-values. A d_r exactly on a
+    bound counts against rejecting: conservative with ties, exact without."""
+    d = np.asarray(d, dtype=float)
+    n = d.shape[-1]
+
+    def at_least(count: np.ndarray) -> np.ndarray:  # P(B >= count), B ~ Binomial(n, 1/2)
+        return stats.binom.sf(count - 1, n, 0.5)
+
+    up, down = math.log(1 + threshold_pct / 100), math.log(1 - threshold_pct / 100)
+    p_slower, p_faster = at_least((d > 0).sum(axis=-1)), at_least((d < 0).sum(axis=-1))
+    p_same = np.maximum(at_least((d < up).sum(axis=-1)), at_least((d > down).sum(axis=-1)))
+    return p_slower, p_faster, p_same
+
+
+def judge_rounds(base: np.ndarray, head: np.ndarray, threshold_pct: float, alpha: float) -> np.ndarray:
+    """The verdicts report/diff.py gives paired-rounds cells, for many simulated studies at once:
+    base and head shaped (studies, cells, rounds), round r of base and of head timed back to
+    back; Holm over each study's cells."""
+    d = np.log(np.asarray(head, dtype=float)) - np.log(np.asarray(base, dtype=float))
+    slower, faster, same = sign_pvalues(d, threshold_pct)
+    return verdicts(np.median(d, axis=-1), holm(slower), holm(faster), same, alpha, threshold_pct)
 
 
 def judge_arrays(base: np.ndarray, head: np.ndarray, threshold_pct: float, alpha: float,

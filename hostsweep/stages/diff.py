@@ -15,7 +15,8 @@ or FAILED cells the base has (a release gate); 2 when the gate cannot state its 
 
 A paired study (pair.enabled=true or +pair.against.KEY=V) holds both sides in one sweep:
 `diff.base=<study or sweep>` with diff.head unset (or the same) diffs its side a (base)
-against its side b (head), cell by cell over the start pairs. paired_diff_of_sweep is that
+against its side b (head), cell by cell over the start pairs (or, measured with
+pair.design=rounds, over the rounds in which each cell's two sides were timed back to back). paired_diff_of_sweep is that
 diff for the sweep that just measured it.
 """
 from __future__ import annotations
@@ -154,7 +155,7 @@ def diff_sides(base: Side, head: Side, options: DiffOptions, uri: str, experimen
                ) -> tuple[DiffResult, DiffContext, ReportRun, Path]:
     """Compare, write the files, log the diff run."""
     result = diff(base.cells, head.cells, {**base.raw, **head.raw}, options, head.failed,
-                  {**base.raw_canary, **head.raw_canary})
+                  {**base.raw_canary, **head.raw_canary}, {**base.rounds, **head.rounds})
     name = f"diff-{base.located.label}-{head.located.label}"
     run = ReportRun(uri, experiment, name, {"hostsweep.kind": "diff", "diff.base": base.located.given,
                                             "diff.head": head.located.given})

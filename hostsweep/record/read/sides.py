@@ -1,7 +1,8 @@
 """The two sides of `stage=diff` read back from MLflow: a study (its experiment's FINISHED
 cell runs, the newest per cell key, as the fit and compare stages read them) or one sweep
 (the children of its parent run), each cell with every param, metric and provenance tag,
-and its timed pairs from the run's raw_timings.csv.
+and its timed pairs from the run's raw_timings.csv (by engine start; and, measured in paired
+rounds, by the round each pair was timed in with its partner's pair).
 
 Naming a side is checked first, for both sides, before any artifact is read: an unknown
 study or run is a one-line ConfigError. A paired study (measured with pair.against) holds
@@ -69,6 +70,10 @@ class Side:
     # start: the step in units of the machine's speed at that moment (diff.normalize=canary)
     raw_canary: dict[str, list[np.ndarray]] = field(default_factory=dict)
     failed: pd.DataFrame = field(default_factory=pd.DataFrame)  # cells whose newest run FAILED: params, run_id
+    # run id -> the pairs that carry a paired round (pair.design=rounds), one row each with the
+    # columns of ROUND_COLUMNS (pairs_by_round): the diff matches a side-a pair with its side-b
+    # pair by pair_round. Absent for runs without such pairs (older artifacts, start pairs).
+    rounds: dict[str, pd.DataFrame] = field(default_factory=dict)
 
     @property
     def parent_runs(self) -> tuple[str, ...]:
@@ -198,9 +203,11 @@ def _failed(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def timed_pairs(run_id: str) -> Optional[pd.DataFrame]:
-    """A cell run's raw_timings.csv (every timed pair); None when it has none."""
+    """A cell run's raw_timings.csv (every timed pair); None when it has none. pair_round is read
+    as text, so an id that looks like a number is not turned into another string (1 -> 1.0)."""
     try:
-        return pd.read_csv(io.StringIO(mlflow.artifacts.load_text(f"runs:/{run_id}/raw_timings.csv")))
+        return pd.read_csv(io.StringIO(mlflow.artifacts.load_text(f"runs:/{run_id}/raw_timings.csv")),
+                           dtype={"pair_round": str})
     except Exception:  # noqa: BLE001 - an old or foreign run without the artifact
         return None
 
@@ -225,6 +232,38 @@ def pairs_per_canary(table: pd.DataFrame) -> Optional[list[np.ndarray]]:
     return pairs_by_start(keep) if len(keep) else None
 
 
+# The columns of a run's paired-round pairs (pairs_by_round): the round's id, shared by the pair
+# of the partner cell timed back to back with it; the pair's step and canary (nan: none); and
+# where the round ran (engine start, period, round index), which the pairs of every cell of a
+# group timed in that round share.
+ROUND_COLUMNS = ("pair_round", "step_ms", "canary_ms", "replicate", "period", "round")
+
+
+def _round_id(value: object) -> str:
+    """A pair_round cell as its id; "" when empty (a pair not timed in paired rounds)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value).strip()
+
+
+def pairs_by_round(table: pd.DataFrame) -> Optional[pd.DataFrame]:
+    """A raw_timings table's pairs that carry a paired round (pair.design=rounds), with the
+    columns of ROUND_COLUMNS, in the order they ran; None when none does (artifacts written
+    before the column, start pairs, sequential studies: those read as before)."""
+    if "pair_round" not in table or "step_ms" not in table:
+        return None
+    ids = table["pair_round"].map(_round_id)
+    keep = (ids != "").to_numpy()
+    if not keep.any():
+        return None
+    number = lambda name: (pd.to_numeric(table[name], errors="coerce") if name in table  # noqa: E731
+                           else pd.Series(math.nan, index=table.index)).to_numpy(dtype=float)[keep]
+    return pd.DataFrame({"pair_round": ids[keep].to_numpy(dtype=object),
+                         **{name: number(name) for name in ROUND_COLUMNS[1:]}})
+
+
 def period_spread(steps: Sequence[float], periods: Sequence[int]) -> tuple[float, float]:
     """(variance, df) of the log medians of one cell's periods (the group timed again later
     in the same engine start): nan, 0 with fewer than two periods."""
@@ -243,10 +282,12 @@ def with_pairs(where: Located, cells: pd.DataFrame, key: str) -> Side:
     raw = {run_id: groups for run_id, table in tables.items() if (groups := pairs_by_start(table)) is not None}
     per_canary = {run_id: groups for run_id, table in tables.items()
                   if (groups := pairs_per_canary(table)) is not None}
+    by_round = {run_id: pairs for run_id, table in tables.items() if (pairs := pairs_by_round(table)) is not None}
     spreads = {run_id: period_spread(*((t["step_ms"], t["period"]) if "period" in t else ([], [])))
                for run_id, t in tables.items()}
     cells = cells.assign(period_var=[spreads.get(r, (math.nan, 0.0))[0] for r in cells["run_id"]],
                          period_df=[spreads.get(r, (math.nan, 0.0))[1] for r in cells["run_id"]])
-    log.info("%s=%s: %d cells from %s, %d with raw timed pairs", key, where.given, len(cells), where.experiment,
-             len(raw))
-    return Side(where, cells, raw, raw_canary=per_canary, failed=cells.attrs.get("failed", pd.DataFrame()))
+    log.info("%s=%s: %d cells from %s, %d with raw timed pairs, %d timed in paired rounds", key, where.given,
+             len(cells), where.experiment, len(raw), len(by_round))
+    return Side(where, cells, raw, raw_canary=per_canary, failed=cells.attrs.get("failed", pd.DataFrame()),
+                rounds=by_round)
