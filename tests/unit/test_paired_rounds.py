@@ -191,3 +191,24 @@ def test_a_paired_rounds_sweep_starts_one_worker_per_pair_holding_both_engines(s
         ta, tb = timed_pairs(run_of[x.key]), timed_pairs(run_of[y.key])
         assert list(ta["pair_round"]) == list(tb["pair_round"]) and ta["pair_round"].nunique() == 12
         assert float(np.median(tb["step_ms"] / ta["step_ms"])) > 1.1  # the planted 0.5 ms on about 1 ms steps
+
+
+def test_a_paired_rounds_sweep_ends_with_its_diff_judged_by_rounds_passing_an_aa_and_failing_a_plant(
+        study_args, tmp_path, capsys):
+    import pandas as pd
+
+    from hostsweep.stages import sweep
+    from tests.conftest import compose_raw
+    from tests.fakes import FakeBackend
+
+    _, args = study_args
+    aa = [*args, "pair.enabled=true", "diff.fail_on=slower", "study=rounds-aa"]
+    assert sweep.run(compose_raw(aa), tmp_path / "aa", FakeBackend(tmp_path / "w1")) == 0
+    out = capsys.readouterr().out
+    assert "round by round" in out and "rounds per cell, sides timed back to back" in out
+    planted = [*args, "+pair.against.debug.delay_phase=sample", "+pair.against.debug.delay_ms=3",
+               "diff.fail_on=slower", "study=rounds-ab"]
+    assert sweep.run(compose_raw(planted), tmp_path / "ab", FakeBackend(tmp_path / "w2")) == 1
+    table = pd.read_csv(tmp_path / "ab" / "diff" / "diff.csv")
+    steps = table[table["quantity"] == "step_ms"]
+    assert (steps["verdict"] == "slower").all() and (steps["test"] == "sign").all() and (steps["rounds"] >= 8).all()
