@@ -19,6 +19,7 @@ fake clock: 'rep k of n' while a cell is in flight (k from the share of `cell_s`
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -163,3 +164,22 @@ class FakeBackend:
             worker.released = True
             self.events.append(f"end {worker.spec.label}")
         self.closing.clear()
+
+
+class VirtualClock:
+    """A worker's clock (its `time` module), advanced only by the modelled work a test adds
+    to `now`: timings with a known answer however busy the machine running the test is."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    @staticmethod
+    def time() -> float:
+        return time.time()
+
+    @staticmethod
+    def time_ns() -> int:
+        return time.time_ns()

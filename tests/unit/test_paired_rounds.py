@@ -4,7 +4,6 @@ both sides of a round alike; where the sides cannot share a worker the study say
 line, or (auto) pairs engine starts instead."""
 from __future__ import annotations
 
-import time
 from collections import Counter
 
 import numpy as np
@@ -14,6 +13,7 @@ from hostsweep.config.grid import build_cells, group_by_engine, rounds_partners
 from hostsweep.config.schema import ConfigError
 from hostsweep.measure.results import MeasureOptions
 from tests.conftest import compose_typed
+from tests.fakes import VirtualClock
 
 FAST = ["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=12", "measure.warmups=1", "ctx=[16]",
         "batch=[1,2]", "measure.max_foreign_cpu_frac=1.0", "measure.max_canary_shift_pct=1000"]
@@ -69,25 +69,6 @@ def test_two_gpu_engines_whose_memory_does_not_fit_beside_each_other_are_refused
     with pytest.raises(ConfigError, match=r"add up to 1.8 \(> 0.95\)"):
         compose_typed(["+sku=h200", "engine.name=fake", "ctx=[16]", "batch=[1]", "pair.enabled=true",
                        "pair.design=rounds"])
-
-
-class VirtualClock:
-    """The worker's clock, advanced only by the modelled work: known answers however busy the
-    machine running the test is."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    @staticmethod
-    def time() -> float:
-        return time.time()
-
-    @staticmethod
-    def time_ns() -> int:
-        return time.time_ns()
 
 
 def paired_worker(tmp_path, monkeypatch, cells, planted: float, swing: float, noise: float = 0.01):

@@ -4,7 +4,6 @@ catches a machine that changed speed, and a cell that moves alone between period
 told apart from a machine that moved every cell."""
 from __future__ import annotations
 
-import time
 from collections import Counter
 
 import numpy as np
@@ -18,6 +17,7 @@ from hostsweep.measure.periods import (
 from hostsweep.measure.protocol import Contention, RepTiming
 from hostsweep.measure.results import MeasureOptions, cell_metrics
 from tests.conftest import compose_typed
+from tests.fakes import VirtualClock
 
 QUIET = Contention(foreign_cpu_frac=0.01, engine_cpu_frac=0.9, steal_frac=0.0, load1=1.0)
 BUSY = Contention(foreign_cpu_frac=0.6, engine_cpu_frac=0.4, steal_frac=0.0, load1=3.0)
@@ -148,21 +148,6 @@ def fake_study(*overrides: str):
     chosen = {o.split("=", 1)[0]: o for o in [*FAKE, *overrides]}
     cfg = compose_typed(list(chosen.values()))
     return build_cells(cfg), MeasureOptions.of(cfg.config)
-
-
-class VirtualClock:
-    """The worker's clock, advanced only by the fake engine's modelled work: timings with a
-    known answer however busy the machine running the test is."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    @staticmethod
-    def time() -> float:
-        return time.time()
 
 
 def slowing_worker(tmp_path, spec, slow_after: int, factor: float, monkeypatch, noise: float = 0.02):
