@@ -165,25 +165,20 @@ def rounds_refusal(a: Any, b: Any, asked: bool) -> Optional[str]:
 
 
 def choose_design(a: Any, b: Any) -> str:
-    """The paired design a study is measured in (rounds or starts), from pair.design (auto: rounds
-    where the sides can share a worker and pair.starts is unset); a one-line
-    ConfigError where rounds was asked for and cannot be, or where the rounds design is given
-    what only the starts design takes."""
+    """The paired design a study is measured in (rounds or starts), from pair.design. auto:
+    paired rounds unless the sides cannot share a worker (rounds_refusal) or the study asks
+    for what only start pairs take (pair.starts, adaptive stopping, linearity); rounds asked for
+    where it cannot be is a one-line ConfigError."""
     p, m = a.config.pair, a.config.measure
     why = rounds_refusal(a, b, asked=p.design == "rounds")
+    if why is None and p.starts is not None:
+        why = (f"pair.starts={p.starts} is the starts design's: paired rounds start each side's engine once and "
+               "pair within it (measure.reps rounds); drop pair.starts")
+    if why is None and (m.target_ci_pct is not None or m.target_mde_pct is not None):
+        why = ("measure.target_ci_pct / target_mde_pct stop a cell by its own CI; paired rounds time both sides "
+               "measure.reps rounds each (give measure.reps)")
+    if why is None and a.config.linearity.enabled:
+        why = "linearity.enabled: the linearity check runs on one engine per worker"
     if p.design == "rounds" and why:
         raise ConfigError(f"pair.design=rounds: {why}; pair.design=starts pairs engine starts instead")
-    # auto: a study that names its engine starts (pair.starts) asks for start pairs
-    design = p.design if p.design != "auto" else ("starts" if why or p.starts is not None else "rounds")
-    if design == "starts":
-        return design
-    if p.starts is not None:
-        raise ConfigError(f"pair.starts={p.starts} is the starts design's: paired rounds start each side's engine once "
-                          "and pair within it (measure.reps rounds); drop pair.starts or give pair.design=starts")
-    if m.target_ci_pct is not None or m.target_mde_pct is not None:
-        raise ConfigError("measure.target_ci_pct / target_mde_pct stop a cell by its own CI; paired rounds time both "
-                          "sides measure.reps rounds each (give measure.reps, or pair.design=starts)")
-    if a.config.linearity.enabled:
-        raise ConfigError("linearity.enabled with paired rounds: the linearity check runs on one engine per worker; "
-                          "give pair.design=starts")
-    return design
+    return p.design if p.design != "auto" else ("starts" if why else "rounds")

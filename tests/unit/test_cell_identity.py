@@ -67,7 +67,7 @@ def test_the_identity_is_engine_axes_then_load_axes_within_the_logged_params():
     assert list(cell.params())[:len(CELL_PARAMS)] == list(CELL_PARAMS)
     assert all(isinstance(cell.params()[name], int) for name in INT_PARAMS)
     adaptive = build_cells(compose_typed(["+sku=cpu", "measure.target_ci_pct=2", "measure.replicates=3"]))[0]
-    paired = ("side", "pair_against")
+    paired = ("side", "pair_against", "pair_design")
     assert list(adaptive.params()) == [*CELL_PARAMS, *(p for p in OPTIONAL_PARAMS if p not in ("target_mde_pct", *paired))]
     by_effect = build_cells(compose_typed(["+sku=cpu", "measure.target_mde_pct=5", "pair.enabled=true"]))[0]
     assert list(by_effect.params()) == [*CELL_PARAMS, *(p for p in OPTIONAL_PARAMS if p != "target_ci_pct")]

@@ -44,6 +44,8 @@ def test_sides_that_cannot_share_a_worker_pair_engine_starts_unless_rounds_were_
     auto = compose_typed([*FAST, "pair.enabled=true", f"pair.python={sys.executable}"])
     assert (auto.config.pair.design, auto.config.pair.starts) == ("starts", 3)
     assert compose_typed([*FAST, "+pair.against.tp=2", "tp=[1]"]).config.pair.design == "starts"
+    for asks_starts in ("pair.starts=4", "measure.target_mde_pct=5", "linearity.enabled=true"):
+        assert compose_typed([*FAST, "pair.enabled=true", asks_starts]).config.pair.design == "starts", asks_starts
     gpu = ["+sku=h200", "engine.name=fake", "ctx=[16]", "batch=[1]", "pair.enabled=true"]
     assert compose_typed(gpu).config.pair.design == "starts"
     shared = compose_typed([*gpu, "pair.design=rounds", "engine.gpu_memory_utilization=0.45"])
@@ -55,8 +57,8 @@ def test_sides_that_cannot_share_a_worker_pair_engine_starts_unless_rounds_were_
      "pair.design=rounds: side b runs under another Python (pair.python)"),
     (["pair.design=rounds", "+pair.against.tp=2"], "pair.design=rounds: the sides differ in SKU or TP"),
     (["pair.design=rounds", "pair.starts=3"], "pair.starts=3 is the starts design's"),
-    (["measure.target_ci_pct=2"], "paired rounds time both sides measure.reps rounds each"),
-    (["linearity.enabled=true"], "linearity.enabled with paired rounds"),
+    (["pair.design=rounds", "measure.target_ci_pct=2"], "paired rounds time both sides measure.reps rounds each"),
+    (["pair.design=rounds", "linearity.enabled=true"], "linearity.enabled: the linearity check runs on one engine"),
     (["pair.design=sometimes"], "pair.design must be one of auto, rounds, starts"),
 ])
 def test_a_rounds_design_the_sides_cannot_take_is_refused_in_one_line(overrides, needle):
