@@ -223,6 +223,16 @@ class SweepWorker(SplitProfiling):
         engine.generate(seeds, cell.ctx - len(seeds[0]))
         return [seed + text for seed, text in zip(seeds, engine.last_tokens())]
 
+    def _timed_pair(self, generate: Callable[[int], float], T: int, k: int, t1_first: bool,
+                    canary: bool) -> RepTiming:
+        """One timed pair with its contention record and, when asked, the speed canary timed
+        right after it (outside the record: the canary's CPU is not the pair's)."""
+        mark = self.probe.mark()
+        timing = time_pair(generate, T, k, t1_first)
+        contention = self.probe.since(mark)
+        return dataclasses.replace(timing, contention=contention,
+                                   canary_ms=self.canary.time_ms() if canary else None)
+
     def _rounds(self, cells: Sequence[Cell], generates: list, options: MeasureOptions, what: str,
                 journal: Optional[RoundJournal] = None,
                 after_pair: Optional[Callable[[int, RepTiming], None]] = None) -> Rounds:
@@ -241,11 +251,7 @@ class SweepWorker(SplitProfiling):
                 log.warning("%s: continuing from %d timed pair(s) a killed run left", cell.key, len(pairs))
 
         def pair(i: int, k: int, t1_first: bool) -> RepTiming:
-            mark = self.probe.mark()
-            timing = time_pair(generates[i], cells[i].T, k, t1_first)
-            contention = self.probe.since(mark)  # before the canary: its CPU is not the pair's
-            canary = self.canary.time_ms() if m.canary else None
-            return dataclasses.replace(timing, contention=contention, canary_ms=canary)
+            return self._timed_pair(generates[i], cells[i].T, k, t1_first, m.canary)
 
         def on_round(r: int, active: int) -> None:
             self._phase = f"{what}: round {r} of {max(c.reps for c in cells)}, {active} cell(s)"
@@ -328,11 +334,8 @@ class SweepWorker(SplitProfiling):
         m = options.measure
 
         def timed(cell: Cell, k: int, t1_first: bool, round_id: str) -> RepTiming:
-            mark = self.probe.mark()
-            timing = time_pair(generates[cell.key], cell.T, k, t1_first)  # type: ignore[arg-type]
-            contention = self.probe.since(mark)
-            canary = self.canary.time_ms() if m.canary else None
-            return dataclasses.replace(timing, contention=contention, canary_ms=canary, pair_round=round_id)
+            timing = self._timed_pair(generates[cell.key], cell.T, k, t1_first, m.canary)  # type: ignore[arg-type]
+            return dataclasses.replace(timing, pair_round=round_id)
 
         def pair(i: int, k: int, t1_first: bool) -> RepTiming:
             slot, r = slots[i], where["round"]
