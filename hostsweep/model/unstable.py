@@ -20,7 +20,13 @@ import pandas as pd
 from hostsweep.config.grid import CELL_AXES
 
 UNSTABLE_VALUES = {"false", "0", "no"}
-IDENTITY = (*CELL_AXES, "run_id")  # how a left-out cell is named (config/grid.py, then its MLflow run)
+IDENTITY = (*CELL_AXES, "run_id")
+# Flags about the machine, not the cell: the speed canary moved over the group's rounds.
+# On a cloud VM that is the normal case (its speed moves by tens of percent between
+# minutes), and every cell of every group would be left out; the cell's own pairs, its CI
+# and its drift test still judge its number, and the report's host-speed table shows
+# how fast each group's machine was.
+MACHINE_ONLY = frozenset({"machine_speed"})  # how a left-out cell is named (config/grid.py, then its MLflow run)
 
 
 def _unstable(value: Any) -> bool:
@@ -36,6 +42,15 @@ def unstable_mask(cells: pd.DataFrame) -> np.ndarray:
     if "stable" not in cells:
         return np.zeros(len(cells), bool)
     return np.array([_unstable(v) for v in cells["stable"]], bool)
+
+
+def left_out_mask(cells: pd.DataFrame) -> np.ndarray:
+    """True for each cell the fit leaves out: flagged unstable for a reason about its own
+    number. A cell flagged only for the machine (MACHINE_ONLY) is kept: its pairs agree
+    with themselves, and the machine's speed per group is reported beside the fit."""
+    unstable = unstable_mask(cells)
+    machine_only = np.array([bool(r) and set(r) <= MACHINE_ONLY for r in reasons_of(cells)], bool)
+    return unstable & ~machine_only
 
 
 def reasons_of(cells: pd.DataFrame) -> list[list[str]]:
@@ -54,6 +69,7 @@ class Exclusion:
     left_out: pd.DataFrame = field(default_factory=pd.DataFrame)  # the cells' identity and reasons
     enabled: bool = True  # fit.exclude_unstable
     flagged: int = 0  # unstable cells in the selection, left out or not
+    machine_only: int = 0  # of them, flagged only for the machine (MACHINE_ONLY) and kept
 
     @property
     def count(self) -> int:
@@ -62,7 +78,8 @@ class Exclusion:
     def reasons(self) -> dict[str, int]:
         counts: Counter[str] = Counter()
         for text in self.left_out.get("unstable_reasons", pd.Series(dtype=str)):
-            parts = [r for r in text.split(",") if r] if isinstance(text, str) else []
+            # what left the cell out: a machine-only flag it also carries did not
+            parts = [r for r in text.split(",") if r and r not in MACHINE_ONLY] if isinstance(text, str) else []
             counts.update(parts or ["unstated"])
         return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
@@ -71,26 +88,33 @@ class Exclusion:
         if not self.enabled:
             return (f"fit.exclude_unstable=false: {self.flagged} of {self.total} cells flagged unstable, "
                     "fitted anyway" if self.flagged else f"no cell of {self.total} is flagged unstable")
+        kept = (f"; kept {self.machine_only} flagged only machine_speed (the machine moved, their pairs agree)"
+                if self.machine_only else "")
         if not self.count:
-            return f"no cell of {self.total} is flagged unstable: all fitted"
+            return (f"no cell of {self.total} is left out as unstable: all fitted{kept}" if self.machine_only
+                    else f"no cell of {self.total} is flagged unstable: all fitted")
         why = ", ".join(f"{reason}: {n}" for reason, n in self.reasons().items())
-        return (f"left out {self.count} of {self.total} cells as unstable ({why}); "
+        return (f"left out {self.count} of {self.total} cells as unstable ({why}){kept}; "
                 "fit.exclude_unstable=false fits them anyway")
 
     def to_dict(self) -> dict[str, Any]:
         cells = self.left_out.astype(object).where(self.left_out.notna(), None).to_dict(orient="records")
         return {"enabled": self.enabled, "total": self.total, "flagged": self.flagged, "left_out": self.count,
+                "kept_machine_only": self.machine_only,
                 "reasons": self.reasons(), "summary": self.describe(), "cells": cells}
 
 
 def exclude_unstable(cells: pd.DataFrame, enabled: bool = True) -> tuple[pd.DataFrame, Exclusion]:
-    """(the cells to fit, with their index, and what was left out): the unstable ones go
-    when `enabled`."""
+    """(the cells to fit, with their index, and what was left out): when `enabled`, the
+    unstable ones go, except those flagged only for the machine (left_out_mask)."""
     unstable = unstable_mask(cells)
+    leave = left_out_mask(cells)
     reasons = [",".join(r) for r in reasons_of(cells)]
     columns = [c for c in IDENTITY if c in cells]
     flagged = cells.loc[unstable, columns].assign(
         unstable_reasons=[r for r, bad in zip(reasons, unstable) if bad]).reset_index(drop=True)
     if not enabled:
         return cells, Exclusion(len(cells), flagged.iloc[0:0], False, int(unstable.sum()))
-    return cells[~unstable], Exclusion(len(cells), flagged, True, int(unstable.sum()))
+    left_out = cells.loc[leave, columns].assign(
+        unstable_reasons=[r for r, bad in zip(reasons, leave) if bad]).reset_index(drop=True)
+    return cells[~leave], Exclusion(len(cells), left_out, True, int(unstable.sum()), int((unstable & ~leave).sum()))

@@ -11,7 +11,7 @@ from collections import Counter
 
 import pandas as pd
 
-from hostsweep.model.unstable import Exclusion, reasons_of, unstable_mask
+from hostsweep.model.unstable import Exclusion, left_out_mask, reasons_of
 from hostsweep.report.document import Bullets, Document, Heading, Table, Text
 
 # What to run when a reason left cells out of the fit, one line per reason.
@@ -54,5 +54,5 @@ def left_out_table(cells: pd.DataFrame) -> pd.DataFrame:
     shown = [c for c in ("sku", "model", "mode", "tp", "batch", "ctx", "status", "step_ms", "step_ci_low_ms",
                          "step_ci_high_ms", "unstable_reasons") if c in cells.columns]
     table = cells[shown].copy()
-    table.insert(len(shown), "left_out", unstable_mask(cells))
+    table.insert(len(shown), "left_out", left_out_mask(cells))
     return table.sort_values("left_out", ascending=False, kind="stable").reset_index(drop=True)

@@ -21,7 +21,7 @@ from hostsweep.model.hostline import endpoint_design, fit_bounded_line, nnls2
 from hostsweep.model.resolution import noise_resolution
 from hostsweep.model.study_fit import FitOptions, calibration_terms, fit_study
 from hostsweep.model.synthetic import clean_step_s, grid, host_truth_s, measure
-from hostsweep.model.unstable import exclude_unstable, unstable_mask
+from hostsweep.model.unstable import exclude_unstable, left_out_mask, unstable_mask
 from hostsweep.report import fit_tables
 from hostsweep.report.document import to_markdown
 from hostsweep.report.fit_report import Context, build
@@ -136,6 +136,36 @@ def test_the_exclusion_is_counted_and_json_safe():
     everything, off = exclude_unstable(cells, enabled=False)
     assert len(everything) == 4 and off.count == 0 and off.flagged == 2
     assert "fitted anyway" in off.describe()
+
+
+def test_a_cell_flagged_only_for_the_machines_speed_is_fitted_and_counted_as_kept():
+    # machine_speed says the canary moved over the group's rounds (a cloud VM's normal
+    # case); the cell's own pairs still judge its number, so only other reasons leave it out
+    cells = pd.DataFrame({"sku": "cpu", "model": "m", "mode": "eager", "tp": 1, "batch": [1, 2, 4, 8],
+                          "ctx": 128, "run_id": list("abcd"), "stable": ["false", "false", "false", "true"],
+                          "unstable_reasons": ["machine_speed", "ci_width,machine_speed", "", ""]})
+    assert left_out_mask(cells).tolist() == [False, True, True, False]
+    assert unstable_mask(cells).tolist() == [True, True, True, False]  # the flag itself stays
+    kept, exclusion = exclude_unstable(cells)
+    assert list(kept["run_id"]) == ["a", "d"]
+    assert exclusion.count == 2 and exclusion.flagged == 3 and exclusion.machine_only == 1
+    assert exclusion.reasons() == {"ci_width": 1, "unstated": 1}  # what left each out, not the machine's flag
+    assert "kept 1 flagged only machine_speed" in exclusion.describe()
+    assert json.loads(json.dumps(exclusion.to_dict()))["kept_machine_only"] == 1
+    only_machine = cells.iloc[[0, 3]]
+    assert exclude_unstable(only_machine)[1].describe().startswith("no cell of 2 is left out as unstable")
+
+
+def test_the_report_says_which_flagged_cells_were_fitted_because_only_the_machine_moved():
+    from hostsweep.report.document import Text
+    from hostsweep.report.fit_report import _unstable
+
+    cells = pd.DataFrame({"sku": "cpu", "model": "m", "mode": "eager", "tp": 1, "batch": [1, 2, 4],
+                          "ctx": 128, "run_id": list("abc"), "stable": ["false", "false", "true"],
+                          "unstable_reasons": ["machine_speed", "drift,machine_speed", ""]})
+    text = " ".join(part.text for part in _unstable({}, cells, True) if isinstance(part, Text))
+    assert "1 of 3 selected cells are flagged unstable (drift: 1)" in text
+    assert "1 more are flagged only `machine_speed` and kept" in text
 
 
 def test_the_fit_stage_leaves_unstable_cells_out_and_refuses_when_none_is_left():
