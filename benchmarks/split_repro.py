@@ -27,8 +27,11 @@ def cells_of(run_dir: Path, name: str) -> pd.DataFrame:
     cells = pd.read_csv(run_dir / "cells.csv")
     cells = cells[cells["status"] == "FINISHED"].sort_values(["batch", "ctx"]).reset_index(drop=True)
     reasons = cells.get("unstable_reasons", pd.Series("", index=cells.index)).fillna("").astype(str)
-    return cells.assign(cell=[f"b{b} ctx{c}" for b, c in zip(cells["batch"], cells["ctx"])], run=name,
-                        split_flag=[",".join(r for r in SPLIT_FLAGS if r in text) for text in reasons]).set_index("cell")
+    # one concat: cells.csv's many string columns are a block each, and assign warned per column
+    added = pd.DataFrame({"cell": [f"b{b} ctx{c}" for b, c in zip(cells["batch"], cells["ctx"])], "run": name,
+                          "split_flag": [",".join(r for r in SPLIT_FLAGS if r in text) for text in reasons]},
+                         index=cells.index)
+    return pd.concat([cells, added], axis=1).set_index("cell")
 
 
 def value(row: pd.Series, name: str) -> float:

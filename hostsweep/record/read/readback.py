@@ -62,7 +62,9 @@ def read_cells(tracking_uri: str, experiments: list[str], parent_run_id: Optiona
     })
     others = {c[len("metrics."):]: cells[c].astype(float) for c in cells if c.startswith("metrics.")
               and c[len("metrics."):] not in frame}
-    return frame.assign(**others).reset_index(drop=True)
+    # one concat, not one insert per metric: a frame built column by column is fragmented,
+    # and every later assign on it warned (PerformanceWarning) into the user's console
+    return pd.concat([frame, pd.DataFrame(others, index=frame.index)], axis=1).copy().reset_index(drop=True)
 
 
 def cell_params(runs: pd.DataFrame) -> dict[str, pd.Series]:
