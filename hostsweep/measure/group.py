@@ -172,12 +172,17 @@ def pooled_periods(parts: Sequence[Sequence[RepTiming]], level: float) -> CellMe
     freedom: 12.7 times their spread wide, true to no question a user asks of one study.)"""
     z = float(stats.norm.ppf(0.5 + level / 2.0))
     summaries = [summarize(part, level) for part in parts]
+    every = [p for part in parts for p in part]
+    if any(not 0.0 < m.ci_coverage < 1.0 for m in summaries):
+        # a period of one pair (the common clean rounds can leave that) has a CI of no width
+        # and coverage 0: no standard error to read from it, and 0/0 made the cell's CI NaN.
+        # The order-statistic CI over all the pairs is what is left to say.
+        return dataclasses.replace(summarize(every, level), reps=tuple(every))
     point = float(np.mean([m.step_ms for m in summaries]))
     # each period's CI read at the coverage it has (an order-statistic CI's is above the level)
     se = float(np.sqrt(sum(((m.step_ci_high_ms - m.step_ci_low_ms) / (2.0 * stats.norm.ppf(0.5 + m.ci_coverage / 2)))
                            ** 2 for m in summaries)))
     se /= len(summaries)
-    every = [p for part in parts for p in part]
     return CellMeasurement(step_ms=point, step_ci_low_ms=point - z * se, step_ci_high_ms=point + z * se,
                            wall_1_ms=float(np.median([p.wall_1_s for p in every]) * 1e3),
                            wall_T_ms=float(np.median([p.wall_T_s for p in every]) * 1e3),

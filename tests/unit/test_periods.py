@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hostsweep.config.grid import build_cells
-from hostsweep.measure.group import GroupMeasurement
+from hostsweep.measure.group import GroupMeasurement, pooled_periods
 from hostsweep.measure.periods import (
     DesignRecord, canary_shift_pct, clean_pairs, common_period_ratios, contended_rounds, period_disagrees,
 )
@@ -382,3 +382,18 @@ def dataclasses_replace(pair, **changes):
     import dataclasses
 
     return dataclasses.replace(pair, **changes)
+
+
+def test_a_period_left_with_one_pair_still_gives_the_pooled_cell_a_finite_ci():
+    # the common clean rounds can leave a period one pair: its CI has no width and coverage
+    # 0, and reading a standard error from it made the cell's CI NaN (then unlogged in MLflow)
+    rng = np.random.default_rng(3)
+    first = pairs_of(noisy(5.0, 12, rng))
+    second = pairs_of([5.2], period=1)
+    pooled = pooled_periods([first, second], 0.95)
+    assert np.isfinite(pooled.step_ci_low_ms) and np.isfinite(pooled.step_ci_high_ms)
+    assert pooled.step_ci_low_ms <= pooled.step_ms <= pooled.step_ci_high_ms
+    assert len(pooled.reps) == 13 and 0.95 <= pooled.ci_coverage < 1.0
+    both = pooled_periods([first, pairs_of(noisy(5.5, 12, rng), period=1)], 0.95)  # the usual case is unchanged
+    assert both.step_ms == pytest.approx((np.median([p.step_s for p in first]) * 1e3
+                                          + np.median([p.step_s for p in both.reps[12:]]) * 1e3) / 2)
