@@ -20,13 +20,13 @@ import pandas as pd
 from hostsweep.config.grid import CELL_AXES
 
 UNSTABLE_VALUES = {"false", "0", "no"}
-IDENTITY = (*CELL_AXES, "run_id")
+IDENTITY = (*CELL_AXES, "run_id")  # how a left-out cell is named (config/grid.py, then its MLflow run)
 # Flags about the machine, not the cell: the speed canary moved over the group's rounds.
 # On a cloud VM that is the normal case (its speed moves by tens of percent between
 # minutes), and every cell of every group would be left out; the cell's own pairs, its CI
 # and its drift test still judge its number, and the report's host-speed table shows
 # how fast each group's machine was.
-MACHINE_ONLY = frozenset({"machine_speed"})  # how a left-out cell is named (config/grid.py, then its MLflow run)
+MACHINE_ONLY = frozenset({"machine_speed"})
 
 
 def _unstable(value: Any) -> bool:
@@ -107,14 +107,14 @@ class Exclusion:
 def exclude_unstable(cells: pd.DataFrame, enabled: bool = True) -> tuple[pd.DataFrame, Exclusion]:
     """(the cells to fit, with their index, and what was left out): when `enabled`, the
     unstable ones go, except those flagged only for the machine (left_out_mask)."""
-    unstable = unstable_mask(cells)
-    leave = left_out_mask(cells)
-    reasons = [",".join(r) for r in reasons_of(cells)]
-    columns = [c for c in IDENTITY if c in cells]
-    flagged = cells.loc[unstable, columns].assign(
-        unstable_reasons=[r for r, bad in zip(reasons, unstable) if bad]).reset_index(drop=True)
+    unstable, leave = unstable_mask(cells), left_out_mask(cells)
     if not enabled:
-        return cells, Exclusion(len(cells), flagged.iloc[0:0], False, int(unstable.sum()))
-    left_out = cells.loc[leave, columns].assign(
-        unstable_reasons=[r for r, bad in zip(reasons, leave) if bad]).reset_index(drop=True)
-    return cells[~leave], Exclusion(len(cells), left_out, True, int(unstable.sum()), int((unstable & ~leave).sum()))
+        return cells, Exclusion(len(cells), _named(cells, leave).iloc[0:0], False, int(unstable.sum()))
+    return cells[~leave], Exclusion(len(cells), _named(cells, leave), True, int(unstable.sum()),
+                                    int((unstable & ~leave).sum()))
+
+
+def _named(cells: pd.DataFrame, mask: np.ndarray) -> pd.DataFrame:
+    """The masked cells' identity (IDENTITY) and their unstable reasons."""
+    reasons = [",".join(r) for r, pick in zip(reasons_of(cells), mask) if pick]
+    return cells.loc[mask, [c for c in IDENTITY if c in cells]].assign(unstable_reasons=reasons).reset_index(drop=True)
