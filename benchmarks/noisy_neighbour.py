@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from hostsweep.model.unstable import left_out_mask
 from studies import run_study
 
 RUNS = ("quiet-1", "quiet-2", "noisy", "seq-1", "seq-2")
@@ -78,12 +79,6 @@ def cells_of(run_dir: Path, name: str) -> pd.DataFrame:
     return cells
 
 
-def machine_only(cells: pd.DataFrame) -> pd.Series:
-    """True where a cell's only flag is machine_speed."""
-    reasons = cells.get("unstable_reasons", pd.Series("", index=cells.index)).fillna("").astype(str)
-    return reasons.map(lambda text: {r for r in text.split(",") if r} == {"machine_speed"})
-
-
 def overlap(a: pd.Series, b: pd.Series) -> bool:
     return not (a["step_ci_high_ms"] < b["step_ci_low_ms"] or b["step_ci_high_ms"] < a["step_ci_low_ms"])
 
@@ -116,7 +111,7 @@ def targets(frames: dict[str, pd.DataFrame]) -> None:
                 flagged = int(frames[n]["unstable"].sum())
                 # machine_speed is the canary's verdict on the machine, every cell of a group
                 # at once; the rules that judge a cell's own number are the rest
-                own = int((frames[n]["unstable"] & ~machine_only(frames[n])).sum())
+                own = int(left_out_mask(frames[n]).sum())  # the fit's rule (model/unstable.py)
                 print(f"  {n} flags at most one cell: {flagged} flagged, {own} for a reason other than "
                       f"machine_speed ({'met' if flagged <= 1 else 'NOT met'})")
     if "noisy" in frames and quiet:
