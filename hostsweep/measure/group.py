@@ -23,13 +23,13 @@ from scipy import stats
 
 from hostsweep.config.grid import Cell
 from hostsweep.measure.periods import (
-    DesignRecord, ProfiledPair, by_period, canary_shift_pct, clean_pairs, common_period_ratios, contended_rounds,
-    median_canary_ms, period_disagrees, period_medians_ms,
+    DesignRecord, ProfiledPair, by_period, canary_shift_pct, clean_pairs, common_period_ratios, common_shift_pct,
+    common_trend, contended_rounds, median_canary_ms, period_disagrees, period_medians_ms, relative_to_companions,
 )
 from hostsweep.measure.protocol import CellMeasurement, RepTiming, adaptive_looks, summarize
 from hostsweep.measure.results import MeasureOptions, stability_rules_of
 from hostsweep.measure.speculative import SpecResult, spec_summary
-from hostsweep.measure.stability import Stability, contention_summary, replicate_disagrees, timing_reasons
+from hostsweep.measure.stability import Stability, contention_summary, drifted, replicate_disagrees, timing_reasons
 
 # What a new period can cure: noise and a neighbour. A machine that changed speed
 # (machine_speed, replicate) or a split (split_*) is not re-timed away.
@@ -104,19 +104,33 @@ class GroupMeasurement:
         if shift is not None and shift > m.max_canary_shift_pct:
             self.group_reasons.add("machine_speed")
         common = common_period_ratios(self.timings)
-        for i, pairs in enumerate(self.timings):
-            clean = clean_pairs(pairs, contended)
-            used = clean if clean is not None else pairs
+        cleans = [clean_pairs(pairs, contended) for pairs in self.timings]
+        useds = [clean if clean is not None else pairs for clean, pairs in zip(cleans, self.timings)]
+        # Drift is judged against the companions timed in the same rounds: every cell moving
+        # together is the machine (machine_speed, as the canary's move is), one cell moving
+        # against the others is the cell's (drift). A group of one has no companions.
+        moved_alone = frozenset(i for i, judged in enumerate(relative_to_companions(useds))
+                                if judged is not None and any(drifted(part, rules) for part in by_period(judged)))
+        # judged again without them: a cell that moved alone leaks into its companions' median
+        relative = relative_to_companions(useds, moved_alone)
+        trend = common_trend(useds)
+        if trend is not None and any(drifted(part, rules) for part in by_period(trend)):
+            self.group_reasons.add("machine_speed")
+        moved_together = common_shift_pct(trend)
+        for i, (pairs, clean, used) in enumerate(zip(self.timings, cleans, useds)):
             summary = self._summary(i, used)
-            reasons = {r for part in by_period(used) for r in timing_reasons(part, summary, rules)} - {"ci_width"}
+            reasons = {r for part in by_period(used) for r in timing_reasons(part, summary, rules)} - {"ci_width", "drift"}
             reasons |= set(timing_reasons(used, summary, rules)) & {"ci_width"}
+            judged = relative[i] if relative[i] is not None else used
+            if any(drifted(part, rules) for part in by_period(judged)):
+                reasons.add("drift")
             if clean is None:
                 reasons.add("foreign_cpu")
             if period_disagrees(used, common, m.min_shift_pct, m.ci_level):
                 reasons.add("period")
             self.summaries[i] = dataclasses.replace(summary, reps=pairs)  # every pair kept, flagged or not
             design = DesignRecord(self.periods, period_medians_ms(used), len(used), len(contended),
-                                  median_canary_ms(pairs), shift)
+                                  median_canary_ms(pairs), shift, moved_together)
             self.verdicts[i] = self._verdict(reasons | self.group_reasons, used, design)
 
     def _verdict(self, reasons: set[str], used: Sequence[RepTiming], design: DesignRecord) -> Stability:

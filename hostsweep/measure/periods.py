@@ -10,13 +10,17 @@ speed canary, and what each says about a cell.
   make one cell look fast because its pairs happened to fall in the quiet phase.
 - The **canary** (run/canary.py) is a fixed workload timed beside every pair: the
   machine's own speed. Its movement across the group's rounds is `canary_shift_pct`.
+- **Companions** are the other cells of the group, timed in the same rounds. A cell's
+  drift is judged on its steps relative to theirs (`relative_to_companions`): a machine
+  that sped up or slowed down over the rounds moves every cell alike and is the group's
+  `common_trend`, judged once for the whole group; a cell that moved alone is the cell's.
 - **Profiled pairs** (the device/host split's) are taken inside the first period's rounds,
   right after a timed pair, in the same rounds for every cell (`profiled_rounds`), so the
   device time and the step it is subtracted from come from one period of the machine.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
@@ -45,6 +49,9 @@ class DesignRecord:
     contended_rounds: int = 0  # the group's rounds left out as contended
     canary_ms: Optional[float] = None  # median canary over the cell's pairs
     canary_shift_pct: Optional[float] = None  # how far the machine's speed moved over the group's rounds
+    # how far every cell's step moved together over the group's rounds (common_shift_pct):
+    # the machine's speed as the cells themselves saw it; None for a group of one cell
+    common_shift_pct: Optional[float] = None
 
 
 def round_of(pair: RepTiming) -> RoundId:
@@ -93,6 +100,72 @@ def canary_shift_pct(pairs: Iterable[RepTiming]) -> Optional[float]:
     if len(medians) < 2 or min(medians) <= 0:
         return None
     return (max(medians) / min(medians) - 1.0) * 100.0
+
+
+def _speed_in_round(cells: Sequence[Sequence[RepTiming]]) -> list[dict[RoundId, float]]:
+    """Each cell's step in each of its rounds over its own median step in that period: how
+    fast the cell ran in that round against its usual, comparable across cells of unequal
+    steps."""
+    out = []
+    for pairs in cells:
+        medians = {part[0].period: float(np.median([p.step_s for p in part])) for part in by_period(pairs)}
+        out.append({round_of(p): p.step_s / medians[p.period] for p in pairs if medians[p.period] > 0})
+    return out
+
+
+def _median_by_round(speeds: Sequence[dict[RoundId, float]]) -> dict[RoundId, float]:
+    rounds = sorted({r for s in speeds for r in s})
+    return {r: float(np.median([s[r] for s in speeds if r in s])) for r in rounds}
+
+
+def relative_to_companions(cells: Sequence[Sequence[RepTiming]],
+                           not_companions: frozenset[int] = frozenset()) -> list[Optional[tuple[RepTiming, ...]]]:
+    """Each cell's pairs with every step divided by its companions' speed in that round (the
+    median, over the group's other cells, of their step in the round over their period
+    median): what is left of the cell's movement once the machine's, which every cell of the
+    round met, is taken out. Cells in `not_companions` (those found moving alone) do not
+    serve as anyone's companion while others are left. Pairs of rounds no companion ran in
+    are left out; None for a cell without companions (a group of one)."""
+    speeds = _speed_in_round(cells)
+    out: list[Optional[tuple[RepTiming, ...]]] = []
+    for i, pairs in enumerate(cells):
+        others = [s for j, s in enumerate(speeds) if j != i and s and j not in not_companions] \
+            or [s for j, s in enumerate(speeds) if j != i and s]
+        if not others:
+            out.append(None)
+            continue
+        companions = _median_by_round(others)
+        out.append(tuple(replace(p, step_s=p.step_s / companions[round_of(p)]) for p in pairs
+                         if companions.get(round_of(p), 0.0) > 0))
+    return out
+
+
+def common_trend(cells: Sequence[Sequence[RepTiming]]) -> Optional[tuple[RepTiming, ...]]:
+    """The group's speed in each round as pseudo-pairs (step_s: the median over cells of
+    their step in the round over their period median; 1.0 is a usual round): the machine's
+    movement as every cell met it. None for a group of one cell, whose own movement cannot
+    be told from the machine's."""
+    speeds = [s for s in _speed_in_round(cells) if s]
+    if len(speeds) < 2:
+        return None
+    return tuple(RepTiming(rep=r[1], t1_first=True, wall_1_s=0.0, wall_T_s=0.0, step_s=v, round=r[1], period=r[0])
+                 for r, v in _median_by_round(speeds).items())
+
+
+def common_shift_pct(trend: Optional[Sequence[RepTiming]]) -> Optional[float]:
+    """How far the group's common speed moved within a period: the median of each half of a
+    period's rounds, (slower / faster - 1) in %, the largest over the periods."""
+    if not trend:
+        return None
+    shifts = []
+    for part in by_period(trend):
+        ordered = [p.step_s for p in sorted(part, key=lambda p: p.round)]
+        half = len(ordered) // 2
+        if half >= 1:
+            a, b = float(np.median(ordered[:half])), float(np.median(ordered[half:]))
+            if min(a, b) > 0:
+                shifts.append((max(a, b) / min(a, b) - 1.0) * 100.0)
+    return max(shifts) if shifts else None
 
 
 def median_canary_ms(pairs: Iterable[RepTiming]) -> Optional[float]:

@@ -97,19 +97,21 @@ def merged_stability(starts: Sequence[CellResult], measurement: CellMeasurement,
 
 def merged_design(designs: Sequence[Optional[DesignRecord]], measurement: CellMeasurement) -> Optional[DesignRecord]:
     """The design record of a cell merged from several starts: periods and pairs summed over
-    the starts, the canary the median over every pair that carries one, its shift the largest
-    a start saw (what the diff and the summary read of the machine's speed)."""
+    the starts, the canary the median over every pair that carries one, its shift (and the
+    cells' common shift) the largest a start saw (what the diff and the summary read of the machine's speed)."""
     known = [d for d in designs if d is not None]
     if not known:
         return None
     canaries = [rep.canary_ms for rep in measurement.reps if rep.canary_ms is not None]
     shifts = [d.canary_shift_pct for d in known if d.canary_shift_pct is not None]
+    together = [d.common_shift_pct for d in known if d.common_shift_pct is not None]
     return DesignRecord(periods=max(d.periods for d in known),
                         period_medians_ms=tuple(m for d in known for m in d.period_medians_ms),
                         clean_pairs=sum(d.clean_pairs for d in known),
                         contended_rounds=sum(d.contended_rounds for d in known),
                         canary_ms=float(np.median(canaries)) if canaries else None,
-                        canary_shift_pct=max(shifts) if shifts else None)
+                        canary_shift_pct=max(shifts) if shifts else None,
+                        common_shift_pct=max(together) if together else None)
 
 
 def merge_starts(starts: Sequence[CellResult], rules: StabilityRules, host_bound_threshold: float) -> CellResult:

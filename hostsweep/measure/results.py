@@ -255,6 +255,8 @@ def design_metrics(design: Optional[DesignRecord]) -> dict[str, float]:
         metrics["canary_ms"] = design.canary_ms
     if design.canary_shift_pct is not None:
         metrics["canary_shift_pct"] = design.canary_shift_pct
+    if design.common_shift_pct is not None:
+        metrics["common_shift_pct"] = design.common_shift_pct
     return metrics
 
 

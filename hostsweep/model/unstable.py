@@ -21,12 +21,15 @@ from hostsweep.config.grid import CELL_AXES
 
 UNSTABLE_VALUES = {"false", "0", "no"}
 IDENTITY = (*CELL_AXES, "run_id")  # how a left-out cell is named (config/grid.py, then its MLflow run)
-# Flags about the machine, not the cell: the speed canary moved over the group's rounds.
-# On a cloud VM that is the normal case (its speed moves by tens of percent between
-# minutes), and every cell of every group would be left out; the cell's own pairs, its CI
-# and its drift test still judge its number, and the report's host-speed table shows
+# Flags about the machine, not the cell: the machine changed speed over the group's rounds
+# (machine_speed: the canary, or every cell together), or the group's first cell, timed
+# again alone after the rounds, moved (replicate: it has no companions to tell the machine
+# from the cell, and the cells' numbers come from rounds every cell met alike). On a cloud
+# VM that is the normal case (its speed moves by tens of percent between minutes), and
+# every cell of every group would be left out; the cell's own pairs, its CI and its drift
+# against its companions still judge its number, and the report's host-speed table shows
 # how fast each group's machine was.
-MACHINE_ONLY = frozenset({"machine_speed"})
+MACHINE_ONLY = frozenset({"machine_speed", "replicate"})
 
 
 def _unstable(value: Any) -> bool:
@@ -88,7 +91,8 @@ class Exclusion:
         if not self.enabled:
             return (f"fit.exclude_unstable=false: {self.flagged} of {self.total} cells flagged unstable, "
                     "fitted anyway" if self.flagged else f"no cell of {self.total} is flagged unstable")
-        kept = (f"; kept {self.machine_only} flagged only machine_speed (the machine moved, their pairs agree)"
+        kept = (f"; kept {self.machine_only} flagged only for the machine ({'/'.join(sorted(MACHINE_ONLY))}: "
+                "the machine moved, their pairs agree)"
                 if self.machine_only else "")
         if not self.count:
             return (f"no cell of {self.total} is left out as unstable: all fitted{kept}" if self.machine_only

@@ -93,9 +93,11 @@ def unstable_note(stability: Stability) -> str:
     if stability.stable:
         return ""
     c, design = stability.contention, stability.design
-    shift = design.canary_shift_pct if design is not None else None
+    moves = [f"{what} moved {pct:.0f} %" for what, pct in
+             (("canary", design.canary_shift_pct if design else None),
+              ("cells together", design.common_shift_pct if design else None)) if pct is not None]
     named = {"foreign_cpu": f"foreign_cpu {c.foreign_cpu_frac:.2f}" if c is not None else "foreign_cpu",
-             "machine_speed": f"machine_speed (canary moved {shift:.0f} %)" if shift is not None else "machine_speed"}
+             "machine_speed": f"machine_speed ({', '.join(moves)})" if moves else "machine_speed"}
     reasons = [named.get(r, r) for r in stability.reasons]
     return f", UNSTABLE: {', '.join(reasons)}"
 

@@ -102,9 +102,9 @@ def _unstable(fit: dict[str, Any], cells: pd.DataFrame, enabled: bool) -> list:
         return [Heading("Unstable cells"), Text("The selected cells carry no stability verdict (measured before "
                                                 f"it): every one is treated as stable. {fitted}")]
     flagged = exclude_unstable(cells, True)[1]
-    kept = (f" {flagged.machine_only} more are flagged only `machine_speed` and kept: the machine's speed moved "
-            "over their group's rounds while their own pairs agreed (the host speed table shows each group's "
-            "canary)." if flagged.machine_only else "")
+    kept = (f" {flagged.machine_only} more are flagged only for the machine (`machine_speed`, `replicate`) and "
+            "kept: the machine's speed moved over their group's rounds while their own pairs agreed with their "
+            "companions' (the host speed table shows each group's canary)." if flagged.machine_only else "")
     if not flagged.count:
         return [Heading("Unstable cells"), Text(f"No selected cell is left out as unstable.{kept} {fitted}")]
     why = ", ".join(f"{reason}: {n}" for reason, n in flagged.reasons().items())

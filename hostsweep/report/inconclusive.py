@@ -18,11 +18,11 @@ from hostsweep.report.document import Bullets, Document, Heading, Table, Text
 REMEDIES = {
     "ci_width": "more pairs per cell (`measure.reps=24`) or engine starts (`measure.replicates=3`): the CI is "
                 "wider than `measure.max_ci_pct`",
-    "drift": "the host changed speed during the cell's pairs: `measure.remeasure_unstable=2` times the group "
-             "again; on a cloud VM, a dedicated or quieter node",
+    "drift": "the cell's pairs moved against its companions' in the same rounds: `measure.remeasure_unstable=2` "
+             "times the group again; if it recurs, the cell itself does not hold still (look at its raw pairs)",
     "foreign_cpu": "another process used the machine: stop it, or measure on a node of your own",
-    "machine_speed": "the speed canary moved over the group's rounds (a cloud VM's speed changes): measure "
-                     "again, or compare with `stage=diff diff.normalize=canary`",
+    "machine_speed": "the machine changed speed over the group's rounds (the canary, or every cell together; "
+                     "a cloud VM's speed changes): measure again, or compare with `stage=diff diff.normalize=canary`",
     "replicate": "the group's first cell did not reproduce at the end of its rounds: the host changed; "
                  "measure again",
     "period": "a cell moved between periods differently from its group: measure it again",

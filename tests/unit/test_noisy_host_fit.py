@@ -138,21 +138,23 @@ def test_the_exclusion_is_counted_and_json_safe():
     assert "fitted anyway" in off.describe()
 
 
-def test_a_cell_flagged_only_for_the_machines_speed_is_fitted_and_counted_as_kept():
-    # machine_speed says the canary moved over the group's rounds (a cloud VM's normal
-    # case); the cell's own pairs still judge its number, so only other reasons leave it out
-    cells = pd.DataFrame({"sku": "cpu", "model": "m", "mode": "eager", "tp": 1, "batch": [1, 2, 4, 8],
-                          "ctx": 128, "run_id": list("abcd"), "stable": ["false", "false", "false", "true"],
-                          "unstable_reasons": ["machine_speed", "ci_width,machine_speed", "", ""]})
-    assert left_out_mask(cells).tolist() == [False, True, True, False]
-    assert unstable_mask(cells).tolist() == [True, True, True, False]  # the flag itself stays
+def test_a_cell_flagged_only_for_the_machine_is_fitted_and_counted_as_kept():
+    # machine_speed says the machine moved over the group's rounds (a cloud VM's normal
+    # case), replicate that the first cell timed again alone after them moved; the cell's own
+    # pairs still judge its number, so only other reasons leave it out
+    cells = pd.DataFrame({"sku": "cpu", "model": "m", "mode": "eager", "tp": 1, "batch": [1, 2, 4, 8, 16],
+                          "ctx": 128, "run_id": list("abcde"), "stable": ["false", "false", "false", "false", "true"],
+                          "unstable_reasons": ["machine_speed", "ci_width,machine_speed", "", "replicate,machine_speed",
+                                               ""]})
+    assert left_out_mask(cells).tolist() == [False, True, True, False, False]
+    assert unstable_mask(cells).tolist() == [True, True, True, True, False]  # the flag itself stays
     kept, exclusion = exclude_unstable(cells)
-    assert list(kept["run_id"]) == ["a", "d"]
-    assert exclusion.count == 2 and exclusion.flagged == 3 and exclusion.machine_only == 1
+    assert list(kept["run_id"]) == ["a", "d", "e"]
+    assert exclusion.count == 2 and exclusion.flagged == 4 and exclusion.machine_only == 2
     assert exclusion.reasons() == {"ci_width": 1, "unstated": 1}  # what left each out, not the machine's flag
-    assert "kept 1 flagged only machine_speed" in exclusion.describe()
-    assert json.loads(json.dumps(exclusion.to_dict()))["kept_machine_only"] == 1
-    only_machine = cells.iloc[[0, 3]]
+    assert "kept 2 flagged only for the machine (machine_speed/replicate" in exclusion.describe()
+    assert json.loads(json.dumps(exclusion.to_dict()))["kept_machine_only"] == 2
+    only_machine = cells.iloc[[0, 4]]
     assert exclude_unstable(only_machine)[1].describe().startswith("no cell of 2 is left out as unstable")
 
 
@@ -165,7 +167,7 @@ def test_the_report_says_which_flagged_cells_were_fitted_because_only_the_machin
                           "unstable_reasons": ["machine_speed", "drift,machine_speed", ""]})
     text = " ".join(part.text for part in _unstable({}, cells, True) if isinstance(part, Text))
     assert "1 of 3 selected cells are flagged unstable (drift: 1)" in text
-    assert "1 more are flagged only `machine_speed` and kept" in text
+    assert "1 more are flagged only for the machine (`machine_speed`, `replicate`) and kept" in text
 
 
 def test_the_fit_stage_leaves_unstable_cells_out_and_refuses_when_none_is_left():
