@@ -83,6 +83,19 @@ def overlap(a: pd.Series, b: pd.Series) -> bool:
     return not (a["step_ci_high_ms"] < b["step_ci_low_ms"] or b["step_ci_high_ms"] < a["step_ci_low_ms"])
 
 
+def clean_rounds_note(cells: pd.DataFrame) -> str:
+    """How many rounds the common clean rounds left out and how many pairs each cell kept;
+    when they left too few, the cells used every pair (and carry foreign_cpu): say so."""
+    if "contended_rounds" not in cells or "clean_pairs" not in cells:
+        return "no clean-round record"
+    contended, kept = int(cells["contended_rounds"].max()), cells["clean_pairs"]
+    used_all = "reps_used" in cells and bool((kept >= cells["reps_used"]).all())
+    if contended and used_all:
+        return (f"{contended} rounds contended, too many to leave out: every cell used all its pairs "
+                f"({int(kept.min())}-{int(kept.max())}) and is flagged foreign_cpu")
+    return f"rounds left out as contended: {contended}, pairs kept per cell: {int(kept.min())}-{int(kept.max())}"
+
+
 def report(frames: dict[str, pd.DataFrame]) -> None:
     base = frames[next(iter(frames))].set_index("cell")
     print(f"\n{'run':8} {'cell':11} {'step_ms':>8} {'ci95':>17} {'ratio':>6} {'moved%':>7}  flags")
@@ -109,11 +122,11 @@ def targets(frames: dict[str, pd.DataFrame]) -> None:
         for n in frames:
             if n.startswith("quiet"):
                 flagged = int(frames[n]["unstable"].sum())
-                # machine_speed is the canary's verdict on the machine, every cell of a group
+                # machine_speed and replicate are verdicts on the machine, every cell of a group
                 # at once; the rules that judge a cell's own number are the rest
                 own = int(left_out_mask(frames[n]).sum())  # the fit's rule (model/unstable.py)
-                print(f"  {n} flags at most one cell: {flagged} flagged, {own} for a reason other than "
-                      f"machine_speed ({'met' if flagged <= 1 else 'NOT met'})")
+                print(f"  {n} flags at most one cell: {flagged} flagged, {own} for a reason about the cell "
+                      f"itself ({'met' if flagged <= 1 else 'NOT met'})")
     if "noisy" in frames and quiet:
         noisy = frames["noisy"].set_index("cell")
         ratios = pd.concat([q["ratio"] for q in quiet], axis=1)
@@ -127,9 +140,7 @@ def targets(frames: dict[str, pd.DataFrame]) -> None:
         moved_noisy = ((noisy["ratio"] / first["ratio"] - 1).abs() * 100)
         print(f"  noisy ratios within {MOVE_LIMIT_PCT:g} % of {next(n for n in frames if n.startswith('quiet'))}'s: "
               f"max move {moved_noisy.max():.1f} % ({'met' if moved_noisy.max() <= MOVE_LIMIT_PCT else 'NOT met'}); "
-              f"rounds left out as contended: {int(noisy['contended_rounds'].max()) if 'contended_rounds' in noisy else '?'}, "
-              f"pairs kept per cell: {int(noisy['clean_pairs'].min()) if 'clean_pairs' in noisy else '?'}"
-              f"-{int(noisy['clean_pairs'].max()) if 'clean_pairs' in noisy else '?'}")
+              f"{clean_rounds_note(noisy)}")
         print(f"  the noisy study is flagged: {int(noisy['unstable'].sum())} of {len(noisy)} cells "
               f"({'met' if noisy['unstable'].any() else 'NOT met'})")
     reps = [frames[n].set_index("cell") for n in frames if n.startswith("rep")]

@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 from functools import partial
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -208,3 +209,14 @@ def test_the_preset_names_both_sides_of_its_two_studies():
     head = compose_typed(["+experiment=diff-cpu", "+sku=cpu", "study=diff-cpu-head", "tp=2"]).config
     assert (base.study, base.tp, head.study, head.tp) == ("diff-cpu-base", [1], "diff-cpu-head", [2])
     assert (base.diff.base, base.diff.head) == ("diff-cpu-base", "diff-cpu-head")
+
+
+def test_the_closing_lines_name_a_relative_store_by_its_absolute_path(store, monkeypatch):
+    # last in the module: it adds a diff run the tests above would read as theirs.
+    # The sweep prints its store absolute; a diff run from the store's folder must name the
+    # same store the same way, so a command quoting it works from anywhere
+    monkeypatch.chdir(store["root"])
+    code, out, _ = diff_in_process({**store, "uri": f"sqlite:///{Path(store['uri'][len('sqlite:///'):]).name}"}, *DIFF)
+    assert code == 0, out
+    assert "in experiment " in out and f"of {store['uri']}\n" in out
+    assert f"--backend-store-uri {store['uri']} " in out

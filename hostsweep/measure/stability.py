@@ -11,15 +11,19 @@ These rules look for exactly that, each with a reason a user can act on:
     drift         the first and second half of the cell's pairs (in the order they ran)
                   differ by a robust test at 1 - measure.ci_level (Yuen's test on trimmed
                   means: one outlier pair does not defeat it) and their medians differ by
-                  measure.min_shift_pct %
+                  measure.min_shift_pct %; in a group, on its steps relative to its
+                  companions' in the same rounds (measure/periods.py), so the machine's
+                  move, which every cell met, is not taken for the cell's
     replicate     the group's first cell, measured again once the group's rounds ended,
                   disagrees with itself (the same test): the host changed during the group;
                   every cell of the group gets it, and later periods keep it
     period        re-measured, the cell moved between the group's periods differently from
                   its group (measure/periods.py): the cell, not the machine, did not reproduce
     machine_speed the speed canary timed beside every pair moved by more than
-                  measure.max_canary_shift_pct % over the group's rounds: the machine itself
-                  changed speed (a cloud VM does, with nothing in /proc); every cell of the group
+                  measure.max_canary_shift_pct % over the group's rounds, or every cell of
+                  the group moved together (the drift test on their common speed per
+                  round): the machine itself changed speed (a cloud VM does, with nothing
+                  in /proc); every cell of the group
     split_impossible  the profiled pair's device time is outside [0, the timed step]
                   (host_frac < 0 or > 1), also after its re-measure: above the step, the two
                   ran under different conditions; below zero, the longer generate's ops

@@ -264,7 +264,8 @@ def fit_study(cells: pd.DataFrame, terms: CalibrationTerms, options: FitOptions)
     falsification = _falsification(table, groups, options, warnings)
     shrink = tp_shrink(cells, {"measured": step_ms, "baseline": predicted["baseline"],
                                "model": predicted[options.form]})
-    verdict = overall_verdict(compared)
+    verdict = overall_verdict(compared, [(g["sku"], g["tp"]) for g in groups if g["role"] == "held-out"
+                                         and g.get("verdict") == "falsified" and g["tp"] not in options.train_tp])
     if verdict["verdict"] == "inconclusive" and (noise := overall_noise(compared)):
         verdict["noise"] = noise
     return FitReport(options, terms.to_dict(), scale, forms, scores, groups, verdict, falsification,

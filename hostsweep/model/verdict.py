@@ -13,7 +13,7 @@ same function there) and is reported as inconclusive for that reason.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 from scipy.stats import binom
@@ -84,10 +84,10 @@ def host_family_verdict(ape: Mapping[str, np.ndarray], discriminating: bool, res
     }
 
 
-def overall_verdict(groups: list[dict[str, Any]]) -> dict[str, Any]:
-    """One answer across the held-out groups the comparison kept (falsified ones are out):
-    the family every conclusive group names, or inconclusive when none is conclusive or
-    they disagree."""
+def overall_verdict(groups: list[dict[str, Any]], falsified: Sequence[tuple[str, int]] = ()) -> dict[str, Any]:
+    """One answer across the held-out groups the comparison kept (the `falsified` ones, named
+    as (sku, tp), are out): the family every conclusive group names, or inconclusive when
+    none is conclusive or they disagree."""
     named = {(g["sku"], g["tp"]): g["verdict"] for g in groups if g["verdict"] in FAMILIES}
     families = sorted(set(named.values()))
     if len(families) == 1:
@@ -96,8 +96,14 @@ def overall_verdict(groups: list[dict[str, Any]]) -> dict[str, Any]:
     if families:
         split = "; ".join(f"{sku} TP-{tp}: {v}" for (sku, tp), v in sorted(named.items()))
         return {"verdict": "inconclusive", "reason": f"held-out groups disagree ({split})"}
-    return {"verdict": "inconclusive", "reason": "no held-out group separates the families with its CI"
-            if groups else "no held-out group at an untrained TP degree is left to compare"}
+    if groups:
+        return {"verdict": "inconclusive", "reason": "no held-out group separates the families with its CI"}
+    if falsified:
+        named_out = ", ".join(f"{sku} TP-{tp}" for sku, tp in falsified)
+        return {"verdict": "inconclusive", "reason": f"the held-out groups at an untrained TP degree ({named_out}) were "
+                                                     "falsified: no host-term family is compared on cells the bound "
+                                                     "already rules out"}
+    return {"verdict": "inconclusive", "reason": "no held-out group at an untrained TP degree is left to compare"}
 
 
 def falsifying_threshold(cells: int, with_ci: bool, level: float = 0.05, per_cell: float = 0.025) -> int:

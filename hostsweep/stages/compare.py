@@ -28,7 +28,7 @@ from hostsweep.config.schema import ConfigError
 from hostsweep.config.stages import StageInfo
 from hostsweep.model.unstable import Exclusion, exclude_unstable
 from hostsweep.record.reports import ReportRun, load_fit_json
-from hostsweep.record.views import open_ui_line, runs_table_url, ui_base
+from hostsweep.record.views import absolute_store_uri, open_ui_line, runs_table_url, ui_base
 from hostsweep.record.read.selection import Selection, select_cells
 from hostsweep.report.document import to_html, to_markdown
 from hostsweep.report.fit_report import Context, build
@@ -106,8 +106,9 @@ def compare_study(study: Study, run_dir: Path, keys: Optional[Iterable[str]] = N
     report_run = ReportRun(cfg.tracking.uri, selection.experiment, f"compare-{study.name}",
                            {"study": study.name, "fit_run": fit_run, "run_dir": str(run_dir)})
     try:
-        ctx = Context(study.name, selection.experiment, selection.experiment_id, cfg.tracking.uri, report_run.run_id,
-                      fit_run, cfg.fit.models_experiment, datetime.now().strftime("%Y-%m-%d %H:%M:%S"), command_line(),
+        ctx = Context(study.name, selection.experiment, selection.experiment_id, absolute_store_uri(cfg.tracking.uri),
+                      report_run.run_id, fit_run, cfg.fit.models_experiment,
+                      datetime.now().strftime("%Y-%m-%d %H:%M:%S"), command_line(),
                       tuple(s.name for s in study.skus), sources, warnings, cfg.fit.exclude_unstable)
         doc, groups = build(ctx, selection.cells, fit, folder)
         (folder / "report.md").write_text(to_markdown(doc, folder))
@@ -135,7 +136,7 @@ def _summary(fit: dict[str, Any], groups: pd.DataFrame, folder: Path, report_run
     lines += [f"held-out {r.sku} TP-{r.tp}: {r.verdict} — {r.reason}" for r in groups.itertuples()]
     lines += [f"report: {folder / 'report.html'} and {folder / 'report.md'} (figures in {folder / 'figures'})",
               f"MLflow: run {report_run.run_name} ({report_run.run_id}) in experiment {report_run.experiment_id} "
-              f"of {redact(uri)}",
+              f"of {redact(absolute_store_uri(uri))}",
               open_ui_line(uri, port),
               f"  then browse {runs_table_url(report_run.experiment_id, port, base=ui_base(uri, port))}",
               f"  the report: {runs_table_url(report_run.experiment_id, port, report_run.run_id, ui_base(uri, port))} "

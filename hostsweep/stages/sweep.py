@@ -388,7 +388,7 @@ def _measure_and_record(study: Study, grid: list[Cell], run_dir: Path, dispatche
     rows = table.study_frame(grid)  # read once: the summary, the figures and the console show the same rows
     summary = write_results(study, tracker, table, rows, run_dir, status, tags, started, mlflow_up)
     # with MLflow down, the summary names where the cells are, not a parent run that lacks them
-    store = redact(tracker.tracking_uri)
+    store = tracker.store_label()
     unrecorded = None if mlflow_up else (
         f"MLflow: not recorded to MLflow ({store} did not answer): {unlogged} measured cell(s) kept in the journal "
         f"{journal.path}" if unlogged else f"MLflow: {store} stopped answering; every measured cell is in MLflow, "

@@ -191,3 +191,14 @@ def test_markdown_and_html_escape_table_text_and_keep_inline_markup(tmp_path):
     assert "<strong>bold</strong>" in page and "<code>code</code>" in page and "&lt;tag&gt;" in page
     assert "&lt;x&gt;" in page and "1.23" in page and "1.235" not in page
     assert "a\\|b" in markdown and "![cap](f.png)" in markdown
+
+
+def test_the_overall_verdict_says_when_every_untrained_group_was_falsified_rather_than_missing():
+    from hostsweep.model.verdict import overall_verdict
+
+    out = overall_verdict([], [("cpu", 2)])
+    assert out["verdict"] == "inconclusive"
+    assert "(cpu TP-2) were falsified" in out["reason"]
+    assert overall_verdict([])["reason"] == "no held-out group at an untrained TP degree is left to compare"
+    kept = [{"sku": "h200", "tp": 4, "verdict": "k-invariant"}]
+    assert overall_verdict(kept, [("cpu", 2)])["verdict"] == "k-invariant"  # a kept group still decides
