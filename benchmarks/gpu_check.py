@@ -10,7 +10,11 @@
   4. the CUDA path of the host phases (hostsweep/measure/phases.py) on the same loops with
      vLLM's scope names around each step's forward and its wait for the output (`sample`):
      phases found, nothing subtracted from a host scope on a GPU, and the CUDA graph's
-     forward dispatch below eager's.
+     forward dispatch below eager's;
+  5. the speed canary's GPU kernel (hostsweep/run/canary.py, stdlib only until torch is
+     loaded) timed as a worker times it beside every pair: under a millisecond, its
+     timings within a few percent of each other, and its FLOP rate a sane share of the
+     SKU's datasheet roof.
 
     python benchmarks/gpu_check.py [--steps 64] [--out gpu_check.json]
 
@@ -33,6 +37,7 @@ from typing import Any, Callable, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hostsweep.measure.phases import PhaseSplit, phase_split, phase_totals  # noqa: E402  (stdlib only)
 from hostsweep.measure.traces import TraceTotals, load_trace, totals  # noqa: E402  (stdlib only)
+from hostsweep.run.canary import GPU_MATMUL_REPEATS, GPU_MATMUL_SIZE  # noqa: E402  (stdlib only)
 
 # Datasheet roofs, the values of conf/sku/<name>.yaml (a unit test keeps them equal):
 # dense bf16 TFLOP/s and memory bandwidth GB/s, and the compute capability.
@@ -110,6 +115,33 @@ def phase_checks(eager: PhaseSplit, graph: PhaseSplit) -> list[tuple[str, bool, 
          f"{graph.host_ms.get('forward_dispatch', float('nan')):.4f} vs "
          f"{eager.host_ms.get('forward_dispatch', float('nan')):.4f} ms per step"),
     ]
+
+
+def canary_checks(sku: Optional[str], timings_ms: list[float]) -> list[tuple[str, bool, str]]:
+    """The canary's GPU kernel as a worker would see it: each timing under 1 ms, their
+    spread (IQR over the median) under 5 %, and, on a known SKU, a FLOP rate between 20 %
+    and 100 % of its dense bf16 roof (fp16 runs at the same rate on H100 and H200)."""
+    ordered = sorted(timings_ms)
+    n = len(ordered)
+    median = ordered[n // 2]
+    spread = (ordered[(3 * n) // 4] - ordered[n // 4]) / median * 100.0 if median > 0 else float("inf")
+    checks = [("canary GPU kernel under 1 ms", 0.0 < max(ordered) < 1.0,
+               f"median {median:.3f} ms, max {max(ordered):.3f} ms over {n} timings"),
+              ("canary GPU kernel steady", spread < 5.0, f"IQR {spread:.1f} % of the median")]
+    if sku is not None and median > 0:
+        tflops = 2 * GPU_MATMUL_SIZE ** 3 * GPU_MATMUL_REPEATS / (median * 1e-3) / 1e12
+        share = tflops / DATASHEET[sku]["peak_bf16_tflops"]
+        checks.append(("canary GPU kernel rate", 0.2 <= share <= 1.0,
+                       f"{tflops:.0f} TFLOP/s = {share:.0%} of the {sku} datasheet"))
+    return checks
+
+
+def canary_timings(times: int = 50) -> list[float]:
+    """The worker's canary, made after torch is loaded, timed as beside every pair."""
+    from hostsweep.run.canary import Canary
+
+    canary = Canary()
+    return [float(canary.time_gpu_ms()) for _ in range(times)]  # type: ignore[arg-type]
 
 
 def roof_checks(sku: str, measured: dict[str, float]) -> list[tuple[str, bool, str]]:
@@ -267,6 +299,8 @@ def main() -> int:
                   phases={"eager": phases[0].host_ms, "graph": phases[1].host_ms})
     checks += trace_checks(eager, graph)
     checks += phase_checks(*phases)
+    report["canary_gpu_ms"] = canary_timings()
+    checks += canary_checks(sku, report["canary_gpu_ms"])
     report["checks"] = [{"check": c, "ok": ok, "detail": d} for c, ok, d in checks]
     for check, ok, detail in checks:
         print(f"{'PASS' if ok else 'FAIL'}  {check}: {detail}")

@@ -130,7 +130,7 @@ class GroupMeasurement:
                 reasons.add("period")
             self.summaries[i] = dataclasses.replace(summary, reps=pairs)  # every pair kept, flagged or not
             design = DesignRecord(self.periods, period_medians_ms(used), len(used), len(contended),
-                                  median_canary_ms(pairs), shift, moved_together)
+                                  median_canary_ms(pairs), shift, moved_together, median_canary_ms(pairs, gpu=True))
             self.verdicts[i] = self._verdict(reasons | self.group_reasons, used, design)
 
     def _verdict(self, reasons: set[str], used: Sequence[RepTiming], design: DesignRecord) -> Stability:

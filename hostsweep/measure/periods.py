@@ -52,6 +52,7 @@ class DesignRecord:
     # how far every cell's step moved together over the group's rounds (common_shift_pct):
     # the machine's speed as the cells themselves saw it; None for a group of one cell
     common_shift_pct: Optional[float] = None
+    gpu_canary_ms: Optional[float] = None  # median of the canary's GPU kernel over the cell's pairs (a CUDA worker)
 
 
 def round_of(pair: RepTiming) -> RoundId:
@@ -168,8 +169,9 @@ def common_shift_pct(trend: Optional[Sequence[RepTiming]]) -> Optional[float]:
     return max(shifts) if shifts else None
 
 
-def median_canary_ms(pairs: Iterable[RepTiming]) -> Optional[float]:
-    values = [p.canary_ms for p in pairs if p.canary_ms is not None]
+def median_canary_ms(pairs: Iterable[RepTiming], gpu: bool = False) -> Optional[float]:
+    """The median canary over the pairs that carry one (gpu: its GPU kernel's)."""
+    values = [v for v in ((p.gpu_canary_ms if gpu else p.canary_ms) for p in pairs) if v is not None]
     return float(np.median(values)) if values else None
 
 

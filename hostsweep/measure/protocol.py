@@ -55,6 +55,7 @@ class RepTiming:
     # A paired study measured in paired rounds (pair.design=rounds): the round's id, shared by
     # the pairs of a cell's two sides timed back to back in it; "" otherwise.
     pair_round: str = ""
+    gpu_canary_ms: Optional[float] = None  # the canary's fixed GPU kernel, where the worker sees a CUDA device
 
 
 @dataclass(frozen=True)

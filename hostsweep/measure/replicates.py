@@ -103,6 +103,7 @@ def merged_design(designs: Sequence[Optional[DesignRecord]], measurement: CellMe
     if not known:
         return None
     canaries = [rep.canary_ms for rep in measurement.reps if rep.canary_ms is not None]
+    gpu = [rep.gpu_canary_ms for rep in measurement.reps if rep.gpu_canary_ms is not None]
     shifts = [d.canary_shift_pct for d in known if d.canary_shift_pct is not None]
     together = [d.common_shift_pct for d in known if d.common_shift_pct is not None]
     return DesignRecord(periods=max(d.periods for d in known),
@@ -111,7 +112,8 @@ def merged_design(designs: Sequence[Optional[DesignRecord]], measurement: CellMe
                         contended_rounds=sum(d.contended_rounds for d in known),
                         canary_ms=float(np.median(canaries)) if canaries else None,
                         canary_shift_pct=max(shifts) if shifts else None,
-                        common_shift_pct=max(together) if together else None)
+                        common_shift_pct=max(together) if together else None,
+                        gpu_canary_ms=float(np.median(gpu)) if gpu else None)
 
 
 def merge_starts(starts: Sequence[CellResult], rules: StabilityRules, host_bound_threshold: float) -> CellResult:

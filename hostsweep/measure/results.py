@@ -257,6 +257,8 @@ def design_metrics(design: Optional[DesignRecord]) -> dict[str, float]:
         metrics["canary_shift_pct"] = design.canary_shift_pct
     if design.common_shift_pct is not None:
         metrics["common_shift_pct"] = design.common_shift_pct
+    if design.gpu_canary_ms is not None:
+        metrics["gpu_canary_ms"] = design.gpu_canary_ms
     return metrics
 
 

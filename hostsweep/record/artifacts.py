@@ -25,7 +25,8 @@ def csv_text(rows: Sequence[Mapping[str, object]]) -> str:
 
 def _timing_rows(reps: Sequence[RepTiming]) -> list[dict[str, object]]:
     """One row per timed pair: its walls and step, the engine start (replicate), period and
-    round it ran in, the speed canary timed beside it, its paired round (pair.design=rounds: the
+    round it ran in, the speed canary timed beside it (and its GPU kernel's time, where the
+    worker has a CUDA device; empty otherwise), its paired round (pair.design=rounds: the
     partner cell's pair of the same round has the same id), and its contention record (empty where
     the machine could not be observed). The diff reads `replicate` back to resample engine
     starts, then pairs within each (report/diff.py)."""
@@ -33,7 +34,9 @@ def _timing_rows(reps: Sequence[RepTiming]) -> list[dict[str, object]]:
     for r in reps:
         row: dict[str, object] = {"rep": r.rep, "t1_first": r.t1_first, "wall_1_ms": r.wall_1_s * 1e3,
                                   "wall_T_ms": r.wall_T_s * 1e3, "step_ms": r.step_s * 1e3, "round": r.round,
-                                  "replicate": r.replicate, "period": r.period, "canary_ms": "" if r.canary_ms is None else r.canary_ms,
+                                  "replicate": r.replicate, "period": r.period,
+                                  "canary_ms": "" if r.canary_ms is None else r.canary_ms,
+                                  "gpu_canary_ms": "" if r.gpu_canary_ms is None else r.gpu_canary_ms,
                                   "pair_round": r.pair_round}
         row.update(asdict(r.contention) if r.contention is not None else {})
         rows.append(row)

@@ -61,16 +61,22 @@ def _provenance(ctx: Context, cells: pd.DataFrame) -> list:
 
 def host_speed_table(cells: pd.DataFrame) -> Optional[pd.DataFrame]:
     """Per SKU, its nodes' speed canary over its cells (run/canary.py: a fixed host workload
-    timed beside every pair): median, range, and how far it moved within a group at most.
-    None when no cell carries one (measured before the canary existed)."""
+    timed beside every pair): median, range, and how far it moved within a group at most;
+    where a SKU's workers had a CUDA device, the median of the canary's GPU kernel beside it
+    (recorded apart: a GPU running slow is not a slow host). None when no cell carries a
+    canary (measured before the canary existed)."""
     if "canary_ms" not in cells or cells["canary_ms"].isna().all():
         return None
     shift = cells["canary_shift_pct"] if "canary_shift_pct" in cells else pd.Series(float("nan"), index=cells.index)
     frame = pd.DataFrame({"sku": cells["sku"], "canary": pd.to_numeric(cells["canary_ms"], errors="coerce"),
                           "shift": pd.to_numeric(shift, errors="coerce")}).dropna(subset=["canary"])
-    return frame.groupby("sku").agg(cells=("canary", "size"), canary_ms_median=("canary", "median"),
-                                    canary_ms_min=("canary", "min"), canary_ms_max=("canary", "max"),
-                                    moved_within_a_group_pct_max=("shift", "max")).reset_index()
+    table = frame.groupby("sku").agg(cells=("canary", "size"), canary_ms_median=("canary", "median"),
+                                     canary_ms_min=("canary", "min"), canary_ms_max=("canary", "max"),
+                                     moved_within_a_group_pct_max=("shift", "max")).reset_index()
+    if "gpu_canary_ms" in cells and cells["gpu_canary_ms"].notna().any():
+        gpu = pd.to_numeric(cells["gpu_canary_ms"], errors="coerce").groupby(cells["sku"]).median()
+        table["gpu_kernel_ms_median"] = table["sku"].map(gpu)
+    return table
 
 
 def _host_speed(cells: pd.DataFrame) -> list:

@@ -31,7 +31,8 @@ STABILITY = {"foreign_cpu_frac": "foreign_cpu_frac", "foreign_cpu_frac_max": "fo
              "steal_frac": "steal_frac", "load1_max": "load1_max", "attempts": "stability_attempts",
              "replicate_step_ms": "replicate_step_ms", "periods": "periods", "period_spread_pct": "period_spread_pct",
              "clean_pairs": "clean_pairs", "contended_rounds": "contended_rounds", "canary_ms": "canary_ms",
-             "canary_shift_pct": "canary_shift_pct", "common_shift_pct": "common_shift_pct"}
+             "canary_shift_pct": "canary_shift_pct", "common_shift_pct": "common_shift_pct",
+             "gpu_canary_ms": "gpu_canary_ms"}
 # MLflow's run tags cap at 8,000 characters and longer values are cut silently (server side):
 # the parent's description stays under that, and says where the rest is.
 NOTE_LIMIT = 7_900

@@ -231,7 +231,8 @@ class SweepWorker(SplitProfiling):
         timing = time_pair(generate, T, k, t1_first)
         contention = self.probe.since(mark)
         return dataclasses.replace(timing, contention=contention,
-                                   canary_ms=self.canary.time_ms() if canary else None)
+                                   canary_ms=self.canary.time_ms() if canary else None,
+                                   gpu_canary_ms=self.canary.time_gpu_ms() if canary else None)
 
     def _rounds(self, cells: Sequence[Cell], generates: list, options: MeasureOptions, what: str,
                 journal: Optional[RoundJournal] = None,

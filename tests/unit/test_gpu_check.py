@@ -130,3 +130,14 @@ def test_host_phases_of_synthesized_cuda_loops_pass_and_a_graph_that_dispatches_
     assert eager.host_ms["forward_dispatch"] == pytest.approx(0.2)
     assert all(ok for _, ok, _ in gpu_check.phase_checks(eager, graph))
     assert [ok for _, ok, _ in gpu_check.phase_checks(eager, eager)] == [True, True, False]
+
+
+def test_the_canarys_gpu_kernel_is_judged_on_its_time_its_spread_and_its_rate():
+    # 8 products of 2048^3 x 2 flop: 137 GFLOP, so 0.25 ms is 550 TFLOP/s (56 % of an H100's roof)
+    steady = [0.25 * (1 + 0.002 * (k % 5)) for k in range(50)]
+    assert all(ok for _, ok, _ in gpu_check.canary_checks("h100", steady))
+    jittery = [0.25 if k % 2 else 0.40 for k in range(50)]  # a shared or clock-capped device
+    assert [ok for _, ok, _ in gpu_check.canary_checks("h100", jittery)] == [True, False, True]
+    too_slow = [1.5] * 50  # 9 % of the roof and over a millisecond
+    assert [ok for _, ok, _ in gpu_check.canary_checks("h100", too_slow)] == [False, True, False]
+    assert len(gpu_check.canary_checks(None, steady)) == 2  # an unknown device has no roof to read
