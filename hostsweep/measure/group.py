@@ -119,8 +119,8 @@ class GroupMeasurement:
         moved_together = common_shift_pct(trend)
         for i, (pairs, clean, used) in enumerate(zip(self.timings, cleans, useds)):
             summary = self._summary(i, used)
-            reasons = {r for part in by_period(used) for r in timing_reasons(part, summary, rules)} - {"ci_width", "drift"}
-            reasons |= set(timing_reasons(used, summary, rules)) & {"ci_width"}
+            reasons = {r for part in by_period(used) for r in timing_reasons(part, summary, rules, False)} - {"ci_width"}
+            reasons |= set(timing_reasons(used, summary, rules, False)) & {"ci_width"}
             judged = relative[i] if relative[i] is not None else used
             if any(drifted(part, rules) for part in by_period(judged)):
                 reasons.add("drift")

@@ -146,15 +146,16 @@ def drifted(timings: Sequence[RepTiming], rules: StabilityRules) -> bool:
 
 
 def timing_reasons(timings: Sequence[RepTiming], measurement: CellMeasurement,
-                   rules: StabilityRules) -> tuple[str, ...]:
-    """The rules a cell's timed pairs break (foreign_cpu, ci_width, drift), in REASONS order."""
+                   rules: StabilityRules, judge_drift: bool = True) -> tuple[str, ...]:
+    """The rules a cell's timed pairs break (foreign_cpu, ci_width, drift), in REASONS order;
+    judge_drift=False leaves drift to the caller (a group judges it against companions)."""
     reasons = []
     contention = contention_summary(timings)
     if contention is not None and contention.foreign_cpu_frac > rules.max_foreign_cpu_frac:
         reasons.append("foreign_cpu")
     if measurement.ci_half_width_pct > rules.max_ci_pct:
         reasons.append("ci_width")
-    if drifted(timings, rules):
+    if judge_drift and drifted(timings, rules):
         reasons.append("drift")
     return tuple(reasons)
 
