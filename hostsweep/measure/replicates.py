@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from hostsweep.measure.intervals import between_starts_ci, few_starts_warning
-from hostsweep.measure.periods import DesignRecord
+from hostsweep.measure.periods import DesignRecord, median_canary_ms
 from hostsweep.measure.protocol import CellMeasurement, summarize
 from hostsweep.measure.results import CellResult
 from hostsweep.measure.split import SplitResult
@@ -102,18 +102,16 @@ def merged_design(designs: Sequence[Optional[DesignRecord]], measurement: CellMe
     known = [d for d in designs if d is not None]
     if not known:
         return None
-    canaries = [rep.canary_ms for rep in measurement.reps if rep.canary_ms is not None]
-    gpu = [rep.gpu_canary_ms for rep in measurement.reps if rep.gpu_canary_ms is not None]
     shifts = [d.canary_shift_pct for d in known if d.canary_shift_pct is not None]
     together = [d.common_shift_pct for d in known if d.common_shift_pct is not None]
     return DesignRecord(periods=max(d.periods for d in known),
                         period_medians_ms=tuple(m for d in known for m in d.period_medians_ms),
                         clean_pairs=sum(d.clean_pairs for d in known),
                         contended_rounds=sum(d.contended_rounds for d in known),
-                        canary_ms=float(np.median(canaries)) if canaries else None,
+                        canary_ms=median_canary_ms(measurement.reps),
                         canary_shift_pct=max(shifts) if shifts else None,
                         common_shift_pct=max(together) if together else None,
-                        gpu_canary_ms=float(np.median(gpu)) if gpu else None)
+                        gpu_canary_ms=median_canary_ms(measurement.reps, gpu=True))
 
 
 def merge_starts(starts: Sequence[CellResult], rules: StabilityRules, host_bound_threshold: float) -> CellResult:

@@ -29,14 +29,13 @@ from mlflow.tracking import MlflowClient
 
 from hostsweep.record.cellruns import CellRuns
 from hostsweep.record.claims import HEARTBEAT_TAG, LIVE_HERE, OWNER_TAG, this_owner
-from hostsweep.config.redact import redact
 from hostsweep.record.read.dbread import is_database
 from hostsweep.record.liveruns import LiveRuns
 from hostsweep.record.store import (
     SERVED_SCHEME, local_artifact_root, quiet_mlflow, served_artifacts, served_location,
 )
 from hostsweep.record.provenance import package_version
-from hostsweep.record.views import KIND, KIND_TAG, NOTE_TAG, absolute_store_uri, open_ui_line, runs_table_url, ui_base
+from hostsweep.record.views import KIND, KIND_TAG, NOTE_TAG, open_ui_line, runs_table_url, store_label, ui_base
 
 # Each MLflow HTTP call fails within seconds instead of retrying for ~4 min (MLflow's
 # defaults: 7 retries, backoff factor 2, 120 s timeout); the uploader does the waiting.
@@ -187,9 +186,8 @@ class SweepTracker(CellRuns, LiveRuns):
         return package_version("mlflow")
 
     def store_label(self) -> str:
-        """The store's URI as printed and written in summary.json: a sqlite path made
-        absolute (a command quoting it works from any folder), credentials starred out."""
-        return redact(absolute_store_uri(self.tracking_uri))
+        """The store's URI as printed and written in summary.json (views.store_label)."""
+        return store_label(self.tracking_uri)
 
     def open_ui_line(self, port: int = 5000) -> str:
         """The console's line on how to open the UI on this store (views.open_ui_line)."""

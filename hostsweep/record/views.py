@@ -63,6 +63,12 @@ def runs_table_url(experiment_id: str, port: int = 5000, run_id: Optional[str] =
     return f"{base or f'http://127.0.0.1:{port}'}/#/experiments/{experiment_id}/{where}?{UI_VIEW}"
 
 
+def store_label(tracking_uri: str) -> str:
+    """The store's URI as printed and written in summaries and reports: a sqlite path made
+    absolute (a command quoting it works from any folder), credentials starred out."""
+    return redact(absolute_store_uri(tracking_uri))
+
+
 def absolute_store_uri(tracking_uri: str) -> str:
     """A sqlite store's URI with an absolute path, so a command quoting it works from any folder."""
     prefix = "sqlite:///"
@@ -78,7 +84,7 @@ def ui_command(tracking_uri: str, port: int = 5000) -> str:
     so its files show too."""
     served = served_artifacts()
     artifacts = f" --artifacts-destination {served}" if served else ""
-    return (f"{sys.executable} -m mlflow ui --backend-store-uri {redact(absolute_store_uri(tracking_uri))}"
+    return (f"{sys.executable} -m mlflow ui --backend-store-uri {store_label(tracking_uri)}"
             f"{artifacts} --host 127.0.0.1 --port {port}")
 
 

@@ -28,7 +28,7 @@ from hostsweep.config.schema import ConfigError
 from hostsweep.config.stages import StageInfo
 from hostsweep.model.unstable import Exclusion, exclude_unstable
 from hostsweep.record.reports import ReportRun, load_fit_json
-from hostsweep.record.views import absolute_store_uri, open_ui_line, runs_table_url, ui_base
+from hostsweep.record.views import absolute_store_uri, open_ui_line, runs_table_url, store_label, ui_base
 from hostsweep.record.read.selection import Selection, select_cells
 from hostsweep.report.document import to_html, to_markdown
 from hostsweep.report.fit_report import Context, build
@@ -136,7 +136,7 @@ def _summary(fit: dict[str, Any], groups: pd.DataFrame, folder: Path, report_run
     lines += [f"held-out {r.sku} TP-{r.tp}: {r.verdict} — {r.reason}" for r in groups.itertuples()]
     lines += [f"report: {folder / 'report.html'} and {folder / 'report.md'} (figures in {folder / 'figures'})",
               f"MLflow: run {report_run.run_name} ({report_run.run_id}) in experiment {report_run.experiment_id} "
-              f"of {redact(absolute_store_uri(uri))}",
+              f"of {store_label(uri)}",
               open_ui_line(uri, port),
               f"  then browse {runs_table_url(report_run.experiment_id, port, base=ui_base(uri, port))}",
               f"  the report: {runs_table_url(report_run.experiment_id, port, report_run.run_id, ui_base(uri, port))} "

@@ -30,7 +30,6 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from hostsweep.config.redact import redact
 from hostsweep.config.schema import ConfigError, DiffConfig
 from hostsweep.config.stages import StageInfo
 from hostsweep.record.read.readback import FilterRefused, experiment_ids
@@ -38,7 +37,7 @@ from hostsweep.record.reports import ReportRun
 from hostsweep.record.read.sides import (
     Located, Side, check_store, locate, paired_halves, read_side_cells, sides_held, with_pairs,
 )
-from hostsweep.record.views import absolute_store_uri, open_ui_line, runs_table_url, ui_base
+from hostsweep.record.views import open_ui_line, runs_table_url, store_label, ui_base
 from hostsweep.report.diff import DiffOptions, DiffResult, diff
 from hostsweep.report.diff_report import DiffContext, SideInfo, build, console, headline, to_json
 from hostsweep.report.document import to_html, to_markdown
@@ -161,7 +160,7 @@ def diff_sides(base: Side, head: Side, options: DiffOptions, uri: str, experimen
                                             "diff.head": head.located.given})
     folder = run_dir / "diff"
     try:
-        ctx = DiffContext(side_info(base), side_info(head), redact(absolute_store_uri(uri)), run.run_id, experiment,
+        ctx = DiffContext(side_info(base), side_info(head), store_label(uri), run.run_id, experiment,
                           datetime.now().strftime("%Y-%m-%d %H:%M:%S"), command_line())
         folder.mkdir(parents=True, exist_ok=True)
         write(result, ctx, folder)
@@ -175,7 +174,7 @@ def diff_sides(base: Side, head: Side, options: DiffOptions, uri: str, experimen
 
 def _closing(result: DiffResult, run: ReportRun, folder: Path, uri: str, port: int) -> str:
     lines = [f"diff: {folder / 'diff.html'} and {folder / 'diff.md'} (diff.json, diff.csv, figures/ratios.png)",
-             f"MLflow: run {run.run_name} ({run.run_id}) in experiment {run.experiment_id} of {redact(absolute_store_uri(uri))}",
+             f"MLflow: run {run.run_name} ({run.run_id}) in experiment {run.experiment_id} of {store_label(uri)}",
              open_ui_line(uri, port),
              f"  the diff: {runs_table_url(run.experiment_id, port, run.run_id, ui_base(uri, port))} (Artifacts)"]
     failed, why = result.gate()
