@@ -16,6 +16,7 @@ from hostsweep.report.diff import (
     GATED, HOST_FIXED, MIN_ROUNDS, PAIRED, PAIRED_ROUNDS, POINT, RAW, SUMMARY, VERDICTS, DiffResult,
 )
 from hostsweep.report.document import Bullets, Document, Figure, Heading, Table, Text
+from hostsweep.report.tables import ci_percent
 
 VERDICT_COLORS = {"slower": "#d62728", "faster": "#2ca02c", "same": "#7f7f7f", "inconclusive": "#ff7f0e"}
 LABELLED_CELLS = 80  # more cells than this in the figure: unnamed (the tables name them)
@@ -100,7 +101,7 @@ def cell_table(result: DiffResult, quantity: str) -> pd.DataFrame:
     rows = result.cells[result.cells["quantity"] == quantity].sort_values("ratio", ascending=False)
     table = pd.DataFrame({"cell": rows["cell"] + np.where(rows["unstable"], " (unstable)", ""),
                           "base ms": rows["base"], "head ms": rows["head"], "ratio": rows["ratio"],
-                          "95% CI": _ci_text(rows["ci_low"], rows["ci_high"]),
+                          f"{ci_percent(result.options.level)} CI": _ci_text(rows["ci_low"], rows["ci_high"]),
                           "verdict": rows["verdict"].fillna("no CI"), "p slower (Holm)": rows["p_slower_holm"],
                           "MDE %": rows["mde_pct"], "base run": rows["base_run"],
                           "head run": rows["head_run"]})
@@ -142,7 +143,7 @@ def ratio_figure(result: DiffResult, path: Path) -> Optional[Path]:
         ax.set_xlabel(f"{quantity}: head / base")
         ax.set_title(f"{quantity}: {mine['ci_source'].iloc[0] if len(mine) else ''}", fontsize=9)
         ax.legend(fontsize=7, loc="lower right")
-    fig.suptitle(f"head/base per cell, 95% CI; grey band ±{result.options.threshold_pct:g}%; hollow *: unstable",
+    fig.suptitle(f"head/base per cell, {ci_percent(result.options.level)} CI; grey band ±{result.options.threshold_pct:g}%; hollow *: unstable",
                  fontsize=10)
     return F.save(fig, path)
 
@@ -213,7 +214,8 @@ def build(result: DiffResult, ctx: DiffContext, folder: Path) -> Document:
     if result.options.fail_on:
         doc.add(Text(f"fail_on={result.options.fail_on}: **{'FAIL' if failed else 'pass'}**: {why}."))
     if figure is not None:
-        doc.add(Figure(figure, "head/base per cell with its 95% CI, sorted by ratio; grey: the ±threshold band."))
+        doc.add(Figure(figure, f"head/base per cell with its {ci_percent(result.options.level)} CI, sorted by ratio; "
+                               "grey: the ±threshold band."))
     for quantity in result.summary:
         doc.add(Heading(f"Every matched cell: {quantity}", 3), Table(cell_table(result, quantity), digits=3))
     doc.add(Heading("Unmatched cells"), Table(result.unmatched) if len(result.unmatched) else Text("none"),

@@ -14,12 +14,12 @@ from typing import Any, Callable, Optional
 import pandas as pd
 
 from hostsweep.config.grid import CELL_AXES, INT_PARAMS, PROTOCOL_PARAMS
-from hostsweep.report.tables import format_markdown
+from hostsweep.report.tables import ci_percent, format_markdown
 
 SUMMARY_FILE = "summary.json"
-SUMMARY_FORMAT = 1
+SUMMARY_FORMAT = 2  # 2: the step's CI is ci_low/ci_high at the study's ci_level (1 named it ci95 at any level)
 PARAMS = (*CELL_AXES, *PROTOCOL_PARAMS)  # a cell's "params" in summary.json (config/grid.py)
-STEP = {"median": "step_ms", "ci95_low": "step_ci_low_ms", "ci95_high": "step_ci_high_ms",
+STEP = {"median": "step_ms", "ci_low": "step_ci_low_ms", "ci_high": "step_ci_high_ms",
         "p10": "step_p10_ms", "p25": "step_p25_ms", "p75": "step_p75_ms", "p90": "step_p90_ms",
         "mde_pct": "mde_pct"}  # the minimum detectable effect (measure/detectable.py)
 # The split and its CIs over the profiled pairs (none below 3 pairs: measure/split_stats.py).
@@ -149,15 +149,18 @@ def build_summary(cells: pd.DataFrame, meta: dict[str, Any],
     """summary.json: the sweep's meta (study, status, versions, git SHA, where its runs are)
     and one entry per cell, in the table's order."""
     rows = cells.to_dict("records") if len(cells) else []
+    level = ci_percent(meta["ci_level"])
     return {
         "format": SUMMARY_FORMAT,
         **meta,
         "units": {"*_ms": "milliseconds per decode step (per output token), to the microsecond",
                   "host_frac": "host_ms / step_ms, a fraction",
-                  "*_ci_low*, *_ci_high*": "95% CI over the split's profiled pairs (null below 3 pairs)",
+                  "*_ci_low*, *_ci_high*": f"{level} CI over the split's profiled pairs (null below 3 pairs)",
                   "regime": "host-bound / device-bound when host_frac's CI lies on one side of "
                             "split.host_bound_threshold, undetermined when it straddles it or there is no CI",
-                  "step_ms": "median over the timed reps with its bootstrap 95% CI, and percentiles of the reps",
+                  "step_ms": f"median over the timed pairs with its {level} CI (ci_low, ci_high: exact order "
+                             "statistics; over several periods, the mean of the periods' medians with a CI from "
+                             "theirs), and percentiles of the pairs",
                   "foreign_cpu_frac": "CPU time of processes outside the engine and the sweep over the timed "
                                       "pairs, a fraction of the machine's CPU time"},
         "stability": {**stability_counts(rows), "line": stability_line(rows)},
@@ -201,7 +204,8 @@ def sweep_description(meta: dict[str, Any], rows: list[dict[str, Any]],
            "docs/measurement.md, Host phases)."] if has_phases else []),
         "",
         f"Each step is the difference of a T=1 and a T={meta['T']} generate over T−1 steps ({meta['reps']} timed "
-        f"pairs after {meta['warmups']} warm-ups; median and bootstrap 95% CI), split into device "
+        f"pairs after {meta['warmups']} warm-ups; median and its {ci_percent(meta['ci_level'])} CI from order "
+        "statistics, `ci_low` and `ci_high` in summary.json), split into device "
         f"(`{meta['kernel_source']}`) and host time from profiler traces.",
         "",
         f"Run directory `{meta['run_dir']}`: cells.csv, summary.json, figures/, workers/*.log. `cells.csv` and "
@@ -213,5 +217,6 @@ def sweep_description(meta: dict[str, Any], rows: list[dict[str, Any]],
     budget = limit - sum(len(line) + 1 for line in head + tail)
     link = (lambda row: run_url(str(row["mlflow_run_id"])) if row.get("mlflow_run_id") else None) if run_url else None
     table = format_markdown(rows, budget, link,
-                            overflow="… {shown} of {total} cells shown: every cell is in `cells.csv` (artifact).")
+                            overflow="… {shown} of {total} cells shown: every cell is in `cells.csv` (artifact).",
+                            level=meta["ci_level"])
     return "\n".join([*head, table, *tail])[:limit]

@@ -84,6 +84,7 @@ def sweep_meta(study: Study, tracker: RecordedSweep, cells: pd.DataFrame, run_di
     return {
         "study": cfg.study, "what": engines_label(study, tps or [int(cfg.tp) if isinstance(cfg.tp, int) else 1]),
         "status": status, "T": cfg.measure.T, "reps": cfg.measure.reps, "warmups": cfg.measure.warmups,
+        "ci_level": cfg.measure.ci_level,
         "kernel_source": _values(cells, "kernel_source") or "none",
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "ended": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -174,7 +175,7 @@ def where_results_are(tracker: RecordedSweep, table: TableFile, summary: Optiona
 
 
 def print_results(rows: pd.DataFrame, resumed: int, tracker: RecordedSweep, table: TableFile,
-                  summary: Optional[Path], unrecorded: Optional[str] = None) -> None:
+                  summary: Optional[Path], unrecorded: Optional[str] = None, level: float = 0.95) -> None:
     """The console's last lines: where things are, then the table itself."""
     print(where_results_are(tracker, table, summary, unrecorded))
     print()
@@ -182,7 +183,7 @@ def print_results(rows: pd.DataFrame, resumed: int, tracker: RecordedSweep, tabl
         print(format_overview(rows))
         print(f"(one line per cell for up to {MAX_PRINTED_ROWS} cells; these are in {table.path.name})")
     else:
-        print(format_table(rows.to_dict("records")))
+        print(format_table(rows.to_dict("records"), level))
     if resumed:
         print(f"({resumed} of these cells were FINISHED by earlier runs: `resumed` in {table.path.name})")
     records = rows.to_dict("records")

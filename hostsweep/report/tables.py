@@ -16,11 +16,22 @@ from hostsweep.config.grid import CELL_AXES
 # Axes shown only when some cell is off their usual value (random prompts).
 VARIED_ONLY = {"workload": "random"}
 # The cell's axes (config/grid.py), then what was measured.
-COLUMNS = (*(a for a in CELL_AXES if a not in VARIED_ONLY), "step_ms", "ci95_ms", "device_ms", "host_frac",
+COLUMNS = (*(a for a in CELL_AXES if a not in VARIED_ONLY), "step_ms", "ci_ms", "device_ms", "host_frac",
            "regime", "hostname", "status")
 # The grid's inner axes vary within a sweep's table; any other axis the same for every cell
 # is said once, above it (the run's name).
 INNER_AXES = ("batch", "ctx")
+
+
+def ci_percent(level: float) -> str:
+    """'95%': a CI's level as every table, heading and summary names it (measure.ci_level,
+    diff.ci_level), so that a study run at another level never reads as a 95 % one."""
+    return f"{level * 100:g}%"
+
+
+def column_label(column: str, level: float) -> str:
+    """A column's header: the step CI's column names its level (ci95_ms, ci90_ms)."""
+    return f"ci{ci_percent(level)[:-1]}_ms" if column == "ci_ms" else column
 
 
 def _number(value: object) -> Optional[float]:
@@ -38,7 +49,7 @@ def display_row(row: dict[str, object]) -> dict[str, str]:
              for k in COLUMNS}
     step, low, high = (_number(row.get(k)) for k in ("step_ms", "step_ci_low_ms", "step_ci_high_ms"))
     shown["step_ms"] = f"{step:.3f}" if step is not None else "-"
-    shown["ci95_ms"] = f"[{low:.3f}, {high:.3f}]" if low is not None and high is not None else "-"
+    shown["ci_ms"] = f"[{low:.3f}, {high:.3f}]" if low is not None and high is not None else "-"
     device, frac = _number(row.get("device_ms")), _number(row.get("host_frac"))
     if device is not None and frac is not None:  # host_frac with its CI over the profiled pairs, when it has one
         low, high = _number(row.get("host_frac_ci_low")), _number(row.get("host_frac_ci_high"))
@@ -84,13 +95,15 @@ def table_columns(rows: list[dict[str, object]]) -> list[str]:
     return columns
 
 
-def format_table(rows: Iterable[dict[str, object]]) -> str:
-    """A fixed-width text table, one line per cell, in grid order, every column left-aligned."""
+def format_table(rows: Iterable[dict[str, object]], level: float = 0.95) -> str:
+    """A fixed-width text table, one line per cell, in grid order, every column left-aligned;
+    `level`: the step CIs' (measure.ci_level), named in their column's header."""
     rows = list(rows)
     columns = table_columns(rows)
     shown = [display_row(r) for r in rows]
-    widths = {c: max([len(c), *(len(r[c]) for r in shown)]) for c in columns}
-    lines = [[c for c in columns], *([r[c] for c in columns] for r in shown)]
+    header = [column_label(c, level) for c in columns]
+    widths = {c: max([len(h), *(len(r[c]) for r in shown)]) for c, h in zip(columns, header)}
+    lines = [header, *([r[c] for c in columns] for r in shown)]
     return "\n".join("  ".join(v.ljust(widths[c]) for c, v in zip(columns, line)).rstrip() for line in lines)
 
 
@@ -114,15 +127,15 @@ def format_overview(rows: Iterable[dict[str, object]]) -> str:
 
 def format_markdown(rows: Iterable[dict[str, object]], max_chars: int,
                     link: Optional[Callable[[dict[str, object]], Optional[str]]] = None,
-                    overflow: str = "") -> str:
+                    overflow: str = "", level: float = 0.95) -> str:
     """The table in Markdown, cut to `max_chars` at a row boundary; when rows are left out
     the last line is `overflow` formatted with {shown} and {total}. `link(row)` gives a URL
-    for a row's batch cell (its MLflow run)."""
+    for a row's batch cell (its MLflow run); `level` as format_table's."""
     rows = list(rows)
     # What is the same for every cell is said once, above the table (the run's name).
     same = {c for c in CELL_AXES if c not in INNER_AXES and len({str(r.get(c)) for r in rows}) == 1}
     columns = [c for c in table_columns(rows) if c != "hostname" and c not in same]
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines = ["| " + " | ".join(column_label(c, level) for c in columns) + " |", "|" + "---|" * len(columns)]
     budget = max_chars - len(overflow) - 40
     used = sum(len(line) + 1 for line in lines)
     for count, row in enumerate(rows):

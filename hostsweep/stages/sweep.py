@@ -393,7 +393,7 @@ def _measure_and_record(study: Study, grid: list[Cell], run_dir: Path, dispatche
         f"MLflow: not recorded to MLflow ({store} did not answer): {unlogged} measured cell(s) kept in the journal "
         f"{journal.path}" if unlogged else f"MLflow: {store} stopped answering; every measured cell is in MLflow, "
         "but the sweep's runs may be left RUNNING (the next sweep of the study marks them)")
-    print_results(rows, table.resumed_count, tracker, table, summary, unrecorded)
+    print_results(rows, table.resumed_count, tracker, table, summary, unrecorded, study.config.measure.ci_level)
     if stop:
         print(f"hostsweep: stopped early: {stop}; {unlogged} measured cell(s) are kept in {journal.path} for MLflow: "
               "rerun the same command to upload them and measure the rest", file=sys.stderr)

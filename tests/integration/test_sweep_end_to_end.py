@@ -197,7 +197,7 @@ def test_summary_json_round_trips_to_the_printed_table(sweep):
     assert summary["versions"]["vllm"] and summary["git_sha"] and len(summary["cells"]) == 2
     for cell in summary["cells"]:
         step = cell["step_ms"]
-        assert step["ci95_low"] <= step["median"] <= step["ci95_high"] and step["p10"] <= step["p90"]
+        assert step["ci_low"] <= step["median"] <= step["ci_high"] and step["p10"] <= step["p90"]
 
 
 def test_the_run_directory_and_mlflow_agree_cell_for_cell(sweep, runs, tmp_path):

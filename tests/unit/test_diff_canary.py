@@ -92,3 +92,16 @@ def test_the_comparison_report_gives_each_skus_host_speed():
     assert table.loc["h100", "canary_ms_median"] == pytest.approx(1.1) and table.loc["h200", "cells"] == 2
     assert table.loc["h200", "moved_within_a_group_pct_max"] == 9.0
     assert host_speed_table(pd.DataFrame({"sku": ["h100"], "step_ms": [1.0]})) is None
+
+
+def test_the_diff_table_names_the_level_its_cis_were_taken_at():
+    from hostsweep.report.diff import DiffOptions, diff
+    from hostsweep.report.diff_report import cell_table
+    from tests.unit.test_diff import side as diff_side
+
+    base, raw_b = diff_side("0.31.0", {}, seed=1)
+    head, raw_h = diff_side("0.32.0", {}, seed=2)
+    at_90 = cell_table(diff(base, head, {**raw_b, **raw_h}, DiffOptions(noise_floor_pct=1.0, level=0.9)), "step_ms")
+    assert "90% CI" in at_90 and not any("95" in str(c) for c in at_90.columns)
+    at_95 = cell_table(diff(base, head, {**raw_b, **raw_h}, DiffOptions(noise_floor_pct=1.0)), "step_ms")
+    assert "95% CI" in at_95

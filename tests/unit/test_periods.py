@@ -275,7 +275,7 @@ def test_the_run_says_how_many_cells_were_re_measured_and_how_far_the_canary_mov
     assert design_line([{"periods": 1.0}]) == "no cell re-measured (1 cells, one period each)"
     assert design_line([{"step_ms": 1.0}]) is None  # measured before periods existed
     import pandas as pd
-    assert build_summary(pd.DataFrame(rows), {})["design"] == {**design_counts(rows), "line": design_line(rows)}
+    assert build_summary(pd.DataFrame(rows), {"ci_level": 0.95})["design"] == {**design_counts(rows), "line": design_line(rows)}
 
 
 def test_a_flagged_split_is_profiled_again_within_its_group_before_any_cell_is_handed_over(tmp_path, monkeypatch):

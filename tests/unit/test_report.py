@@ -2,6 +2,7 @@
 what the measurement resolves, host_frac in one unit everywhere."""
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 
 from hostsweep.measure.protocol import CellMeasurement, RepTiming
@@ -76,3 +77,20 @@ def test_markdown_table_is_cut_at_a_row_with_a_pointer_to_the_rest():
     shown = int(text.rsplit("\n", 1)[1].split()[0])
     assert 5 < shown < 200 and text.count("](#/runs/r") == shown
     assert format_markdown(rows[:3], 2000).count("\n") == 4  # header, rule, three rows: nothing cut
+
+
+def test_the_step_ci_column_and_the_summary_name_the_level_the_study_measured_at():
+    from hostsweep.report.summary import build_summary, sweep_description
+
+    row = cell_row(CellResult("a", PARAMS, "FINISHED", CellMeasurement(3.25, 3.0, 3.5, 20.0, 124.0, ()),
+                              None, {"hostname": "vm"}, 1.0, SPLIT), "r1")
+    assert format_table([row]).splitlines()[0].split()[7] == "ci95_ms"
+    assert "ci90_ms" in format_table([row], 0.9).splitlines()[0] and "ci95" not in format_table([row], 0.9)
+    assert "| ci99_ms |" in format_markdown([row], 2000, level=0.99)
+    meta = {"what": "cpu", "status": "FINISHED", "T": 33, "reps": 12, "warmups": 2, "kernel_source": "cpu-ops",
+            "run_dir": "run", "versions": {}, "git_sha": "abc", "ci_level": 0.9}
+    summary = build_summary(pd.DataFrame([row]), meta)
+    assert "90% CI" in summary["units"]["step_ms"] and "95" not in summary["units"]["step_ms"]
+    assert summary["cells"][0]["step_ms"]["ci_low"] == 3.0 and summary["ci_level"] == 0.9
+    text = sweep_description(meta, [row])
+    assert "90% CI" in text and "95%" not in text and "bootstrap" not in text

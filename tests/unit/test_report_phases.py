@@ -72,7 +72,7 @@ def test_the_parent_description_points_at_the_phase_table_only_when_there_are_ph
     from hostsweep.report.summary import sweep_description
 
     meta = {"what": "cpu sweep", "status": "FINISHED", "T": 33, "reps": 5, "warmups": 1, "kernel_source": "cpu-ops",
-            "run_dir": "run", "versions": {}, "git_sha": "abc"}
+            "run_dir": "run", "versions": {}, "git_sha": "abc", "ci_level": 0.95}
     rows = cells().to_dict("records")
     assert "`host_phases.csv`" in sweep_description(meta, rows)
     bare = [{k: v for k, v in row.items() if not k.startswith(("phase_", "overlapped_"))} for row in rows]

@@ -80,7 +80,7 @@ def test_summary_json_round_trips_to_the_printed_table(swept):
     summary = json.loads((swept["run_dir"] / "summary.json").read_text())
     assert format_table(rows_from_summary(summary)) in swept["out"]
     cell = summary["cells"][0]
-    assert set(cell["step_ms"]) == {"median", "ci95_low", "ci95_high", "p10", "p25", "p75", "p90", "mde_pct"}
+    assert set(cell["step_ms"]) == {"median", "ci_low", "ci_high", "p10", "p25", "p75", "p90", "mde_pct"}
     assert cell["step_ms"]["p10"] <= cell["step_ms"]["median"] <= cell["step_ms"]["p90"]
     assert cell["split"]["regime"] in ("host-bound", "device-bound", "undetermined") and cell["params"]["batch"] == 1
     assert cell["mlflow_url"].endswith(f"/runs/{cell['mlflow_run_id']}?workflowType=machine_learning")
