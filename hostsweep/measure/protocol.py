@@ -89,6 +89,21 @@ def step_time(wall_1_s: float, wall_T_s: float, T: int) -> float:
     return (wall_T_s - wall_1_s) / (T - 1)
 
 
+# The T a prefill-bound cell is pointed to is rounded up to a multiple of this, plus one.
+T_STEP = 32
+
+
+def prefill_bound_T(wall_1_ms: float, step_ms: float, T: int) -> Optional[int]:
+    """The T at which a cell's T − 1 decode steps would outlast its T=1 generate (rounded up
+    to a multiple of T_STEP, plus one), when the cell's own T falls short of that; None when
+    its T is enough or a number is missing. Both generates of a pair carry the prefill and a
+    pair's step is their difference over T − 1: where one prefill outlasts the T − 1 steps,
+    the prefill's noise is most of the pair's (docs/measurement.md#choosing-t)."""
+    if not (np.isfinite(wall_1_ms) and np.isfinite(step_ms)) or step_ms <= 0 or wall_1_ms <= (T - 1) * step_ms:
+        return None
+    return int(np.ceil(wall_1_ms / step_ms / T_STEP)) * T_STEP + 1
+
+
 def time_pair(timed_generate: TimedGenerate, T: int, rep: int, t1_first: bool) -> RepTiming:
     """One timed (T=1, T) pair, its T=1 generate first or second."""
     if t1_first:

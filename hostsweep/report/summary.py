@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 import pandas as pd
 
 from hostsweep.config.grid import CELL_AXES, INT_PARAMS, PROTOCOL_PARAMS
+from hostsweep.measure.protocol import prefill_bound_T
 from hostsweep.report.tables import ci_percent, format_markdown
 
 SUMMARY_FILE = "summary.json"
@@ -75,12 +76,31 @@ def design_counts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     more than one period (the re-measure rate), and the speed canary's median and its
     largest move within a group; None where the cells carry no such metric."""
     periods = [int(p) for p in (_plain(r.get("periods")) for r in rows) if p is not None]
+    prefill_bound = prefill_bound_cells(rows)
     canary = [float(c) for c in (_plain(r.get("canary_ms")) for r in rows) if c is not None]
     shifts = [float(c) for c in (_plain(r.get("canary_shift_pct")) for r in rows) if c is not None]
     return {"cells": len(periods), "remeasured": sum(p > 1 for p in periods),
             "max_periods": max(periods, default=None),
             "canary_ms": float(pd.Series(canary).median()) if canary else None,
-            "canary_shift_pct_max": max(shifts, default=None)}
+            "canary_shift_pct_max": max(shifts, default=None),
+            "prefill_bound": prefill_bound, "prefill_bound_T": max(prefill_bound.values(), default=None)}
+
+
+def prefill_bound_cells(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """The measured cells whose T=1 generate (prefill and one step) outlasts their T − 1 steps,
+    each with the T that would make its steps outlast it (protocol.prefill_bound_T): their
+    pairs' noise is mostly the prefill's. Keyed 'b8 ctx1024' (the model first when the rows
+    hold several)."""
+    models = {str(r.get("model")) for r in rows}
+    found = {}
+    for r in rows:
+        wall_1, step, T = (_plain(r.get(k)) for k in ("wall_1_ms", "step_ms", "T"))
+        if None in (wall_1, step, T) or str(r.get("status")) != "FINISHED":
+            continue
+        wanted = prefill_bound_T(float(wall_1), float(step), int(T))
+        if wanted is not None:
+            found[(f"{r.get('model')} " if len(models) > 1 else "") + f"b{r.get('batch')} ctx{r.get('ctx')}"] = wanted
+    return found
 
 
 def design_line(rows: list[dict[str, Any]]) -> Optional[str]:
@@ -95,6 +115,11 @@ def design_line(rows: list[dict[str, Any]]) -> Optional[str]:
         moved = f", moved up to {d['canary_shift_pct_max']:.0f} % within a group" \
             if d["canary_shift_pct_max"] is not None else ""
         parts.append(f"speed canary {d['canary_ms']:.3f} ms{moved}")
+    if d["prefill_bound"]:
+        named = ", ".join(list(d["prefill_bound"])[:3]) + (", …" if len(d["prefill_bound"]) > 3 else "")
+        parts.append(f"{len(d['prefill_bound'])} cell(s) prefill for longer than their T−1 steps ({named}): their "
+                     f"pairs are mostly prefill noise; measure.T={d['prefill_bound_T']} for them narrows their CIs "
+                     "(docs/measurement.md#choosing-t)")
     return "; ".join(parts)
 
 

@@ -484,3 +484,31 @@ def test_the_console_says_how_far_the_cells_moved_together_beside_the_canary():
     assert note.startswith(", UNSTABLE: machine_speed (cells together moved ")
     assert cell_metrics_of(group, 0)["common_shift_pct"] == pytest.approx(group.verdicts[0].design.common_shift_pct,
                                                                           abs=1e-3)  # metrics are rounded
+
+
+def test_a_cell_whose_prefill_outlasts_its_steps_is_pointed_to_a_T_that_narrows_its_pairs():
+    """b8 ctx1024 of the paired proofs: a T=1 generate of 1.3 s (sd 0.13 s) against 8 ms steps.
+    At T=33 the pair's step is mostly the two prefills' noise over 32; at the T the rule
+    names, the simulated pairs' spread is several times smaller (known parameters, 4,000 pairs)."""
+    import numpy as np
+
+    from hostsweep.measure.protocol import prefill_bound_T
+    from hostsweep.report.summary import design_counts, design_line
+
+    assert prefill_bound_T(1300.0, 8.0, 33) == 193 and prefill_bound_T(25.0, 5.0, 33) is None
+    assert prefill_bound_T(1300.0, 8.0, 193) is None and prefill_bound_T(float("nan"), 8.0, 33) is None
+    rng = np.random.default_rng(0)
+
+    def pair_steps(T: int) -> np.ndarray:
+        prefills = rng.normal(1300.0, 130.0, (4000, 2))
+        steps = rng.normal(8.0, 0.8, (4000, T - 1)).sum(axis=1)
+        return (prefills[:, 1] + 8.0 + steps - 8.0 - prefills[:, 0]) / (T - 1)
+
+    assert np.std(pair_steps(33)) > 3.5 * np.std(pair_steps(prefill_bound_T(1300.0, 8.0, 33)))
+    rows = [{"periods": 1.0, "status": "FINISHED", "T": 33, "batch": 8, "ctx": 1024, "wall_1_ms": 1300.0,
+             "step_ms": 8.0, "model": "m"},
+            {"periods": 1.0, "status": "FINISHED", "T": 33, "batch": 1, "ctx": 128, "wall_1_ms": 25.0,
+             "step_ms": 5.0, "model": "m"}]
+    assert design_counts(rows)["prefill_bound"] == {"b8 ctx1024": 193}
+    assert "1 cell(s) prefill for longer than their T−1 steps (b8 ctx1024)" in design_line(rows)
+    assert "measure.T=193" in design_line(rows)
