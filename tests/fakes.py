@@ -22,7 +22,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from hostsweep.config.grid import Cell, EngineSpec
 from hostsweep.measure.results import CellResult, MeasureOptions
@@ -67,6 +67,9 @@ class FakeBackend:
     pending: list[FakePending] = field(default_factory=list)  # every submitted cell
     phases_asked: list[str] = field(default_factory=list)  # what phase() answered, in order
     on_measure: Optional[object] = None  # called with each cell as it is measured (for tests)
+    # (cell, companions) -> seconds the call takes, instead of cell_s for every call: a worker
+    # timing a group in rounds answers its first cell after the group's time, the rest at once
+    call_s: Optional[Callable[[Cell, tuple[Cell, ...]], float]] = None
 
     def __post_init__(self) -> None:
         self._numbers = itertools.count(1)
@@ -102,7 +105,8 @@ class FakeBackend:
             if callable(self.on_measure):
                 self.on_measure(cell)
             self.measured.append(cell.key)
-            return FakePending(worker, cell, begins + self.cell_s, worker.real.measure(cell, options, companions))
+            took = self.cell_s if self.call_s is None else self.call_s(cell, companions)
+            return FakePending(worker, cell, begins + took, worker.real.measure(cell, options, companions))
         if fate == "raises":
             return FakePending(worker, cell, begins + self.cell_s,
                                CellResult(cell.key, cell.params(), "FAILED", None, "RuntimeError: boom"))

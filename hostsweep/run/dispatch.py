@@ -135,6 +135,9 @@ class Dispatcher:
         # Per pending cell: the seconds it may take once its engine is ready, and the cells
         # its worker times with it (their time counts).
         self.limits: dict[object, tuple[float, int]] = {}
+        # Per pending cell: how many cells its measurement times (itself and its companions;
+        # 0 for a cell an earlier cell's rounds timed, handed over at once): the ETA's count.
+        self.covers: dict[object, int] = {}
         # Lost attempts and their reasons, per cell key, for the cells not yet reported.
         self.attempts: Counter = Counter()
         self.reasons: dict[str, list[str]] = defaultdict(list)
@@ -144,7 +147,9 @@ class Dispatcher:
         self.done = 0
         self.stopped: Optional[str] = None  # why the sweep stopped early, if it did
         # Seconds the finished cells took once their engine was ready (for the ETA, which
-        # leaves engine starts out): their sum and count, not a list, for huge sweeps.
+        # leaves engine starts out) and the cells that time measured: their sum and count,
+        # not a list, for huge sweeps. A group timed together in rounds counts as its cells,
+        # not as one cell that took the whole group's time (an ETA of hours after its first).
         self.measured_s, self.measured_n = 0.0, 0
         # Workers the sweep started while it still planned (worker, when it was started).
         for spec, (worker, started_at) in (prestarted or {}).items():
@@ -237,10 +242,12 @@ class Dispatcher:
             self.given[spec].clear()  # a new worker keeps nothing
             self.unsure.discard(spec)
         cell = self.queues[spec].popleft()
+        held = self.options.measure.interleave and cell.key in self.given[spec] and spec not in self.unsure
         companions = self._companions(spec, cell)
         pending = self.backend.submit(self.workers[spec], cell, self.options, companions)
         self.inflight[pending] = (spec, cell, self.backend.now())
         self.limits[pending] = (self.policy.timeout_for(cell, self.options, companions), 1 + len(companions))
+        self.covers[pending] = 0 if held else 1 + len(companions)
 
     def _companions(self, spec: EngineSpec, cell: Cell) -> tuple[Cell, ...]:
         """The cells this spec's worker will be asked for next, which it times together with
@@ -296,6 +303,7 @@ class Dispatcher:
         """The worker measuring `pending` is lost (or gave up): replace it, retry the cell."""
         spec, cell, _ = self.inflight.pop(pending)
         self.limits.pop(pending, None)
+        self.covers.pop(pending, None)
         self._replace_worker(spec)
         self._retry_or_fail(spec, cell, reason)
         self._submit_next(spec)
@@ -306,6 +314,7 @@ class Dispatcher:
         if isinstance(outcome, WorkerLost) and outcome.at_start:
             del self.inflight[pending]
             self.limits.pop(pending, None)
+            self.covers.pop(pending, None)
             self._replace_worker(spec)
             cause = self._start_cause(spec, outcome.reason)
             self._fail_spec(spec, cell, f"worker for {spec.label} failed to start: {cause}")
@@ -315,7 +324,7 @@ class Dispatcher:
         else:
             _, _, submitted = self.inflight.pop(pending)
             self.limits.pop(pending, None)
-            self._note_measured(spec, submitted)
+            self._note_measured(spec, submitted, self.covers.pop(pending, 1))
             if isinstance(outcome, CallFailed):
                 self._report(self._failed(cell, outcome.reason))
             else:
@@ -324,10 +333,10 @@ class Dispatcher:
                 self.unsure.add(spec)  # its rounds may have failed with it
         self._submit_next(spec)
 
-    def _note_measured(self, spec: EngineSpec, submitted: float) -> None:
+    def _note_measured(self, spec: EngineSpec, submitted: float, cells: int) -> None:
         if spec in self.ready_at:
             self.measured_s += self.backend.now() - max(submitted, self.ready_at[spec])
-            self.measured_n += 1
+            self.measured_n += cells
 
     def _watch(self) -> None:
         """Engine starts, engine deaths and timeouts of the cells in flight."""
@@ -342,6 +351,7 @@ class Dispatcher:
                 elif now - self.started_at[spec] > self.policy.engine_start_timeout_s:
                     del self.inflight[pending]
                     self.limits.pop(pending, None)
+                    self.covers.pop(pending, None)
                     self._replace_worker(spec)
                     self._fail_spec(spec, cell, f"worker for {spec.label} failed to start: engine not ready after "
                                                 f"{self.policy.engine_start_timeout_s:.0f} s (faults.engine_start_timeout_s)")
@@ -378,6 +388,7 @@ class Dispatcher:
         log.error("stopping the sweep: %s; %d cell(s) in flight abandoned", reason, len(self.inflight))
         self.inflight.clear()
         self.limits.clear()
+        self.covers.clear()
         for spec in list(self.workers):
             self._replace_worker(spec)
 

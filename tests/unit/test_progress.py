@@ -86,10 +86,11 @@ class Recorder(ProgressReporter):
 
 
 def test_the_dispatcher_shows_engine_start_then_reps_and_leaves_the_start_out_of_the_eta(tmp_path):
-    grid = build_cells(compose_typed(FAST))
+    one_by_one = [*FAST, "measure.interleave=false"]  # each cell its own 4 s
+    grid = build_cells(compose_typed(one_by_one))
     backend = FakeBackend(tmp_path, start_s=30.0, cell_s=4.0)
     progress = Recorder(len(grid))
-    options = MeasureOptions.of(compose_typed(FAST).config)
+    options = MeasureOptions.of(compose_typed(one_by_one).config)
     Dispatcher(grid, options, lambda r: None, backend, FaultPolicy(poll_s=1.0), progress).run()
     label = grid[0].engine.label
     first = progress.calls[0]
@@ -99,3 +100,16 @@ def test_the_dispatcher_shows_engine_start_then_reps_and_leaves_the_start_out_of
     after_first = [c for c in progress.calls if c[0] >= 1 and c[2] is not None]
     assert after_first and all(c[2] == 4.0 for c in after_first)  # the cell's 4 s, not 4 s + a 30 s start
     assert all(c[3] == 0 for c in after_first)
+
+
+def test_a_group_timed_together_counts_as_its_cells_in_the_eta_not_as_one_slow_cell(tmp_path):
+    # The worker answers a group's first cell after the whole group's rounds (4 s a cell) and
+    # hands its companions over at once: 4 s a cell throughout, not 16 s after the first.
+    grid = build_cells(compose_typed(FAST))
+    backend = FakeBackend(tmp_path, start_s=30.0, call_s=lambda cell, companions: 4.0 * (1 + len(companions))
+                          if companions else 0.0)
+    progress = Recorder(len(grid))
+    Dispatcher(grid, MeasureOptions.of(compose_typed(FAST).config), lambda r: None, backend,
+               FaultPolicy(poll_s=1.0), progress).run()
+    estimates = [c[2] for c in progress.calls if c[0] >= 1 and c[2] is not None]
+    assert estimates and all(e == 4.0 for e in estimates)
