@@ -155,7 +155,7 @@ def report_hostsweep(started: float, wall: float, run_dir: Path, store: Path) ->
     print(f"  profiled pairs         {profiled:6.1f} s  (sum of split_s; split_overhead_s per cell median "
           f"{overhead.median():.2f} s, range {overhead.min():.2f}-{overhead.max():.2f})")
     print(f"  the rest               {wall - (ready_at - started) - warm - timed - profiled:6.1f} s  "
-          "(canary and contention records, the group's replicate pair, recording, dispatch, shutdown)")
+          "(canary and contention records, the replicate pair with measure.replicate_first, recording, dispatch, shutdown)")
     print(f"  floor                  {floor:6.1f} s  (engine start + warm-ups + timed + profiled pairs); wall / floor "
           f"{wall / floor:.2f}")
     strict = floor - overhead.sum()

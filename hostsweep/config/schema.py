@@ -127,15 +127,19 @@ class MeasureConfig:
     interleave_max_cells: int = 64
     # A cell is unstable when others used more than this share of the machine's CPU during
     # its pairs, or its CI's half-width is above max_ci_pct % of its median, or its pairs
-    # drifted, or (the group's first cell) its replicate at the group's end disagrees.
+    # drifted, or (with replicate_first, the group's first cell) its replicate at the group's
+    # end disagrees.
     max_foreign_cpu_frac: float = 0.10
     max_ci_pct: float = 10.0
     # drift and replicate also need the two medians this many % apart, not only disjoint CIs
     min_shift_pct: float = 3.0
-    replicate_first: bool = True
-    # A group with a cell whose noise or neighbour made it unstable (foreign_cpu, ci_width,
-    # drift) is timed again, all its cells in a new period of interleaved rounds, at most
-    # this many times; every period is kept and pooled (measure/group.py).
+    # Off by default: the canary and the cells' common speed judge the machine inside the
+    # rounds at no cost; the lone re-timing costs 1/N of a group's pairs (docs/measurement.md).
+    replicate_first: bool = False
+    # A group with a cell whose noise or neighbour made it unstable (foreign_cpu, drift, or a
+    # ci_width one more period would bring within max_ci_pct) is timed again, all its cells in
+    # a new period of interleaved rounds, at most this many times; every period is kept and
+    # pooled (measure/group.py).
     remeasure_unstable: int = 1
     # The speed canary (run/canary.py), timed beside every pair: a group whose canary moved
     # by more than this % over its rounds is flagged machine_speed, every cell of it.

@@ -8,7 +8,11 @@ A re-measure times the whole group again, in a period of its own: a cell re-time
 would be compared with companions timed in another period, on what may be another
 machine. Every pair is kept; a cell's number is the mean of its periods' medians (each
 holds the same rounds of every cell, so each weighs the same: pooled_periods), and how far
-the periods lay apart is reported and flagged beside it (measure/periods.py).
+the periods lay apart is reported and flagged beside it (measure/periods.py). A CI too
+wide for one more period to bring within measure.max_ci_pct is flagged, not chased: where
+the machine's speed moves by tens of percent from round to round, a second period doubled
+the group's pairs and still left its cells flagged, and the cure is more pairs in the first
+(the log line says how many).
 """
 from __future__ import annotations
 
@@ -72,6 +76,8 @@ class GroupMeasurement:
         self.traces: list[Optional[dict[str, bytes]]] = [{} if options.split.keep_traces else None for _ in cells]
         self.profile_errors: list[Optional[str]] = [None] * len(cells)
         self.replicate_step_ms: Optional[float] = None
+        # cells whose drift holds at the group's family-wise level: what a new period is for
+        self.drift_across_group: frozenset[int] = frozenset()
 
     @property
     def periods(self) -> int:
@@ -117,6 +123,14 @@ class GroupMeasurement:
         if trend is not None and any(drifted(part, rules) for part in by_period(trend)):
             self.group_reasons.add("machine_speed")
         moved_together = common_shift_pct(trend)
+        # Each cell's drift is flagged at 1 - ci_level; timing the whole group again because
+        # one of its cells drifted asks whether any did, which at that level alone would send
+        # a steady group of six cells to a second period one time in four. Bonferroni over
+        # the group's cells (for "any", the same decision as Holm's) holds that to 1 - ci_level.
+        strict = dataclasses.replace(rules, level=1.0 - (1.0 - rules.level) / len(self.cells))
+        self.drift_across_group = frozenset(
+            i for i, (judged, used) in enumerate(zip(relative, useds))
+            if any(drifted(part, strict) for part in by_period(judged if judged is not None else used)))
         for i, (pairs, clean, used) in enumerate(zip(self.timings, cleans, useds)):
             summary = self._summary(i, used)
             reasons = {r for part in by_period(used) for r in timing_reasons(part, summary, rules, False)} - {"ci_width"}
@@ -152,8 +166,31 @@ class GroupMeasurement:
         self._estimate()
 
     def needs_another_period(self) -> bool:
-        """Whether a cell broke a rule a new period of the whole group could cure."""
-        return any(set(v.reasons) & set(REMEASURE_REASONS) for v in self.verdicts)
+        """Whether a cell broke a rule a new period of the whole group could cure: a neighbour
+        (foreign_cpu), a cell moving against its companions (drift, at the group's
+        family-wise level: drift_across_group), or a CI that one more period would bring
+        within measure.max_ci_pct (ci_width: wider than that, another period costs the
+        group's pairs again and leaves the cell flagged; too_wide_to_cure)."""
+        return any(self._curable(i) for i in range(len(self.cells)))
+
+    def _curable(self, i: int) -> bool:
+        reasons = set(self.verdicts[i].reasons) & set(REMEASURE_REASONS)
+        if "foreign_cpu" in reasons or ("drift" in reasons and i in self.drift_across_group):
+            return True
+        summary = self.summaries[i]
+        return "ci_width" in reasons and summary is not None and \
+            half_width_after_another_period(summary.ci_half_width_pct, self.periods) <= self.options.measure.max_ci_pct
+
+    def too_wide_to_cure(self) -> list[tuple[Cell, float, int]]:
+        """The cells flagged ci_width that one more period would not bring within
+        measure.max_ci_pct, each with its half-width (%) and about how many pairs in one
+        period would (pairs_for_half_width)."""
+        m = self.options.measure
+        return [(cell, summary.ci_half_width_pct, pairs_for_half_width(summary.ci_half_width_pct, len(summary.reps),
+                                                                        m.max_ci_pct))
+                for cell, summary, verdict in zip(self.cells, self.summaries, self.verdicts)
+                if summary is not None and "ci_width" in verdict.reasons
+                and half_width_after_another_period(summary.ci_half_width_pct, self.periods) > m.max_ci_pct]
 
     def mark_attempt(self, which: Sequence[int]) -> None:
         for i in which:  # the speculation counts from here on are the reported ones
@@ -169,6 +206,19 @@ class GroupMeasurement:
                                         spec, self.verdicts[i], (), self.started_at, tuple(self.profiled[i]),
                                         self.traces[i], self.profile_errors[i])
         return cells
+
+
+def half_width_after_another_period(half_width_pct: float, periods: int) -> float:
+    """What a cell's CI half-width is expected to be once one more period like the others is
+    pooled with its `periods` (pooled_periods: the mean of the periods' medians, whose
+    standard error falls as 1 / sqrt(periods))."""
+    return half_width_pct * float(np.sqrt(periods / (periods + 1.0)))
+
+
+def pairs_for_half_width(half_width_pct: float, pairs: int, target_pct: float) -> int:
+    """About how many pairs in one period would give a half-width of target_pct where
+    `pairs` gave half_width_pct (a median's CI narrows as 1 / sqrt(pairs))."""
+    return int(np.ceil(pairs * (half_width_pct / target_pct) ** 2))
 
 
 def pooled_periods(parts: Sequence[Sequence[RepTiming]], level: float) -> CellMeasurement:

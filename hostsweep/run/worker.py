@@ -275,10 +275,11 @@ class SweepWorker(SplitProfiling):
                 timed(cell.T)
 
     def _measure_group(self, cells: Sequence[Cell], options: MeasureOptions) -> dict[str, TimedCell]:
-        """Warm-ups, then the group's timed pairs in interleaved rounds (period 0); the first
-        cell timed again at the end (the replicate, a check of the host); while a cell is
-        unstable for noise or a neighbour, the whole group timed again in a new period, up
-        to measure.remeasure_unstable times (measure/group.py pools the periods)."""
+        """Warm-ups, then the group's timed pairs in interleaved rounds (period 0); with
+        measure.replicate_first, the first cell timed again at the end (a check of the host);
+        while a cell is unstable for what a new period can cure (GroupMeasurement.
+        needs_another_period), the whole group timed again in a new period, up to
+        measure.remeasure_unstable times (measure/group.py pools the periods)."""
         group = GroupMeasurement(cells, [self.prompts(cell) for cell in cells], options)
         group.generates = [self._timed_generate(p, log) for p, log in zip(group.prompts, group.spec_logs)]
         self._warm_up(cells, group.generates)
@@ -294,8 +295,13 @@ class SweepWorker(SplitProfiling):
         for period in range(1, 1 + options.measure.remeasure_unstable):
             if not group.needs_another_period():
                 break
-            log.info("re-measuring the group's %d cell(s) together (period %d)", len(cells), period + 1)
+            log.warning("re-measuring the group's %d cell(s) together (period %d)", len(cells), period + 1)
             group.take_period(self._rounds(cells, group.generates, options, f"period {period + 1}").timings)
+        if too_wide := group.too_wide_to_cure():
+            log.warning("left flagged ci_width: one more period would not bring their CI within measure.max_ci_pct=%g "
+                     "(%s)", options.measure.max_ci_pct,
+                     ", ".join(f"b{c.batch} ctx{c.ctx} ±{h:.1f} %, about {n} pairs a period would" for c, h, n in too_wide[:4])
+                     + (", …" if len(too_wide) > 4 else ""))
         if profile is not None:
             self._reprofile_together(group, options)
         if journal:

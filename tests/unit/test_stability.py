@@ -270,7 +270,7 @@ def counting_worker(tmp_path, spec):
 
 
 def test_a_group_is_timed_together_and_each_cell_is_handed_over_once_asked_for(tmp_path):
-    cells, options = fake_study("split.enabled=false", "measure.replicate_first=false")
+    cells, options = fake_study("split.enabled=false")  # no lone replicate by default
     worker, counts = counting_worker(tmp_path, cells[0].engine)
     first = worker.measure(cells[0], options, tuple(cells[1:]))
     assert counts == {1: 5, 2: 5, 4: 5}  # one warm-up and four timed pairs each, all at once
@@ -289,8 +289,8 @@ def test_without_interleave_each_cell_is_timed_when_asked_for(tmp_path):
     assert counts == {1: 5}
 
 
-def test_the_first_cell_is_replicated_at_the_end_of_its_group(tmp_path):
-    cells, options = fake_study("split.enabled=false")
+def test_the_first_cell_is_replicated_at_the_end_of_its_group_when_asked_to(tmp_path):
+    cells, options = fake_study("split.enabled=false", "measure.replicate_first=true")
     worker, counts = counting_worker(tmp_path, cells[0].engine)
     first = worker.measure(cells[0], options, tuple(cells[1:]))
     assert counts == {1: 9, 2: 5, 4: 5}  # its four pairs again after the rounds
@@ -299,8 +299,10 @@ def test_the_first_cell_is_replicated_at_the_end_of_its_group(tmp_path):
 
 @pytest.mark.parametrize("remeasure", [0, 1, 2])
 def test_an_unstable_group_is_timed_again_whole_at_most_remeasure_unstable_times_and_every_pair_kept(
-        tmp_path, remeasure):
-    # A CI target no measurement meets: every period is unstable (ci_width).
+        tmp_path, monkeypatch, remeasure):
+    # A CI target no measurement meets, taken as one a new period cures: every period is
+    # unstable (ci_width) and the group is timed again as often as it may be.
+    monkeypatch.setattr("hostsweep.measure.group.half_width_after_another_period", lambda width, periods: 0.0)
     cells, options = fake_study("split.enabled=false", "measure.replicate_first=false", "measure.max_ci_pct=1e-9",
                                 f"measure.remeasure_unstable={remeasure}")
     worker, counts = counting_worker(tmp_path, cells[0].engine)
