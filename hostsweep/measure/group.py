@@ -179,18 +179,24 @@ class GroupMeasurement:
             return True
         summary = self.summaries[i]
         return "ci_width" in reasons and summary is not None and \
-            half_width_after_another_period(summary.ci_half_width_pct, self.periods) <= self.options.measure.max_ci_pct
+            half_width_after(summary.ci_half_width_pct, self.periods, self._periods_left()) \
+            <= self.options.measure.max_ci_pct
+
+    def _periods_left(self) -> int:
+        """The periods measure.remeasure_unstable still allows (at least one: the forecast of
+        what one more would do is reported even when none is left)."""
+        return max(1, self.options.measure.remeasure_unstable - (self.periods - 1))
 
     def too_wide_to_cure(self) -> list[tuple[Cell, float, int]]:
-        """The cells flagged ci_width that one more period would not bring within
-        measure.max_ci_pct, each with its half-width (%) and about how many pairs in one
-        period would (pairs_for_half_width)."""
+        """The cells flagged ci_width that the periods measure.remeasure_unstable still allows
+        (one, when none is left) would not bring within measure.max_ci_pct, each with its
+        half-width (%) and about how many pairs in one period would (pairs_for_half_width)."""
         m = self.options.measure
         return [(cell, summary.ci_half_width_pct, pairs_for_half_width(summary.ci_half_width_pct, len(summary.reps),
                                                                         m.max_ci_pct))
                 for cell, summary, verdict in zip(self.cells, self.summaries, self.verdicts)
                 if summary is not None and "ci_width" in verdict.reasons
-                and half_width_after_another_period(summary.ci_half_width_pct, self.periods) > m.max_ci_pct]
+                and half_width_after(summary.ci_half_width_pct, self.periods, self._periods_left()) > m.max_ci_pct]
 
     def mark_attempt(self, which: Sequence[int]) -> None:
         for i in which:  # the speculation counts from here on are the reported ones
@@ -208,11 +214,11 @@ class GroupMeasurement:
         return cells
 
 
-def half_width_after_another_period(half_width_pct: float, periods: int) -> float:
-    """What a cell's CI half-width is expected to be once one more period like the others is
+def half_width_after(half_width_pct: float, periods: int, more: int = 1) -> float:
+    """What a cell's CI half-width is expected to be once `more` periods like the others are
     pooled with its `periods` (pooled_periods: the mean of the periods' medians, whose
-    standard error falls as 1 / sqrt(periods))."""
-    return half_width_pct * float(np.sqrt(periods / (periods + 1.0)))
+    standard error falls as 1 / sqrt(periods) when each period is as noisy as the others)."""
+    return half_width_pct * float(np.sqrt(periods / (periods + float(more))))
 
 
 def pairs_for_half_width(half_width_pct: float, pairs: int, target_pct: float) -> int:

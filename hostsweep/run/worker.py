@@ -298,10 +298,11 @@ class SweepWorker(SplitProfiling):
             log.warning("re-measuring the group's %d cell(s) together (period %d)", len(cells), period + 1)
             group.take_period(self._rounds(cells, group.generates, options, f"period {period + 1}").timings)
         if too_wide := group.too_wide_to_cure():
-            log.warning("left flagged ci_width: one more period would not bring their CI within measure.max_ci_pct=%g "
-                     "(%s)", options.measure.max_ci_pct,
-                     ", ".join(f"b{c.batch} ctx{c.ctx} ±{h:.1f} %, about {n} pairs a period would" for c, h, n in too_wide[:4])
-                     + (", …" if len(too_wide) > 4 else ""))
+            named = ", ".join(f"b{c.batch} ctx{c.ctx} ±{h:.1f} %, about {n} pairs a period would"
+                              for c, h, n in too_wide[:4])
+            log.warning("left flagged ci_width: the periods measure.remeasure_unstable allows would not bring "
+                        "their CI within measure.max_ci_pct=%g (%s%s)", options.measure.max_ci_pct, named,
+                        ", …" if len(too_wide) > 4 else "")
         if profile is not None:
             self._reprofile_together(group, options)
         if journal:

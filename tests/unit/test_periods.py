@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hostsweep.config.grid import build_cells
-from hostsweep.measure.group import GroupMeasurement, half_width_after_another_period, pooled_periods
+from hostsweep.measure.group import GroupMeasurement, half_width_after, pooled_periods
 from hostsweep.measure.periods import (
     DesignRecord, canary_shift_pct, clean_pairs, common_period_ratios, contended_rounds, period_disagrees,
 )
@@ -179,7 +179,7 @@ def slowing_worker(tmp_path, spec, slow_after: int, factor: float, monkeypatch, 
 def test_a_re_measure_times_the_whole_group_again_and_keeps_the_ratios_between_cells(tmp_path, monkeypatch):
     # A CI target no measurement meets, taken as one a new period cures: the group is
     # unstable (ci_width) and re-measured once. Cells 1, 2 and 4 times as slow.
-    monkeypatch.setattr("hostsweep.measure.group.half_width_after_another_period", lambda width, periods: 0.0)
+    monkeypatch.setattr("hostsweep.measure.group.half_width_after", lambda width, periods, more=1: 0.0)
     cells, options = fake_study("measure.max_ci_pct=1e-9", "measure.remeasure_unstable=1", "measure.T=17",
                                 "batch=[1,11,31]")
     # slower from the second period on: after 3 cells x (1 warm-up + 8 pairs) x 2 generates
@@ -232,6 +232,14 @@ def test_a_group_is_re_measured_for_its_ci_only_when_one_more_period_would_bring
         assert too_wide == []
 
 
+@pytest.mark.parametrize("allowed, cured", [(1, False), (2, True)])
+def test_the_ci_forecast_counts_every_period_remeasure_unstable_still_allows(allowed, cured):
+    # +-16 %: one more period forecasts +-11.3 %, two more +-9.2 %
+    group = group_of(f"measure.remeasure_unstable={allowed}")
+    group.take_period([pairs_of(steps_with_ci(m, 16.0)) for m in (5.0, 6.0, 8.0)])
+    assert group.needs_another_period() is cured and (group.too_wide_to_cure() == []) is cured
+
+
 def test_a_neighbour_re_measures_a_group_whose_ci_alone_would_not():
     group = group_of()
     busy_rounds = {0, 2, 4, 6, 8, 10, 11}  # 5 clean rounds of 12: under half, too few to estimate on
@@ -253,7 +261,7 @@ def test_one_more_period_narrows_a_pooled_ci_as_predicted_over_many_noise_seeds(
             first, second = pairs_of(noisy(5.0, 12, rng, cv)), pairs_of(noisy(5.0, 12, rng, cv), period=1)
             alone = summarize(first, 0.95).ci_half_width_pct
             ratios.append(pooled_periods([first, second], 0.95).ci_half_width_pct / alone)
-        assert float(np.median(ratios)) == pytest.approx(half_width_after_another_period(1.0, 1), rel=0.10)
+        assert float(np.median(ratios)) == pytest.approx(half_width_after(1.0, 1), rel=0.10)
 
 
 def test_a_worker_flags_a_ci_no_period_can_cure_and_says_how_many_pairs_would(tmp_path, monkeypatch, caplog):

@@ -302,7 +302,7 @@ def test_an_unstable_group_is_timed_again_whole_at_most_remeasure_unstable_times
         tmp_path, monkeypatch, remeasure):
     # A CI target no measurement meets, taken as one a new period cures: every period is
     # unstable (ci_width) and the group is timed again as often as it may be.
-    monkeypatch.setattr("hostsweep.measure.group.half_width_after_another_period", lambda width, periods: 0.0)
+    monkeypatch.setattr("hostsweep.measure.group.half_width_after", lambda width, periods, more=1: 0.0)
     cells, options = fake_study("split.enabled=false", "measure.replicate_first=false", "measure.max_ci_pct=1e-9",
                                 f"measure.remeasure_unstable={remeasure}")
     worker, counts = counting_worker(tmp_path, cells[0].engine)
