@@ -158,7 +158,8 @@ def _inconclusive(study: Study, selection: Selection, run_dir: Path, reason: str
     report_run = ReportRun(cfg.tracking.uri, selection.experiment, f"compare-{study.name}",
                            {"study": study.name, "run_dir": str(run_dir)})
     try:
-        doc = inconclusive_document(study.name, reason, selection.cells, unstable, command_line())
+        doc = inconclusive_document(study.name, reason, selection.cells, unstable, command_line(),
+                                    cfg.measure.max_ci_pct)
         (folder / "report.md").write_text(to_markdown(doc, folder))
         (folder / "report.html").write_text(to_html(doc))
         selection.cells.to_csv(folder / "cells.csv", index=False)

@@ -36,6 +36,19 @@ def test_the_inconclusive_report_names_the_reason_the_left_out_cells_and_a_remed
     assert "fit.exclude_unstable=false" in text
 
 
+def test_the_remedy_for_wide_cis_says_how_many_pairs_the_cells_would_need(tmp_path):
+    # +-10 % and +-20 % on 12 pairs, against +-5 %: 12 x 2^2 = 48 and 12 x 4^2 = 192 pairs
+    table = cells().assign(reps_used=12.0)
+    wide = table["unstable_reasons"].str.contains("ci_width")
+    table.loc[wide, "step_ci_low_ms"] = table.loc[wide, "step_ms"] * [0.9, 0.8]
+    table.loc[wide, "step_ci_high_ms"] = table.loc[wide, "step_ms"] * [1.1, 1.2]
+    doc = inconclusive_document("generalize-cpu", "H(N) needs host times at two or more batch sizes", table,
+                                exclude_unstable(table)[1], "python -m hostsweep", max_ci_pct=5.0)
+    text = to_markdown(doc, tmp_path)
+    assert "120 (median) to 192 pairs a cell would bring these within ±5 %" in text
+    assert "`measure.reps=192`" in text
+
+
 class FakeReportRun:
     logged: list = []
 
