@@ -9,7 +9,7 @@ would be compared with companions timed in another period, on what may be anothe
 machine. Every pair is kept; a cell's number is the mean of its periods' medians (each
 holds the same rounds of every cell, so each weighs the same: pooled_periods), and how far
 the periods lay apart is reported and flagged beside it (measure/periods.py). A CI too
-wide for one more period to bring within measure.max_ci_pct is flagged, not chased: where
+wide for the periods left to bring within measure.max_ci_pct is flagged, not chased: where
 the machine's speed moves by tens of percent from round to round, a second period doubled
 the group's pairs and still left its cells flagged, and the cure is more pairs in the first
 (the log line says how many).
@@ -168,7 +168,7 @@ class GroupMeasurement:
     def needs_another_period(self) -> bool:
         """Whether a cell broke a rule a new period of the whole group could cure: a neighbour
         (foreign_cpu), a cell moving against its companions (drift, at the group's
-        family-wise level: drift_across_group), or a CI that one more period would bring
+        family-wise level: drift_across_group), or a CI that the periods left would bring
         within measure.max_ci_pct (ci_width: wider than that, another period costs the
         group's pairs again and leaves the cell flagged; too_wide_to_cure)."""
         return any(self._curable(i) for i in range(len(self.cells)))
@@ -177,26 +177,25 @@ class GroupMeasurement:
         reasons = set(self.verdicts[i].reasons) & set(REMEASURE_REASONS)
         if "foreign_cpu" in reasons or ("drift" in reasons and i in self.drift_across_group):
             return True
-        summary = self.summaries[i]
-        return "ci_width" in reasons and summary is not None and \
-            half_width_after(summary.ci_half_width_pct, self.periods, self._periods_left()) \
-            <= self.options.measure.max_ci_pct
+        return "ci_width" in reasons and self._ci_within_reach(i)
 
-    def _periods_left(self) -> int:
-        """The periods measure.remeasure_unstable still allows (at least one: the forecast of
-        what one more would do is reported even when none is left)."""
-        return max(1, self.options.measure.remeasure_unstable - (self.periods - 1))
+    def _ci_within_reach(self, i: int) -> bool:
+        """Whether the periods measure.remeasure_unstable still allows (at least one: the
+        forecast of what one more would do is reported even when none is left) are forecast
+        to bring cell i's CI within measure.max_ci_pct (half_width_after)."""
+        m, summary = self.options.measure, self.summaries[i]
+        left = max(1, m.remeasure_unstable - (self.periods - 1))
+        return summary is not None and half_width_after(summary.ci_half_width_pct, self.periods, left) <= m.max_ci_pct
 
     def too_wide_to_cure(self) -> list[tuple[Cell, float, int]]:
         """The cells flagged ci_width that the periods measure.remeasure_unstable still allows
         (one, when none is left) would not bring within measure.max_ci_pct, each with its
         half-width (%) and about how many pairs in one period would (pairs_for_half_width)."""
-        m = self.options.measure
+        target = self.options.measure.max_ci_pct
         return [(cell, summary.ci_half_width_pct, pairs_for_half_width(summary.ci_half_width_pct, len(summary.reps),
-                                                                        m.max_ci_pct))
-                for cell, summary, verdict in zip(self.cells, self.summaries, self.verdicts)
-                if summary is not None and "ci_width" in verdict.reasons
-                and half_width_after(summary.ci_half_width_pct, self.periods, self._periods_left()) > m.max_ci_pct]
+                                                                        target))
+                for i, (cell, summary, verdict) in enumerate(zip(self.cells, self.summaries, self.verdicts))
+                if summary is not None and "ci_width" in verdict.reasons and not self._ci_within_reach(i)]
 
     def mark_attempt(self, which: Sequence[int]) -> None:
         for i in which:  # the speculation counts from here on are the reported ones
