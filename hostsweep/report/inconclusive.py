@@ -15,6 +15,7 @@ import pandas as pd
 
 from hostsweep.config.schema import MeasureConfig
 from hostsweep.measure.group import pairs_for_half_width
+from hostsweep.measure.protocol import half_width_pct
 from hostsweep.model.unstable import Exclusion, left_out_mask, reasons_of
 from hostsweep.report.document import Bullets, Document, Heading, Table, Text
 
@@ -63,7 +64,8 @@ def ci_width_remedy(cells: pd.DataFrame, max_ci_pct: float) -> Optional[str]:
         return None
     flagged = [("ci_width" in reasons) for reasons in reasons_of(cells)]
     rows = cells[flagged]
-    width = (rows["step_ci_high_ms"] - rows["step_ci_low_ms"]) / 2.0 / rows["step_ms"] * 100.0
+    width = [half_width_pct(m, low, high) for m, low, high in
+             zip(rows["step_ms"], rows["step_ci_low_ms"], rows["step_ci_high_ms"])]
     needed = [pairs_for_half_width(float(h), int(n), max_ci_pct)
               for h, n in zip(width, rows["reps_used"]) if np.isfinite(h) and np.isfinite(n) and n > 0]
     if not needed:

@@ -242,7 +242,7 @@ class Dispatcher:
             self.given[spec].clear()  # a new worker keeps nothing
             self.unsure.discard(spec)
         cell = self.queues[spec].popleft()
-        held = self.options.measure.interleave and cell.key in self.given[spec] and spec not in self.unsure
+        held = self._timed_already(spec, cell)
         companions = self._companions(spec, cell)
         pending = self.backend.submit(self.workers[spec], cell, self.options, companions)
         self.inflight[pending] = (spec, cell, self.backend.now())
@@ -257,13 +257,18 @@ class Dispatcher:
         if not m.interleave:
             return ()
         given = self.given[spec]
-        if cell.key in given and spec not in self.unsure:
+        if self._timed_already(spec, cell):
             given.discard(cell.key)
             return ()
         companions = tuple(islice(self.queues[spec], m.interleave_max_cells - 1))
         given.clear()
         given.update(c.key for c in companions)
         return companions
+
+    def _timed_already(self, spec: EngineSpec, cell: Cell) -> bool:
+        """Whether `cell` was given to its worker as a companion of an earlier cell, whose
+        rounds timed it (the worker hands it over at once), and that worker is to be trusted."""
+        return self.options.measure.interleave and cell.key in self.given[spec] and spec not in self.unsure
 
     def _retire(self, spec: EngineSpec) -> None:
         """Close the engine of a spec with no cells left, so its resources go to the next
