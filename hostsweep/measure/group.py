@@ -34,12 +34,11 @@ from hostsweep.measure.protocol import CellMeasurement, RepTiming, adaptive_look
 from hostsweep.measure.results import MeasureOptions, stability_rules_of
 from hostsweep.measure.speculative import SpecResult, spec_summary
 from hostsweep.measure.stability import Stability, contention_summary, drifted, replicate_disagrees, timing_reasons
+from hostsweep.measure.trend import stepped
 
-# What a new period can cure: noise and a neighbour. A machine that changed speed
-# (machine_speed, replicate) or a split (split_*) is not re-timed away.
+# What a new period can cure: noise and a neighbour. A split (split_*) is not re-timed
+# away, and what the whole group met (the annotations) is no cell's flag to cure.
 REMEASURE_REASONS = ("foreign_cpu", "ci_width", "drift")
-# Verdicts about the whole group: every cell of it gets them, and a new period keeps them.
-GROUP_REASONS = ("replicate", "machine_speed")
 
 
 @dataclass(frozen=True)
@@ -71,7 +70,9 @@ class GroupMeasurement:
         self.timings: list[tuple[RepTiming, ...]] = [()] * len(cells)  # every period's pairs
         self.summaries: list[Optional[CellMeasurement]] = [None] * len(cells)
         self.verdicts: list[Stability] = [Stability()] * len(cells)
-        self.group_reasons: set[str] = set()
+        self.annotations: set[str] = set()  # what the whole group met (stability.ANNOTATIONS)
+        # why each period after the first was taken: the rules it was to cure, '+'-joined
+        self.remeasured_for: list[str] = []
         self.profiled: list[list[ProfiledPair]] = [[] for _ in cells]
         self.traces: list[Optional[dict[str, bytes]]] = [{} if options.split.keep_traces else None for _ in cells]
         self.profile_errors: list[Optional[str]] = [None] * len(cells)
@@ -107,22 +108,19 @@ class GroupMeasurement:
         rules = stability_rules_of(self.options)
         contended = contended_rounds(self.timings, m.max_foreign_cpu_frac)
         shift = canary_shift_pct(p for pairs in self.timings for p in pairs)
-        if shift is not None and shift > m.max_canary_shift_pct:
-            self.group_reasons.add("machine_speed")
         common = common_period_ratios(self.timings)
         cleans = [clean_pairs(pairs, contended) for pairs in self.timings]
         useds = [clean if clean is not None else pairs for clean, pairs in zip(cleans, self.timings)]
         # Drift is judged against the companions timed in the same rounds: every cell moving
-        # together is the machine (machine_speed, as the canary's move is), one cell moving
-        # against the others is the cell's (drift). A group of one has no companions.
+        # together is the group's (an annotation), one cell moving against the others is the
+        # cell's (drift). A group of one has no companions.
         moved_alone = frozenset(i for i, judged in enumerate(relative_to_companions(useds))
                                 if judged is not None and any(drifted(part, rules) for part in by_period(judged)))
         # judged again without them: a cell that moved alone leaks into its companions' median
         relative = relative_to_companions(useds, moved_alone)
         trend = common_trend(useds)
-        if trend is not None and any(drifted(part, rules) for part in by_period(trend)):
-            self.group_reasons.add("machine_speed")
         moved_together = common_shift_pct(trend)
+        self._annotate(shift, trend, moved_together)
         # Each cell's drift is flagged at 1 - ci_level; timing the whole group again because
         # one of its cells drifted asks whether any did, which at that level alone would send
         # a steady group of six cells to a second period one time in four. Bonferroni over
@@ -144,8 +142,26 @@ class GroupMeasurement:
                 reasons.add("period")
             self.summaries[i] = dataclasses.replace(summary, reps=pairs)  # every pair kept, flagged or not
             design = DesignRecord(self.periods, period_medians_ms(used), len(used), len(contended),
-                                  median_canary_ms(pairs), shift, moved_together, median_canary_ms(pairs, gpu=True))
-            self.verdicts[i] = self._verdict(reasons | self.group_reasons, used, design)
+                                  median_canary_ms(pairs), shift, moved_together, median_canary_ms(pairs, gpu=True),
+                                  tuple(self.remeasured_for))
+            self.verdicts[i] = self._verdict(reasons | self.annotations, used, design)
+
+    def _annotate(self, canary_shift: Optional[float], trend: Optional[Sequence[RepTiming]],
+                  moved_together: Optional[float]) -> None:
+        """The group's annotations: the canary moved beyond measure.max_canary_shift_pct
+        (machine_speed: the host), or, with the canary held, the cells' common speed stepped
+        between the halves of a period (group_trend: measure/trend.py, at the drift rule's
+        level, and by more than measure.min_shift_pct). A re-measure keeps what an earlier
+        period found."""
+        m = self.options.measure
+        if canary_shift is not None and canary_shift > m.max_canary_shift_pct:
+            self.annotations.add("machine_speed")
+            return
+        if trend is None or moved_together is None or moved_together <= m.min_shift_pct:
+            return
+        alpha = 1.0 - m.ci_level
+        if any(stepped([p.step_s for p in sorted(part, key=lambda p: p.round)], alpha) for part in by_period(trend)):
+            self.annotations.add("group_trend")
 
     def _verdict(self, reasons: set[str], used: Sequence[RepTiming], design: DesignRecord) -> Stability:
         verdict = Stability(attempts=self.periods, contention=contention_summary(used),
@@ -162,7 +178,7 @@ class GroupMeasurement:
         m = self.options.measure
         first = summarize([p for p in self.timings[0] if p.period == 0], m.ci_level)
         if replicate_disagrees(first, again, m.min_shift_pct, m.ci_level):
-            self.group_reasons.add("replicate")
+            self.annotations.add("replicate")
         self._estimate()
 
     def needs_another_period(self) -> bool:
@@ -171,13 +187,41 @@ class GroupMeasurement:
         family-wise level: drift_across_group), or a CI that the periods left would bring
         within measure.max_ci_pct (ci_width: wider than that, another period costs the
         group's pairs again and leaves the cell flagged; too_wide_to_cure)."""
-        return any(self._curable(i) for i in range(len(self.cells)))
+        return bool(self.curable_reasons())
 
-    def _curable(self, i: int) -> bool:
+    def curable_reasons(self) -> list[str]:
+        """The rules (REMEASURE_REASONS order) for which some cell would be timed again."""
+        found = {r for i in range(len(self.cells)) for r in self._curable(i)}
+        return [r for r in REMEASURE_REASONS if r in found]
+
+    def note_remeasure(self) -> str:
+        """Records why the next period is taken (what the design line and summary say) and
+        returns it: the rules to cure, '+'-joined."""
+        why = "+".join(self.curable_reasons())
+        self.remeasured_for.append(why)
+        return why
+
+    def remeasure_detail(self, limit: int = 4) -> str:
+        """The cells a new period is for, with what it is to cure: 'b1 ctx128 ci_width ±11.2 %, ...'."""
+        named = []
+        for i, cell in enumerate(self.cells):
+            curable = self._curable(i)
+            if not curable:
+                continue
+            summary = self.summaries[i]
+            width = f" ±{summary.ci_half_width_pct:.1f} %" if "ci_width" in curable and summary is not None else ""
+            named.append(f"b{cell.batch} ctx{cell.ctx} {'+'.join(sorted(curable))}{width}")
+        return ", ".join(named[:limit]) + (", …" if len(named) > limit else "")
+
+    def _curable(self, i: int) -> set[str]:
+        """The rules cell i broke that a new period of the group could cure."""
         reasons = set(self.verdicts[i].reasons) & set(REMEASURE_REASONS)
-        if "foreign_cpu" in reasons or ("drift" in reasons and i in self.drift_across_group):
-            return True
-        return "ci_width" in reasons and self._ci_within_reach(i)
+        curable = reasons & {"foreign_cpu"}
+        if "drift" in reasons and i in self.drift_across_group:
+            curable.add("drift")
+        if "ci_width" in reasons and self._ci_within_reach(i):
+            curable.add("ci_width")
+        return curable
 
     def _ci_within_reach(self, i: int) -> bool:
         """Whether the periods measure.remeasure_unstable still allows (at least one: the
@@ -234,8 +278,9 @@ def pooled_periods(parts: Sequence[Sequence[RepTiming]], level: float) -> CellMe
 
     What it covers is the step over the periods the study measured. It is not a CI for
     another moment's machine: how far the periods lay apart is reported beside it
-    (period_medians_ms, period_spread_pct), flagged when one cell moved alone (`period`)
-    or the canary moved (`machine_speed`), and left to the diff's between-run component.
+    (period_medians_ms, period_spread_pct), flagged when one cell moved alone (`period`),
+    annotated when the canary moved (`machine_speed`), and left to the diff's between-run
+    component.
     (The median of all pairs pooled sits in the gap between two periods' clusters when the
     machine changed speed, and a t-interval over two period medians has one degree of
     freedom: 12.7 times their spread wide, true to no question a user asks of one study.)"""

@@ -53,6 +53,9 @@ class DesignRecord:
     # the machine's speed as the cells themselves saw it; None for a group of one cell
     common_shift_pct: Optional[float] = None
     gpu_canary_ms: Optional[float] = None  # median of the canary's GPU kernel over the cell's pairs (a CUDA worker)
+    # why each period after the first was taken: the rules it was to cure ('ci_width',
+    # 'foreign_cpu+drift'), one entry a period
+    remeasured_for: tuple[str, ...] = ()
 
 
 def round_of(pair: RepTiming) -> RoundId:

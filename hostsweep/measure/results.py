@@ -262,15 +262,21 @@ def design_metrics(design: Optional[DesignRecord]) -> dict[str, float]:
     return metrics
 
 
-# A cell's stability verdict as tags and cell-table columns: "true"/"false", and the rules
-# it broke, comma-separated (empty when stable). Absent on cells logged before the verdict.
-STABILITY_TAGS = ("stable", "unstable_reasons")
+# A cell's stability verdict as tags and cell-table columns: "true"/"false", the rules of its
+# own number it broke, comma-separated (empty when stable), and what its whole group met
+# (group_annotations: machine_speed, group_trend, replicate; no cell's flag), and why each
+# period after the first was taken (remeasured_for: 'ci_width;drift', a period each). Absent
+# on cells logged before the verdict; the last two absent on cells logged before them.
+STABILITY_TAGS = ("stable", "unstable_reasons", "group_annotations", "remeasured_for")
 
 
 def stability_tags(result: CellResult) -> dict[str, str]:
     if result.stability is None or result.measurement is None:
         return {}
-    return {"stable": str(result.stability.stable).lower(), "unstable_reasons": ",".join(result.stability.reasons)}
+    s = result.stability
+    return {"stable": str(s.stable).lower(), "unstable_reasons": ",".join(s.reasons),
+            "group_annotations": ",".join(s.annotations),
+            "remeasured_for": ";".join(s.design.remeasured_for) if s.design is not None else ""}
 
 
 SPLIT_TAGS = ("kernel_source", "regime")

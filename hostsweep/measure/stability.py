@@ -14,16 +14,8 @@ These rules look for exactly that, each with a reason a user can act on:
                   measure.min_shift_pct %; in a group, on its steps relative to its
                   companions' in the same rounds (measure/periods.py), so the machine's
                   move, which every cell met, is not taken for the cell's
-    replicate     the group's first cell, measured again once the group's rounds ended,
-                  disagrees with itself (the same test): the host changed during the group;
-                  every cell of the group gets it, and later periods keep it
     period        re-measured, the cell moved between the group's periods differently from
                   its group (measure/periods.py): the cell, not the machine, did not reproduce
-    machine_speed the speed canary timed beside every pair moved by more than
-                  measure.max_canary_shift_pct % over the group's rounds, or every cell of
-                  the group moved together (the drift test on their common speed per
-                  round): the machine itself changed speed (a cloud VM does, with nothing
-                  in /proc); every cell of the group
     split_impossible  the profiled pair's device time is outside [0, the timed step]
                   (host_frac < 0 or > 1), also after its re-measure: above the step, the two
                   ran under different conditions; below zero, the longer generate's ops
@@ -33,6 +25,23 @@ These rules look for exactly that, each with a reason a user can act on:
                   its kernels, compute inside the forward below zero, a profiled step faster
                   than the timed one beyond both CIs, or a profiler overhead outside
                   split.min/max_profiler_overhead; its host_frac and regime are not reported
+
+What the whole group met is not a cell's flag: it is a group **annotation** (ANNOTATIONS),
+carried by every cell of the group with its magnitude (DesignRecord's canary_shift_pct and
+common_shift_pct) and shown once per group. It marks no cell unstable, hatches no figure
+and leaves no cell out of a fit or a diff: every cell met it alike, and the cells' numbers
+come from rounds in which they did.
+
+    machine_speed the speed canary timed beside every pair moved by more than
+                  measure.max_canary_shift_pct % over the group's rounds: the host changed
+                  speed (a cloud VM does, with nothing in /proc)
+    group_trend   the cells moved together over the rounds (measure/trend.py's step test on
+                  their common speed, which holds its level under an autocorrelated machine
+                  speed, and medians of the halves measure.min_shift_pct apart) while the
+                  canary held: the engine, or a resource the canary does not see
+    replicate     the group's first cell, measured again once the group's rounds ended,
+                  disagrees with itself (the drift rule's test): the host changed during
+                  the group (measure.replicate_first)
 
 Across independent engine starts (replicates), as the host-exposed-latency paper's five
 replicates did, a t-interval on the starts' medians (intervals.between_starts_ci) gives
@@ -50,8 +59,8 @@ from hostsweep.measure.intervals import shift_pvalue
 from hostsweep.measure.periods import DesignRecord
 from hostsweep.measure.protocol import CellMeasurement, RepTiming
 
-REASONS = ("foreign_cpu", "ci_width", "drift", "replicate", "period", "machine_speed", "split_impossible",
-           "split_implausible")
+REASONS = ("foreign_cpu", "ci_width", "drift", "period", "split_impossible", "split_implausible")
+ANNOTATIONS = ("machine_speed", "group_trend", "replicate")
 # A half needs this many pairs for a test of two halves to reach 5 % at all (3 against 3;
 # an outlier pair is trimmed away only from 4 a half, 8 pairs).
 MIN_PAIRS_PER_HALF = 3
@@ -94,14 +103,19 @@ class Stability:
     replicate_step_ms: Optional[float] = None  # the group's first cell measured again at the end
     start_medians_ms: tuple[float, ...] = ()  # per engine start (measure.replicates >= 2)
     design: Optional[DesignRecord] = None  # periods, clean rounds and canary (measure/periods.py)
+    annotations: tuple[str, ...] = ()  # what the whole group met (ANNOTATIONS): no cell's flag
 
     @property
     def stable(self) -> bool:
         return not self.reasons
 
     def with_reason(self, reason: str) -> "Stability":
-        if reason in self.reasons:
-            return self
+        """The verdict with one more flag: an own-number reason (REASONS) makes the cell
+        unstable, a group annotation (ANNOTATIONS) does not."""
+        if reason in ANNOTATIONS:
+            return replace(self, annotations=tuple(a for a in ANNOTATIONS if a in (*self.annotations, reason)))
+        if reason not in REASONS:
+            raise ValueError(f"unknown stability reason {reason!r}; allowed: {', '.join(REASONS + ANNOTATIONS)}")
         return replace(self, reasons=tuple(r for r in REASONS if r in (*self.reasons, reason)))
 
 
@@ -178,3 +192,21 @@ def between_replicate_spread_pct(replicates: Sequence[Sequence[float]]) -> float
     medians = np.array([np.median(r) for r in replicates if len(r)])
     centre = float(np.median(medians))
     return float((medians.max() - medians.min()) / centre * 100.0) if centre else float("nan")
+
+
+def recorded_flags(stable: object, reasons: object, annotations: object = "") -> tuple[str, str, str]:
+    """A cell's recorded (stable, unstable_reasons, group_annotations) as this version reads
+    them: cells logged before the annotations carried machine_speed and replicate among
+    their unstable reasons, and were marked unstable for them alone. Those names move to the
+    annotations, and a cell whose every reason moved is stable. A cell with no verdict
+    ("" or None) keeps none."""
+    def names(value: object) -> list[str]:
+        return [r.strip() for r in value.split(",") if r.strip()] if isinstance(value, str) else []
+
+    flags = names(reasons)
+    own = [r for r in flags if r not in ANNOTATIONS]
+    group = [a for a in ANNOTATIONS if a in {*names(annotations), *flags}]
+    verdict = stable if isinstance(stable, str) else ""
+    if verdict.strip().lower() == "false" and flags and not own:
+        verdict = "true"
+    return verdict, ",".join(own), ",".join(group)

@@ -2,7 +2,7 @@
 (pure).
 
 Every measured cell carries `stable` ("true"/"false") and `unstable_reasons` (comma
-separated: foreign_cpu, ci_width, drift, replicate, ...; empty when stable), as MLflow tags
+separated: foreign_cpu, ci_width, drift, period, ...; empty when stable), as MLflow tags
 read back into the cell table and as cells.csv columns. Cells of runs older than the
 stability verdict have neither: a missing or empty `stable` counts as stable, so an old
 study fits as it always did. `Exclusion` records what was left out and why, for the
@@ -18,18 +18,18 @@ import numpy as np
 import pandas as pd
 
 from hostsweep.config.grid import CELL_AXES
+from hostsweep.measure.stability import ANNOTATIONS
 
 UNSTABLE_VALUES = {"false", "0", "no"}
 IDENTITY = (*CELL_AXES, "run_id")  # how a left-out cell is named (config/grid.py, then its MLflow run)
-# Flags about the machine, not the cell: the machine changed speed over the group's rounds
-# (machine_speed: the canary, or every cell together), or the group's first cell, timed
-# again alone after the rounds, moved (replicate: it has no companions to tell the machine
-# from the cell, and the cells' numbers come from rounds every cell met alike). On a cloud
-# VM that is the normal case (its speed moves by tens of percent between minutes), and
-# every cell of every group would be left out; the cell's own pairs, its CI and its drift
-# against its companions still judge its number, and the report's host-speed table shows
-# how fast each group's machine was.
-MACHINE_ONLY = frozenset({"machine_speed", "replicate"})
+# What the whole group met, not the cell (measure/stability.ANNOTATIONS: machine_speed,
+# group_trend, replicate). Cells recorded today carry them apart from their reasons; cells
+# recorded before the annotations existed were marked unstable for machine_speed or
+# replicate alone, and a frame not read through record/read keeps that: they are kept here
+# too. On a cloud VM the machine moves on nearly every group (by tens of percent between
+# minutes); the cell's own pairs, its CI and its drift against its companions still judge
+# its number, and the report's host-speed table shows how fast each group's machine was.
+MACHINE_ONLY = frozenset(ANNOTATIONS)
 
 
 def _unstable(value: Any) -> bool:

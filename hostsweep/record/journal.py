@@ -98,11 +98,16 @@ def decode_stability(data: Optional[dict]) -> Optional[Stability]:
         return None
     contention = data.get("contention")
     design = data.get("design")
-    return Stability(tuple(data["reasons"]), data["attempts"],
-                     None if contention is None else ContentionSummary(**contention), data.get("replicate_step_ms"),
-                     tuple(data.get("start_medians_ms", ())),
-                     None if design is None else DesignRecord(**{**design, "period_medians_ms":
-                                                                  tuple(design.get("period_medians_ms", ()))}))
+    # journals written before the annotations kept machine_speed and replicate among the reasons
+    flags = (*data["reasons"], *data.get("annotations", ()))
+    verdict = Stability((), data["attempts"],
+                        None if contention is None else ContentionSummary(**contention), data.get("replicate_step_ms"),
+                        tuple(data.get("start_medians_ms", ())),
+                        None if design is None else DesignRecord(**{**design, **{
+                            key: tuple(design.get(key, ())) for key in ("period_medians_ms", "remeasured_for")}}))
+    for flag in flags:
+        verdict = verdict.with_reason(flag)
+    return verdict
 
 
 def pending_folder(root: Path, tracking_uri: str, experiment: str) -> Path:

@@ -32,10 +32,15 @@ class Measured:
     tags: dict[str, str]
 
 
+def engine_label(params: dict[str, object]) -> str:
+    """The engine a cell ran on, as the console names it: 'cpu/tiny-llama/eager/tp1'."""
+    return f"{params['sku']}/{params['model']}/{params['mode']}/tp{params['tp']}"
+
+
 def progress_label(params: dict[str, object]) -> str:
     """A cell as the console's progress lines name it: 'cpu/tiny-llama/eager/tp1 b2 ctx512' (and
     the workload when not random prompts)."""
-    label = f"{params['sku']}/{params['model']}/{params['mode']}/tp{params['tp']} b{params['batch']} ctx{params['ctx']}"
+    label = f"{engine_label(params)} b{params['batch']} ctx{params['ctx']}"
     workload = params.get("workload", "random")
     return label if workload == "random" else f"{label} {workload}"
 
@@ -89,17 +94,26 @@ def largest_phase_note(result: CellResult) -> str:
 
 
 def unstable_note(stability: Stability) -> str:
-    """', UNSTABLE: foreign_cpu 0.31, drift' for an unstable cell, else ''."""
+    """', UNSTABLE: foreign_cpu 0.31, drift' for a cell unstable for its own number, else ''
+    (what its whole group met is group_note's, once a group)."""
     if stability.stable:
         return ""
-    c, design = stability.contention, stability.design
-    moves = [f"{what} moved {pct:.0f} %" for what, pct in
-             (("canary", design.canary_shift_pct if design else None),
-              ("cells together", design.common_shift_pct if design else None)) if pct is not None]
-    named = {"foreign_cpu": f"foreign_cpu {c.foreign_cpu_frac:.2f}" if c is not None else "foreign_cpu",
-             "machine_speed": f"machine_speed ({', '.join(moves)})" if moves else "machine_speed"}
+    c = stability.contention
+    named = {"foreign_cpu": f"foreign_cpu {c.foreign_cpu_frac:.2f}" if c is not None else "foreign_cpu"}
     reasons = [named.get(r, r) for r in stability.reasons]
     return f", UNSTABLE: {', '.join(reasons)}"
+
+
+def group_note(stability: Optional[Stability]) -> str:
+    """What a cell's whole group met, with its evidence: 'group_trend (the cells moved
+    together 12 % over the rounds, the canary 1 %)', or '' when nothing was annotated."""
+    if stability is None or not stability.annotations:
+        return ""
+    design = stability.design
+    moves = ", ".join(f"{what} {pct:.0f} %" for what, pct in
+                      (("the cells together moved", design.common_shift_pct if design else None),
+                       ("the canary", design.canary_shift_pct if design else None)) if pct is not None)
+    return f"{', '.join(stability.annotations)}" + (f" ({moves} over the rounds)" if moves else "")
 
 
 def periods_note(stability: Optional[Stability]) -> str:
@@ -134,6 +148,7 @@ class SweepRecorder:
         waiting for room in MLflow's full backlog stays in the journal instead."""
         self.tracker, self.journal, self.table, self.claims = tracker, journal, table, claims
         self.tags, self.total, self.stopping = tags, total, stopping
+        self.noted_groups: set[str] = set()  # engine groups whose annotations were printed
         self.uploader: BackgroundLogger[Measured] = BackgroundLogger(
             self._deliver, tracker.heartbeat, outage_s, heartbeat_s, deliveries=deliveries,
             deliver_many=self._deliver_many, batch=tracker.cells_per_write())
@@ -151,6 +166,16 @@ class SweepRecorder:
         level = logging.WARNING if result.status == "FAILED" else logging.INFO
         log.log(level, "[%d/%d] %s: %s", self.table.count, self.total, progress_label(result.params),
                 describe(result, metrics))
+        self._note_group(result)
+
+    def _note_group(self, result: CellResult) -> None:
+        """What the cell's group met, said once a group (its first cell reported), as a note:
+        it marks no cell unstable (measure/stability.py, ANNOTATIONS)."""
+        note = group_note(result.stability) if result.measurement is not None else ""
+        group = engine_label(result.params)
+        if note and group not in self.noted_groups:
+            self.noted_groups.add(group)
+            log.info("%s: group note: %s; no cell's flag (docs/measurement.md#group-annotations)", group, note)
 
     def _deliver(self, item: Measured) -> None:
         self._deliver_many([item])

@@ -53,6 +53,7 @@ from scipy import stats
 
 from hostsweep.measure.detectable import mde_from_se, se_from_ci
 from hostsweep.measure.intervals import few_starts_warning, median_ci
+from hostsweep.measure.stability import ANNOTATIONS
 from hostsweep.report import diff_stats as S
 from hostsweep.report.diff_canary import (
     CANARY_COLUMNS, NORMALIZE, machine_line, paired_canary_ratio, rounds_canary_ratio, side_canary,
@@ -394,11 +395,13 @@ def compare_quantity(quantity: str, base: Mapping[str, Any], head: Mapping[str, 
 
 
 def step_unstable(flags: tuple[Optional[bool], Optional[bool]], reasons: tuple[str, str]) -> bool:
-    """Whether either side is unstable for its step: a cell flagged only split_impossible is
-    not (its step is fine; the split is what failed)."""
+    """Whether either side is unstable for its own step: a cell flagged only split_impossible is
+    not (its step is fine; the split is what failed), nor one flagged only for what its whole
+    group met (measure/stability.ANNOTATIONS, as older runs recorded them among the reasons):
+    the fit keeps such cells, and the gate does not fail on them either."""
     for flag, why in zip(flags, reasons):
         named = {r.strip() for r in why.split(",") if r.strip()}
-        if flag is False and (not named or named - NOT_STEP_REASONS):
+        if flag is False and (not named or named - NOT_STEP_REASONS - set(ANNOTATIONS)):
             return True
     return False
 

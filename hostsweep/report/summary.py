@@ -47,8 +47,12 @@ def _is_unstable(row: dict[str, Any]) -> bool:
 
 
 def _reasons(row: dict[str, Any]) -> list[str]:
-    text = _plain(row.get("unstable_reasons"))
-    return [r for r in str(text).split(",") if r] if text else []
+    return _names(row.get("unstable_reasons"), ",")
+
+
+def _names(value: Any, separator: str) -> list[str]:
+    text = _plain(value)
+    return [r for r in str(text).split(separator) if r] if text else []
 
 
 def stability_counts(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -79,11 +83,34 @@ def design_counts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     prefill_bound = prefill_bound_cells(rows)
     canary = [float(c) for c in (_plain(r.get("canary_ms")) for r in rows) if c is not None]
     shifts = [float(c) for c in (_plain(r.get("canary_shift_pct")) for r in rows) if c is not None]
+    why = pd.Series([w for r in rows if (text := _plain(r.get("remeasured_for")))
+                     for w in str(text).split(";") if w], dtype=object)
     return {"cells": len(periods), "remeasured": sum(p > 1 for p in periods),
+            "remeasured_for": {str(k): int(v) for k, v in why.value_counts().items()},
+            "groups_annotated": annotated_groups(rows),
             "max_periods": max(periods, default=None),
             "canary_ms": float(pd.Series(canary).median()) if canary else None,
             "canary_shift_pct_max": max(shifts, default=None),
             "prefill_bound": prefill_bound, "prefill_bound_T": max(prefill_bound.values(), default=None)}
+
+
+def annotated_groups(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each engine group whose cells carry a group annotation (measure/stability.ANNOTATIONS),
+    keyed 'cpu/tiny-llama/eager/tp1': the annotations and the largest common and canary
+    shifts (%) its cells recorded. One entry a group: it is what the group met, not a cell."""
+    groups: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        names = [a for a in str(_plain(r.get("group_annotations")) or "").split(",") if a]
+        if not names:
+            continue
+        label = f"{r.get('sku')}/{r.get('model')}/{r.get('mode')}/tp{r.get('tp')}"
+        entry = groups.setdefault(label, {"annotations": [], "common_shift_pct": None, "canary_shift_pct": None})
+        entry["annotations"] = sorted({*entry["annotations"], *names})
+        for key in ("common_shift_pct", "canary_shift_pct"):
+            value = _plain(r.get(key))
+            if value is not None:
+                entry[key] = max(float(value), entry[key] if entry[key] is not None else float("-inf"))
+    return groups
 
 
 def prefill_bound_cells(rows: list[dict[str, Any]]) -> dict[str, int]:
@@ -109,12 +136,20 @@ def design_line(rows: list[dict[str, Any]]) -> Optional[str]:
     d = design_counts(rows)
     if not d["cells"]:
         return None
-    parts = [f"re-measured {d['remeasured']} of {d['cells']} cells ({d['max_periods']} periods)" if d["remeasured"]
+    why = ", ".join(f"{reason}" + (f" ×{n}" if n > 1 else "") for reason, n in d["remeasured_for"].items())
+    parts = [f"re-measured {d['remeasured']} of {d['cells']} cells ({d['max_periods']} periods"
+             + (f"; a period for {why}" if why else "") + ")" if d["remeasured"]
              else f"no cell re-measured ({d['cells']} cells, one period each)"]
     if d["canary_ms"] is not None:
         moved = f", moved up to {d['canary_shift_pct_max']:.0f} % within a group" \
             if d["canary_shift_pct_max"] is not None else ""
         parts.append(f"speed canary {d['canary_ms']:.3f} ms{moved}")
+    for group, note in d["groups_annotated"].items():
+        moved = ", ".join(f"{what} {note[key]:.0f} %" for what, key in
+                          (("cells together moved", "common_shift_pct"), ("canary", "canary_shift_pct"))
+                          if note[key] is not None)
+        parts.append(f"group note {group}: {', '.join(note['annotations'])}" + (f" ({moved})" if moved else "")
+                     + ", no cell's flag")
     if d["prefill_bound"]:
         named = ", ".join(list(d["prefill_bound"])[:3]) + (", …" if len(d["prefill_bound"]) > 3 else "")
         parts.append(f"{len(d['prefill_bound'])} cell(s) prefill for longer than their T−1 steps ({named}): their "
@@ -161,6 +196,8 @@ def cell_entry(row: dict[str, Any], run_url: Optional[Callable[[str], str]] = No
         "where": {k: _plain(row.get(k)) for k in WHERE},
         "stability": None if _plain(row.get("stable")) is None else {
             "stable": not _is_unstable(row), "reasons": _reasons(row),
+            "group_annotations": _names(row.get("group_annotations"), ","),
+            "remeasured_for": _names(row.get("remeasured_for"), ";"),
             **{name: _plain(row.get(column)) for name, column in STABILITY.items()}},
         "resumed": bool(_plain(row.get("resumed")) or False),
         "mlflow_run_id": run_id,

@@ -295,7 +295,9 @@ class SweepWorker(SplitProfiling):
         for period in range(1, 1 + options.measure.remeasure_unstable):
             if not group.needs_another_period():
                 break
-            log.warning("re-measuring the group's %d cell(s) together (period %d)", len(cells), period + 1)
+            why = group.note_remeasure()
+            log.warning("re-measuring the group's %d cell(s) together (period %d) for %s: %s", len(cells),
+                        period + 1, why, group.remeasure_detail())
             group.take_period(self._rounds(cells, group.generates, options, f"period {period + 1}").timings)
         if too_wide := group.too_wide_to_cure():
             named = ", ".join(f"b{c.batch} ctx{c.ctx} ±{h:.1f} %, about {n} pairs a period would"

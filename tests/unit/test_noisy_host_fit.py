@@ -152,7 +152,7 @@ def test_a_cell_flagged_only_for_the_machine_is_fitted_and_counted_as_kept():
     assert list(kept["run_id"]) == ["a", "d", "e"]
     assert exclusion.count == 2 and exclusion.flagged == 4 and exclusion.machine_only == 2
     assert exclusion.reasons() == {"ci_width": 1, "unstated": 1}  # what left each out, not the machine's flag
-    assert "kept 2 flagged only for the machine (machine_speed/replicate" in exclusion.describe()
+    assert "kept 2 flagged only for the machine (group_trend/machine_speed/replicate" in exclusion.describe()
     assert json.loads(json.dumps(exclusion.to_dict()))["kept_machine_only"] == 2
     only_machine = cells.iloc[[0, 4]]
     assert exclude_unstable(only_machine)[1].describe().startswith("no cell of 2 is left out as unstable")

@@ -12,6 +12,7 @@ from mlflow.tracking import MlflowClient
 
 from hostsweep.config.grid import CELL_PARAMS, INT_PARAMS, LEGACY_AXIS_VALUES
 from hostsweep.config.redact import error_line
+from hostsweep.measure.stability import recorded_flags
 from hostsweep.record.read.dbread import is_database, stored_runs
 
 log = logging.getLogger(__name__)
@@ -57,14 +58,24 @@ def read_cells(tracking_uri: str, experiments: list[str], parent_run_id: Optiona
         "start_time": cells["start_time"],
         # the sweep's stability verdict ("true"/"false", reasons comma separated); runs
         # logged before it have neither tag, and count as stable (model/unstable.py)
-        "stable": cells.get("tags.stable", pd.Series("", index=cells.index)).fillna(""),
-        "unstable_reasons": cells.get("tags.unstable_reasons", pd.Series("", index=cells.index)).fillna(""),
+        **flag_columns(cells),
     })
     others = {c[len("metrics."):]: cells[c].astype(float) for c in cells if c.startswith("metrics.")
               and c[len("metrics."):] not in frame}
     # one concat, not one insert per metric: a frame built column by column is fragmented,
     # and every later assign on it warned (PerformanceWarning) into the user's console
     return pd.concat([frame, pd.DataFrame(others, index=frame.index)], axis=1).copy().reset_index(drop=True)
+
+
+def flag_columns(runs: pd.DataFrame) -> dict[str, pd.Series]:
+    """stable, unstable_reasons and group_annotations from the runs' tags, read as this
+    version reads them (measure/stability.recorded_flags: machine-only flags of older runs
+    move to the annotations)."""
+    empty = pd.Series("", index=runs.index)
+    triples = [recorded_flags(*values) for values in zip(
+        *(runs.get(f"tags.{tag}", empty).fillna("") for tag in ("stable", "unstable_reasons", "group_annotations")))]
+    return {name: pd.Series([t[k] for t in triples], index=runs.index, dtype=object)
+            for k, name in enumerate(("stable", "unstable_reasons", "group_annotations"))}
 
 
 def cell_params(runs: pd.DataFrame) -> dict[str, pd.Series]:

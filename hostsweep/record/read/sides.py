@@ -28,6 +28,7 @@ from mlflow.tracking import MlflowClient
 
 from hostsweep.config.redact import error_line, redact
 from hostsweep.config.schema import ConfigError
+from hostsweep.measure.stability import recorded_flags
 from hostsweep.record.read.readback import FilterRefused, experiment_ids
 from hostsweep.record.store import local_artifact_root
 
@@ -38,7 +39,7 @@ STUDY_PREFIX = "hostsweep-"
 PAIR_SIDES = ("a", "b")  # a paired study's sides (param `side`): the study as given, and with pair.against
 # Tags kept as columns: provenance and the per-cell stability flag (absent on older cells).
 CELL_TAGS = ("vllm_version", "torch_version", "hostsweep_version", "ray_version", "git_sha", "device_name",
-             "hostname", "stable", "unstable_reasons", "cell_key", "mlflow.parentRunId", "mlflow.runName")
+             "hostname", "stable", "unstable_reasons", "group_annotations", "cell_key", "mlflow.parentRunId", "mlflow.runName")
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,14 @@ def read_side_cells(tracking_uri: str, where: Located, filter_string: Optional[s
     for other in ("params.stable", "metrics.stable"):  # the flag as a tag, else a param or a metric
         if other in runs:
             frame["stable"] = frame["stable"].where(frame["stable"].notna(), runs[other])
+    # machine-only flags of older runs move to the annotations (measure/stability.recorded_flags);
+    # a verdict only the moved flags made "false" reads "true", any other stays as recorded
+    triples = [recorded_flags(str(stable).lower(), reasons, annotations) for stable, reasons, annotations
+               in zip(frame["stable"], frame["unstable_reasons"], frame["group_annotations"])]
+    frame["stable"] = [t[0] if t[0] == "true" and str(old).lower() == "false" else old
+                       for t, old in zip(triples, frame["stable"])]
+    frame["unstable_reasons"] = [t[1] if isinstance(old, str) else old for t, old in zip(triples, frame["unstable_reasons"])]
+    frame["group_annotations"] = [t[2] or None for t in triples]
     frame = frame.rename(columns={"mlflow.parentRunId": "parent_run_id", "mlflow.runName": "run_name"})
     frame["run_id"], frame["start_time"] = runs["run_id"], runs["start_time"]
     frame = frame.reset_index(drop=True)
