@@ -22,7 +22,7 @@ from tests.fakes import FakeBackend
 
 GUARD = "raise ImportError('{name} must not be imported by the diff stage')\n"
 GRID = ["+sku=cpu", "engine.name=fake", "engine.dtype=float32", "measure.T=17", "measure.warmups=1",
-        "ctx=[16,32]", "batch=[1,2]", "measure.bootstrap_resamples=200", "ray.exclusive=false",
+        "ctx=[16,32]", "batch=[1,2]", "ray.exclusive=false",
         "tracking.heartbeat_s=0.5"]
 PLANTED = "b2-ctx32"
 DIFF = ["stage=diff", "diff.base=diffbase", "diff.head=diffhead", "diff.threshold_pct=15", "diff.noise_floor_pct=2"]

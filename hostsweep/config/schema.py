@@ -97,11 +97,14 @@ class ModeConfig:
 @dataclass
 class MeasureConfig:
     T: int = 33
+    # Warm-up: the group's cells in untimed interleaved rounds before the first timed one, at
+    # least `warmups` rounds, then more while a round ran more than warmup_settle_pct % faster
+    # than the one before (the engine still warming), at most warmup_max_rounds in all
+    # (measure/warmup.py; docs/measurement.md#warm-up).
     warmups: int = 2
+    warmup_settle_pct: float = 3.0
+    warmup_max_rounds: int = 6
     reps: int = 12
-    # Percentile-bootstrap resamples for the medians of derived quantities (host phases over
-    # split.reps profiled pairs); a cell's step CI is exact order statistics, no resampling.
-    bootstrap_resamples: int = 2000
     # The level of every cell CI (order statistics; a t-interval across engine starts) and
     # of the drift and replicate tests (at 1 - ci_level). The one default: StabilityRules and
     # summarize() read theirs from here.
@@ -142,7 +145,7 @@ class MeasureConfig:
     # pooled (measure/group.py).
     remeasure_unstable: int = 1
     # The speed canary (run/canary.py), timed beside every pair: a group whose canary moved
-    # by more than this % over its rounds is flagged machine_speed, every cell of it.
+    # by more than this % over its rounds is annotated machine_speed (no cell's flag).
     canary: bool = True
     max_canary_shift_pct: float = 15.0
     # Each engine group measured again in this many fresh engine starts in all; a cell's CI

@@ -64,10 +64,11 @@ def check_measure(cfg: SweepConfig) -> None:
         raise ConfigError(f"measure.reps must be >= 2 for a confidence interval, got {m.reps}")
     if not 0.0 < m.ci_level < 1.0:
         raise ConfigError(f"measure.ci_level must be in (0, 1), got {m.ci_level}")
-    if m.bootstrap_resamples < 100:
-        raise ConfigError(
-            f"measure.bootstrap_resamples must be >= 100, got {m.bootstrap_resamples}"
-        )
+    if m.warmup_max_rounds < m.warmups:
+        raise ConfigError(f"measure.warmup_max_rounds must be >= measure.warmups ({m.warmups}), "
+                          f"got {m.warmup_max_rounds}")
+    if not m.warmup_settle_pct >= 0.0:
+        raise ConfigError(f"measure.warmup_settle_pct must be a percentage >= 0, got {m.warmup_settle_pct:g}")
     check_adaptive(m)
     check_stability(m)
 

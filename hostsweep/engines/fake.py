@@ -8,6 +8,9 @@ HOSTSWEEP_FAKE_TIME_SCALE (environment, inherited by Ray workers) scales every s
 0 answers instantly, for benchmarks of the harness itself (benchmarks/sweep_scale.py).
 HOSTSWEEP_FAKE_SLOWDOWN plants a regression with a known answer (for stage=diff's tests):
 "b2-ctx32=1.5,b1-ctx16=1.2" makes those cells' steps 1.5 and 1.2 times as long ("*": all).
+HOSTSWEEP_FAKE_WARMUP plants an engine that warms up with a known curve: "1.2:8" makes the
+engine's first long generate's steps 1.2 times as long, the excess falling linearly to none
+by its 8th (for the group warm-up's tests).
 
 Its "model" writes the next token of a 16-token ring (token c is followed by the next one
 in its block of 16), so its own text repeats every 16 tokens and random prompts do not.
@@ -108,6 +111,8 @@ class FakeEngine:
         self._last: list[tuple[list[int], dict[str, int]]] = []
         self.time_scale = float(os.environ.get("HOSTSWEEP_FAKE_TIME_SCALE", "1"))
         self.slowdown = planted_slowdowns(os.environ.get("HOSTSWEEP_FAKE_SLOWDOWN", ""))
+        factor, _, count = os.environ.get("HOSTSWEEP_FAKE_WARMUP", "1:1").partition(":")
+        self.warmup_excess, self.warmup_generates, self.long_generates = float(factor) - 1.0, int(count or 1), 0
         phase, _, ms = spec.debug_delay.partition(":")
         self.delay_phase, delay_s = (phase, float(ms) / 1e3) if spec.debug_delay else ("", 0.0)
         in_frontend = self.delay_phase == "frontend_process_outputs"
@@ -115,7 +120,12 @@ class FakeEngine:
 
     def step_seconds(self, batch: int, ctx: int) -> float:
         planted = self.slowdown.get(f"b{batch}-ctx{ctx}", self.slowdown.get("*", 1.0))
-        return self.step_s * (1.0 + 0.1 * (batch - 1)) * (1.0 + ctx / 4096) * planted
+        return self.step_s * (1.0 + 0.1 * (batch - 1)) * (1.0 + ctx / 4096) * planted * self.warming()
+
+    def warming(self) -> float:
+        """The planted warm-up curve's factor for the current long generate (1: warm)."""
+        left = max(0.0, 1.0 - self.long_generates / self.warmup_generates)
+        return 1.0 + self.warmup_excess * left
 
     def cycle_seconds(self, batch: int, ctx: int) -> float:
         """One engine step, the debug delay (debug.delay_ms) included."""
@@ -136,6 +146,7 @@ class FakeEngine:
         if self._profiling is not None:
             self._recorded.append((steps, len(prompts), len(prompts[0]), cycle))
         self._last = [(text, stats) for text, _, stats in decoded]
+        self.long_generates += max_tokens > 1
         return [len(text) for text, _ in self._last]
 
     def last_tokens(self) -> list[list[int]]:

@@ -73,6 +73,7 @@ class GroupMeasurement:
         self.annotations: set[str] = set()  # what the whole group met (stability.ANNOTATIONS)
         # why each period after the first was taken: the rules it was to cure, '+'-joined
         self.remeasured_for: list[str] = []
+        self.warmup_rounds = 0  # the untimed rounds the group warmed up in (measure/warmup.py)
         self.profiled: list[list[ProfiledPair]] = [[] for _ in cells]
         self.traces: list[Optional[dict[str, bytes]]] = [{} if options.split.keep_traces else None for _ in cells]
         self.profile_errors: list[Optional[str]] = [None] * len(cells)
@@ -143,7 +144,7 @@ class GroupMeasurement:
             self.summaries[i] = dataclasses.replace(summary, reps=pairs)  # every pair kept, flagged or not
             design = DesignRecord(self.periods, period_medians_ms(used), len(used), len(contended),
                                   median_canary_ms(pairs), shift, moved_together, median_canary_ms(pairs, gpu=True),
-                                  tuple(self.remeasured_for))
+                                  tuple(self.remeasured_for), self.warmup_rounds)
             self.verdicts[i] = self._verdict(reasons | self.annotations, used, design)
 
     def _annotate(self, canary_shift: Optional[float], trend: Optional[Sequence[RepTiming]],

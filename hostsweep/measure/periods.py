@@ -56,6 +56,7 @@ class DesignRecord:
     # why each period after the first was taken: the rules it was to cure ('ci_width',
     # 'foreign_cpu+drift'), one entry a period
     remeasured_for: tuple[str, ...] = ()
+    warmup_rounds: int = 0  # untimed rounds the group warmed up in before its first timed one
 
 
 def round_of(pair: RepTiming) -> RoundId:

@@ -111,7 +111,9 @@ def merged_design(designs: Sequence[Optional[DesignRecord]], measurement: CellMe
                         canary_ms=median_canary_ms(measurement.reps),
                         canary_shift_pct=max(shifts) if shifts else None,
                         common_shift_pct=max(together) if together else None,
-                        gpu_canary_ms=median_canary_ms(measurement.reps, gpu=True))
+                        gpu_canary_ms=median_canary_ms(measurement.reps, gpu=True),
+                        remeasured_for=tuple(w for d in known for w in d.remeasured_for),
+                        warmup_rounds=max(d.warmup_rounds for d in known))
 
 
 def merge_starts(starts: Sequence[CellResult], rules: StabilityRules, host_bound_threshold: float) -> CellResult:

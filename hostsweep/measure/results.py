@@ -259,6 +259,8 @@ def design_metrics(design: Optional[DesignRecord]) -> dict[str, float]:
         metrics["common_shift_pct"] = design.common_shift_pct
     if design.gpu_canary_ms is not None:
         metrics["gpu_canary_ms"] = design.gpu_canary_ms
+    if design.warmup_rounds:
+        metrics["warmup_rounds"] = float(design.warmup_rounds)
     return metrics
 
 

@@ -33,7 +33,7 @@ STABILITY = {"foreign_cpu_frac": "foreign_cpu_frac", "foreign_cpu_frac_max": "fo
              "replicate_step_ms": "replicate_step_ms", "periods": "periods", "period_spread_pct": "period_spread_pct",
              "clean_pairs": "clean_pairs", "contended_rounds": "contended_rounds", "canary_ms": "canary_ms",
              "canary_shift_pct": "canary_shift_pct", "common_shift_pct": "common_shift_pct",
-             "gpu_canary_ms": "gpu_canary_ms"}
+             "gpu_canary_ms": "gpu_canary_ms", "warmup_rounds": "warmup_rounds"}
 # MLflow's run tags cap at 8,000 characters and longer values are cut silently (server side):
 # the parent's description stays under that, and says where the rest is.
 NOTE_LIMIT = 7_900
@@ -85,7 +85,9 @@ def design_counts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     shifts = [float(c) for c in (_plain(r.get("canary_shift_pct")) for r in rows) if c is not None]
     why = pd.Series([w for r in rows if (text := _plain(r.get("remeasured_for")))
                      for w in str(text).split(";") if w], dtype=object)
+    warmups = [int(w) for w in (_plain(r.get("warmup_rounds")) for r in rows) if w is not None]
     return {"cells": len(periods), "remeasured": sum(p > 1 for p in periods),
+            "warmup_rounds": (min(warmups), max(warmups)) if warmups else None,
             "remeasured_for": {str(k): int(v) for k, v in why.value_counts().items()},
             "groups_annotated": annotated_groups(rows),
             "max_periods": max(periods, default=None),
@@ -140,6 +142,9 @@ def design_line(rows: list[dict[str, Any]]) -> Optional[str]:
     parts = [f"re-measured {d['remeasured']} of {d['cells']} cells ({d['max_periods']} periods"
              + (f"; a period for {why}" if why else "") + ")" if d["remeasured"]
              else f"no cell re-measured ({d['cells']} cells, one period each)"]
+    if d["warmup_rounds"] is not None:
+        low, high = d["warmup_rounds"]
+        parts.append(f"warm-up {low} round(s)" if low == high else f"warm-up {low}-{high} rounds a group")
     if d["canary_ms"] is not None:
         moved = f", moved up to {d['canary_shift_pct_max']:.0f} % within a group" \
             if d["canary_shift_pct_max"] is not None else ""

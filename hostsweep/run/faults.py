@@ -101,7 +101,8 @@ def decode_steps(cell: Cell, options: MeasureOptions) -> int:
     """Every decode step the worker runs for a cell (a generate of t tokens is t steps, plus
     one for its prefill): the timed pairs, the profiled pairs, the linearity sweep."""
     pair = 1 + cell.T + 2  # T=1 and T generates, each with its prefill
-    steps = (cell.warmups + cell.reps) * pair
+    # the group's warm-up may take up to measure.warmup_max_rounds rounds (measure/warmup.py)
+    steps = (max(cell.warmups, options.measure.warmup_max_rounds) + cell.reps) * pair
     if options.split.enabled:
         steps += options.split.reps * pair
     lin_T = options.linearity_T

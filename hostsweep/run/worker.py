@@ -28,6 +28,7 @@ from hostsweep.measure.protocol import (
 from hostsweep.measure.detectable import ci_target_for_mde
 from hostsweep.measure.group import GroupMeasurement, TimedCell
 from hostsweep.measure.results import CellResult, MeasureOptions
+from hostsweep.measure.warmup import warmed_up
 from hostsweep.run.canary import Canary
 from hostsweep.run.contention import ContentionProbe, sweep_root_pid
 from hostsweep.run.rounds import RoundJournal, round_journal
@@ -266,13 +267,16 @@ class SweepWorker(SplitProfiling):
 
         return interleaved_rounds([c.reps for c in cells], pair, cells[0].seed, stops, on_round, done, on_pair)
 
-    def _warm_up(self, cells: Sequence[Cell], generates: list) -> None:
-        """Each cell's warm-up pairs, cell by cell and before any timed pair (discarded)."""
-        for cell, timed in zip(cells, generates):
-            for k in range(cell.warmups):
-                self._phase = f"warm-up {k + 1} of {cell.warmups}: b{cell.batch} ctx{cell.ctx}"
-                timed(1)
-                timed(cell.T)
+    def _warm_up(self, cells: Sequence[Cell], generates: list, options: MeasureOptions) -> int:
+        """The group's untimed warm-up rounds before any timed pair: every cell's pair in each
+        round, at least measure.warmups rounds, then more while the engine still got faster
+        from round to round (measure/warmup.py); the rounds taken."""
+        m, steps = options.measure, []
+        minimum = max((c.warmups for c in cells), default=0)
+        while not warmed_up(steps, minimum, m.warmup_settle_pct, max(m.warmup_max_rounds, minimum)):
+            self._phase = f"warm-up round {len(steps) + 1} (at least {minimum}, at most {m.warmup_max_rounds})"
+            steps.append([time_pair(timed, cell.T, len(steps), True).step_s for cell, timed in zip(cells, generates)])
+        return len(steps)
 
     def _measure_group(self, cells: Sequence[Cell], options: MeasureOptions) -> dict[str, TimedCell]:
         """Warm-ups, then the group's timed pairs in interleaved rounds (period 0); with
@@ -282,7 +286,7 @@ class SweepWorker(SplitProfiling):
         measure.remeasure_unstable times (measure/group.py pools the periods)."""
         group = GroupMeasurement(cells, [self.prompts(cell) for cell in cells], options)
         group.generates = [self._timed_generate(p, log) for p, log in zip(group.prompts, group.spec_logs)]
-        self._warm_up(cells, group.generates)
+        group.warmup_rounds = self._warm_up(cells, group.generates, options)
         group.mark_attempt(range(len(cells)))  # the warm-ups' speculation counts are not reported
         journal = round_journal(options.rounds_dir, self.host)
         profile = self._profiling_in_rounds(group, options)
@@ -336,7 +340,7 @@ class SweepWorker(SplitProfiling):
             group.generates = [self._timed_generate(p, log, self.engines[spec])
                                for p, log in zip(group.prompts, group.spec_logs)]
             generates.update((c.key, g) for c, g in zip(group.cells, group.generates))
-            self._warm_up(group.cells, group.generates)
+            group.warmup_rounds = self._warm_up(group.cells, group.generates, options)
             group.mark_attempt(range(len(group.cells)))
         timings: dict[str, list[RepTiming]] = {c.key: [] for slot in slots for c in slot}
         where = {"round": 0}

@@ -71,7 +71,7 @@ def fake_sweep_into(uri: str, cells: int, study: str) -> list[str]:
     """Overrides of a fake-engine sweep of `cells` quick cells recording into `uri`, with a
     1-s heartbeat (the tests add their outage settings)."""
     return ["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=3", "measure.warmups=1", "ctx=[16]",
-            f"batch=[{','.join(map(str, range(1, cells + 1)))}]", "measure.bootstrap_resamples=200",
+            f"batch=[{','.join(map(str, range(1, cells + 1)))}]",
             "split.enabled=false", "ray.exclusive=false", f"tracking.uri={uri}", f"study={study}",
             "tracking.heartbeat_s=1"]
 

@@ -42,7 +42,7 @@ def cluster():
 
 
 def quick_options() -> MeasureOptions:
-    return MeasureOptions.of(compose_typed([*FAST, "split.enabled=false", "measure.bootstrap_resamples=200"]).config)
+    return MeasureOptions.of(compose_typed([*FAST, "split.enabled=false"]).config)
 
 
 def cells_for(*overrides: str):

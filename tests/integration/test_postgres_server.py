@@ -109,7 +109,7 @@ def test_the_fit_stage_reads_its_cells_back_through_the_server(pg_server, tmp_pa
                                            "host": {"s0_ms": 0.5, "s1_ms": 0.0}}))
     study = [f"tracking.uri={server.uri}", "study=pg-fit", "tp=[1,2]", "batch=[1,2]", "ctx=[16]", "+sku=cpu",
              "engine.name=fake", "ray.exclusive=false"]
-    sweep_args = [*study, "measure.T=5", "measure.reps=3", "measure.warmups=0", "measure.bootstrap_resamples=200",
+    sweep_args = [*study, "measure.T=5", "measure.reps=3", "measure.warmups=0",
                   "split.enabled=false"]
     assert sweep.run(compose_raw(sweep_args), tmp_path / "sweep", FakeBackend(tmp_path / "work")) == 0
     fit_args = [*study, "stage=fit", "fit.resamples=200", f"fit.calibration_file={calibration}", "fit.host=calibration",

@@ -41,7 +41,7 @@ def stage_all(server, tmp_path_factory) -> dict:
                                                              "measured_bandwidth_gbps": 20.0}}}))
     host = server.uri.split("://", 1)[1]
     args = ["+sku=cpu", "engine.name=fake", "stage=all", "study=pw", "tp=[1,2]", "batch=[1,2]", "ctx=[16]",
-            "measure.T=5", "measure.reps=3", "measure.warmups=0", "measure.bootstrap_resamples=200",
+            "measure.T=5", "measure.reps=3", "measure.warmups=0",
             "fit.resamples=200", f"fit.calibration_file={calibration}", "ray.exclusive=false",
             "fit.exclude_unstable=false",  # fake cells on a busy test machine: the fit runs whatever their spread
             f"tracking.uri=http://alice:{SECRET}@{host}", f"hydra.run.dir={root}/run"]

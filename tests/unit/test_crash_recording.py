@@ -33,7 +33,7 @@ from tests.fakes import FakeBackend
 REPO = Path(__file__).resolve().parents[2]
 CELLS = 6
 ARGS = ["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=3", "measure.warmups=1", "ctx=[16]",
-        f"batch=[{','.join(str(b) for b in range(1, CELLS + 1))}]", "measure.bootstrap_resamples=200",
+        f"batch=[{','.join(str(b) for b in range(1, CELLS + 1))}]",
         "split.enabled=false", "ray.exclusive=false"]
 DRIVER = textwrap.dedent("""
     import os, sys

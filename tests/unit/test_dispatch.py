@@ -14,7 +14,7 @@ from tests.conftest import compose_typed
 from tests.fakes import ENGINE_KILLED, FakeBackend
 
 FAST = ["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=3", "measure.warmups=1", "ctx=[16]",
-        "split.enabled=false", "measure.bootstrap_resamples=200"]
+        "split.enabled=false"]
 POLICY = FaultPolicy(cell_timeout_s=60.0, max_retries=1, poll_s=2.0)
 
 

@@ -22,7 +22,7 @@ from hostsweep.run.worker import SweepWorker
 from tests.conftest import compose_typed
 
 FAKE = ["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=2", "measure.warmups=0",
-        "split.enabled=false", "measure.bootstrap_resamples=200", "ctx=[16]", "batch=[1]"]
+        "split.enabled=false", "ctx=[16]", "batch=[1]"]
 
 
 def sleeper(script: str = "import time; time.sleep(60)") -> subprocess.Popen:

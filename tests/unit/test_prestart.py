@@ -9,7 +9,7 @@ from tests.conftest import compose_raw
 from tests.fakes import FakeBackend
 
 FAST = ["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=3", "measure.warmups=1", "ctx=[16]",
-        "batch=[1,2]", "measure.bootstrap_resamples=200", "split.enabled=false", "ray.exclusive=false"]
+        "batch=[1,2]", "split.enabled=false", "ray.exclusive=false"]
 
 
 class RecordingBackend(FakeBackend):

@@ -14,7 +14,7 @@ from tests.conftest import compose_typed
 from tests.fakes import FakeBackend
 
 FAST = ["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=4", "measure.warmups=1", "ctx=[16]",
-        "split.enabled=false", "measure.bootstrap_resamples=200", "batch=[1,2,3,4]"]
+        "split.enabled=false", "batch=[1,2,3,4]"]
 
 
 def test_eta_extrapolates_the_time_a_cell_took_once_its_engine_was_ready():

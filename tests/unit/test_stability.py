@@ -240,7 +240,7 @@ def test_the_probe_counts_its_own_tree_as_the_engine_and_a_stranger_as_foreign()
 # Thresholds no fake measurement breaks, whatever else the machine runs: these tests are
 # about the mechanics (the rules have their own tests above).
 FAKE = ["+sku=cpu", "engine.name=fake", "measure.reps=4", "measure.warmups=1", "measure.T=5",
-        "measure.bootstrap_resamples=200", "batch=[1,2,4]", "ctx=[16]", "measure.max_foreign_cpu_frac=1.0",
+        "batch=[1,2,4]", "ctx=[16]", "measure.max_foreign_cpu_frac=1.0",
         "measure.max_ci_pct=1000", "measure.remeasure_unstable=0"]
 
 

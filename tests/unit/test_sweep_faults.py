@@ -22,7 +22,7 @@ from tests.conftest import compose_raw, compose_typed
 from tests.fakes import FakeBackend
 
 FAST = ["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=3", "measure.warmups=1", "ctx=[16]",
-        "batch=[1,2,3,4]", "measure.bootstrap_resamples=200", "split.enabled=false", "ray.exclusive=false",
+        "batch=[1,2,3,4]", "split.enabled=false", "ray.exclusive=false",
         "tracking.heartbeat_s=0.5", "tracking.outage_s=1", "tracking.stale_after_s=5"]
 
 

@@ -25,7 +25,7 @@ from tests.conftest import compose_raw, compose_typed
 from tests.fakes import FakeBackend
 
 FAST = ["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=4", "measure.warmups=1", "ctx=[16,32]",
-        "batch=[1,2]", "measure.bootstrap_resamples=200", "ray.exclusive=false", "tracking.heartbeat_s=0.5"]
+        "batch=[1,2]", "ray.exclusive=false", "tracking.heartbeat_s=0.5"]
 
 
 def study_in(folder, name: str, new_store) -> tuple[list[str], str]:

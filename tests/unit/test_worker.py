@@ -12,8 +12,7 @@ from tests.conftest import compose_typed
 
 
 # No re-measures: what these tests count must not depend on how busy the machine is.
-FAKE = ["+sku=cpu", "engine.name=fake", "measure.reps=4", "measure.warmups=1", "measure.T=5", "measure.remeasure_unstable=0",
-        "measure.bootstrap_resamples=200"]
+FAKE = ["+sku=cpu", "engine.name=fake", "measure.reps=4", "measure.warmups=1", "measure.T=5", "measure.remeasure_unstable=0"]
 
 
 def fake_cells(*overrides: str):
@@ -323,3 +322,32 @@ def test_an_engine_without_speculation_reports_no_acceptance(tmp_path):
     cell = fake_cells("batch=[1]", "ctx=[16]")[0]
     result = SweepWorker(cell.engine, str(tmp_path)).measure(cell, options())
     assert result.spec is None and "spec_acceptance_rate" not in result.params
+
+
+def early_round_excess_pct(result) -> float:
+    """How much slower the first four timed rounds ran than the rest, in % (medians)."""
+    import numpy as np
+
+    steps = sorted(result.measurement.reps, key=lambda p: p.round)
+    early, late = [p.step_s for p in steps[:4]], [p.step_s for p in steps[4:]]
+    return (float(np.median(early)) / float(np.median(late)) - 1.0) * 100.0
+
+
+@pytest.mark.parametrize("max_rounds, warmed", [(1, False), (8, True)])
+def test_the_group_warms_up_until_its_rounds_stop_getting_faster(tmp_path, monkeypatch, max_rounds, warmed):
+    """An engine planted to start 40 % slow and warm up over its first 15 long generates (5
+    rounds of 3 cells): the group warm-up takes rounds until a round is no longer faster than
+    the one before, and the timed rounds then show no early excess; held to one warm-up
+    round, the first timed rounds carry the curve."""
+    monkeypatch.setenv("HOSTSWEEP_FAKE_WARMUP", "1.4:15")
+    first, *companions = fake_cells("batch=[1,2,4]", "ctx=[512]", "measure.reps=12", "measure.T=17",
+                                    f"measure.warmup_max_rounds={max_rounds}")
+    worker = SweepWorker(first.engine, str(tmp_path))
+    result = worker.measure(first, options("measure.reps=12", "measure.T=17", f"measure.warmup_max_rounds={max_rounds}"),
+                            companions)
+    rounds = result.stability.design.warmup_rounds
+    if warmed:
+        assert 5 <= rounds <= 8 and early_round_excess_pct(result) < 5.0
+    else:
+        assert rounds == 1 and early_round_excess_pct(result) > 10.0
+    assert cell_metrics(result)["warmup_rounds"] == rounds
