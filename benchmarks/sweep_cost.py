@@ -137,6 +137,10 @@ def report_hostsweep(started: float, wall: float, run_dir: Path, store: Path) ->
     first = sum(float(v[pairs[k].get("period", pd.Series(0, index=v.index)) == 0].sum()) for k, v in seconds.items())
     warmups = pd.to_numeric(runs["params.warmups"]).fillna(0)
     warm = float(sum(w * float(seconds[k].median()) for k, w in zip(runs["run_id"], warmups)))
+    # the group warm-up's rounds beyond the study's measure.warmups: the design's cost, not the study's
+    taken = pd.to_numeric(runs.get("metrics.warmup_rounds", warmups)).fillna(warmups)
+    extra_warm = float(sum(max(0.0, t - w) * float(seconds[k].median())
+                           for k, t, w in zip(runs["run_id"], taken, warmups)))
     profiled = runs["metrics.split_s"].fillna(0).sum()
     overhead = runs["metrics.split_overhead_s"].fillna(0)
     engines = len(list((run_dir / "workers").glob("*.log")))
@@ -149,12 +153,13 @@ def report_hostsweep(started: float, wall: float, run_dir: Path, store: Path) ->
     print(f"    start phases: {start_phases(started, run_dir)}")
     last_end = runs["end_time"].max().timestamp()
     print(f"  after the last cell    {started + wall - last_end:6.1f} s  (its MLflow run's end to the process's exit)")
-    print(f"  warm-ups               {warm:6.1f} s  (warm-up pairs at each cell's median pair)")
+    print(f"  warm-ups               {warm:6.1f} s  (measure.warmups rounds at each cell's median pair; "
+          f"{extra_warm:.1f} s more in rounds the group warm-up added: {int(taken.max())} rounds at most)")
     print(f"  timed pairs            {timed:6.1f} s  (every pair's two generates, from raw_timings.csv; "
           f"{first:.1f} s in each cell's first period)")
     print(f"  profiled pairs         {profiled:6.1f} s  (sum of split_s; split_overhead_s per cell median "
           f"{overhead.median():.2f} s, range {overhead.min():.2f}-{overhead.max():.2f})")
-    print(f"  the rest               {wall - (ready_at - started) - warm - timed - profiled:6.1f} s  "
+    print(f"  the rest               {wall - (ready_at - started) - warm - extra_warm - timed - profiled:6.1f} s  "
           "(canary and contention records, the replicate pair with measure.replicate_first, recording, dispatch, shutdown)")
     print(f"  floor                  {floor:6.1f} s  (engine start + warm-ups + timed + profiled pairs); wall / floor "
           f"{wall / floor:.2f}")

@@ -144,6 +144,13 @@ class MeasureConfig:
     # a new period of interleaved rounds, at most this many times; every period is kept and
     # pooled (measure/group.py).
     remeasure_unstable: int = 1
+    # Whether a CI wider than max_ci_pct sends the group to a new period too (when one more
+    # is forecast to bring it within). Off by default: on a cloud VM the CI's width is set by
+    # the machine's speed wandering over the period's rounds, which a second period meets
+    # again: its CIs came out no narrower (±7-11 % against ±5-11 %) at twice the pairs
+    # (benchmarks/RESULTS.md). The cell is flagged ci_width, and the log says about how many
+    # pairs would narrow it if its noise were the pairs' own.
+    remeasure_ci_width: bool = False
     # The speed canary (run/canary.py), timed beside every pair: a group whose canary moved
     # by more than this % over its rounds is annotated machine_speed (no cell's flag).
     canary: bool = True

@@ -220,7 +220,7 @@ class GroupMeasurement:
         curable = reasons & {"foreign_cpu"}
         if "drift" in reasons and i in self.drift_across_group:
             curable.add("drift")
-        if "ci_width" in reasons and self._ci_within_reach(i):
+        if "ci_width" in reasons and self.options.measure.remeasure_ci_width and self._ci_within_reach(i):
             curable.add("ci_width")
         return curable
 
@@ -233,14 +233,16 @@ class GroupMeasurement:
         return summary is not None and half_width_after(summary.ci_half_width_pct, self.periods, left) <= m.max_ci_pct
 
     def too_wide_to_cure(self) -> list[tuple[Cell, float, int]]:
-        """The cells flagged ci_width that the periods measure.remeasure_unstable still allows
-        (one, when none is left) would not bring within measure.max_ci_pct, each with its
-        half-width (%) and about how many pairs in one period would (pairs_for_half_width)."""
+        """The cells left flagged ci_width (all of them unless measure.remeasure_ci_width;
+        with it, those the periods measure.remeasure_unstable still allows, one when none is
+        left, would not bring within measure.max_ci_pct), each with its half-width (%) and
+        about how many pairs in one period would (pairs_for_half_width)."""
         target = self.options.measure.max_ci_pct
         return [(cell, summary.ci_half_width_pct, pairs_for_half_width(summary.ci_half_width_pct, len(summary.reps),
                                                                         target))
                 for i, (cell, summary, verdict) in enumerate(zip(self.cells, self.summaries, self.verdicts))
-                if summary is not None and "ci_width" in verdict.reasons and not self._ci_within_reach(i)]
+                if summary is not None and "ci_width" in verdict.reasons
+                and not (self.options.measure.remeasure_ci_width and self._ci_within_reach(i))]
 
     def mark_attempt(self, which: Sequence[int]) -> None:
         for i in which:  # the speculation counts from here on are the reported ones

@@ -114,6 +114,12 @@ def _decimals(name: str) -> Optional[int]:
     return None
 
 
+def format_ci(low: Optional[float], high: Optional[float], digits: int) -> str:
+    """'[0.46, 0.72]': every printed CI (console, table, reports) from the same rounded
+    metrics (round_metric), so one cell's interval reads the same wherever it is printed."""
+    return f"[{low:.{digits}f}, {high:.{digits}f}]" if low is not None and high is not None else ""
+
+
 def round_metric(name: str, value: float) -> float:
     """A metric rounded to what the measurement resolves, so tables read at a glance."""
     if not math.isfinite(value):

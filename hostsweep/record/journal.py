@@ -32,6 +32,7 @@ from hostsweep.measure.phases import PhaseSplit
 from hostsweep.measure.split import LinearityResult, SplitResult
 from hostsweep.measure.periods import DesignRecord
 from hostsweep.measure.stability import ContentionSummary, Stability
+from hostsweep.run.rounds import ROUNDS_FOLDER
 
 log = logging.getLogger(__name__)
 
@@ -243,5 +244,12 @@ class Journal:
         left = len(self.unlogged())
         if left == 0:
             self.pointer.unlink(missing_ok=True)
+            # the study's pending folder and its workers' round files, when nothing is left in
+            # them (rmdir refuses a folder that is not empty: a running sweep's stay)
+            for folder in (self.pointer.parent / ROUNDS_FOLDER, self.pointer.parent):
+                try:
+                    folder.rmdir()
+                except OSError:
+                    pass
         self.handle.close()
         return left

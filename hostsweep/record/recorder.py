@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
 from hostsweep.config.validation import is_server
-from hostsweep.measure.results import CellResult, cell_metrics, cell_row, split_is_possible
+from hostsweep.measure.results import CellResult, cell_metrics, cell_row, format_ci, split_is_possible
 from hostsweep.measure.phases import phase_metrics
 from hostsweep.measure.stability import Stability
 from hostsweep.record import crashpoints
@@ -73,7 +73,9 @@ def host_frac_note(result: CellResult, shown: dict[str, float]) -> str:
         if split.implausible and split.possible:
             return f"no host_frac (implausible: {', '.join(split.implausible)})"
         return f"no host_frac ({'device time < 0' if split.device_ms < 0 else 'host time < 0'})"
-    ci = f" [{split.host_frac_ci[0]:.2f}, {split.host_frac_ci[1]:.2f}]" if split.host_frac_ci else " (no CI)"
+    # from the rounded metrics the table prints (format_ci), not the raw CI: one interval, one text
+    ci = format_ci(shown.get("host_frac_ci_low"), shown.get("host_frac_ci_high"), 2)
+    ci = f" {ci}" if ci else " (no CI)"
     return f"host_frac {host_frac:.3f}{ci} {split.regime}"
 
 

@@ -233,6 +233,7 @@ def step_times(cells: pd.DataFrame) -> Figure:
             ax.set_xticks(batches, [str(b) for b in batches])
         ax.set_xlabel("batch N")
         ax.set_ylabel("ms per decode step (95% CI)")
+        ax.set_ylim(bottom=0)  # a time: from zero, so a 10 % gap looks like one
         title = f"{sku}: step time per cell"
         if lines.ngroups <= MAX_LABELS:
             ax.legend(fontsize=7)
@@ -244,6 +245,9 @@ def step_times(cells: pd.DataFrame) -> Figure:
 
 # The most legend entries or tick labels a panel names; a big grid's panel names none.
 MAX_LABELS = 16
+# The host phases drawn apart in host_phases.png, the largest first; the rest are one band.
+MAX_PHASES = 5
+PHASE_COLORS = ("#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2")
 # How the sweep's figures are written, to its run directory and to MLflow alike.
 SAVE_KWARGS = {"dpi": 110, "bbox_inches": "tight"}
 # The sweep's split, in the comparison figures' host red; device time a muted blue.
@@ -279,6 +283,10 @@ def split_composition(cells: pd.DataFrame) -> Figure:
                edgecolor="white")
         ax.errorbar(x, rows["step_ms"], yerr=_ci_yerr(rows), fmt="none", ecolor="k", capsize=3,
                     label="step, 95% CI")
+        device_err = _device_yerr(rows)
+        if device_err is not None:
+            ax.errorbar(x - 0.12, device, yerr=device_err, fmt="none", ecolor="#1b2f5c", capsize=2, lw=1,
+                        label="device, 95% CI")
         for i, frac in enumerate(rows["host_frac"].to_numpy(float) if "host_frac" in rows else np.full(len(x), np.nan)):
             if np.isfinite(frac):  # no fraction where the split was impossible (stability)
                 ax.text(i, device[i] + host[i] / 2, f"{frac:.2f}", ha="center", va="center", fontsize=7, color="white")
@@ -289,6 +297,17 @@ def split_composition(cells: pd.DataFrame) -> Figure:
     fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=3, fontsize=8)
     fig.suptitle("Decode step = device + host, per cell (bar labels: host_frac; hatched: unstable)", fontsize=11)
     return fig
+
+
+def _device_yerr(rows: pd.DataFrame) -> Optional[np.ndarray]:
+    """device_ms's CI over the profiled pairs as errorbar lengths (0 where a cell has none:
+    fewer than 3 profiled pairs), None without the columns or with no CI at all."""
+    if not {"device_ci_low_ms", "device_ci_high_ms"} <= set(rows) or rows["device_ci_low_ms"].isna().all():
+        return None
+    device = rows["device_ms"].to_numpy(float)
+    low = np.nan_to_num(device - rows["device_ci_low_ms"].to_numpy(float), nan=0.0).clip(min=0)
+    high = np.nan_to_num(rows["device_ci_high_ms"].to_numpy(float) - device, nan=0.0).clip(min=0)
+    return np.vstack([low, high])
 
 
 def host_fraction_by_batch(cells: pd.DataFrame, threshold: float = 0.5) -> Figure:
@@ -343,19 +362,24 @@ def host_phases(cells: pd.DataFrame) -> Figure:
         return empty("no host phases (split off, or hostsweep's vLLM plugin not installed)")
     groups = _engines(split)
     fig, axes = panels(len(groups), max(6.0, 0.6 * split.groupby(ENGINE_KEYS).size().max() + 2.5), 4.2, columns=2)
-    # A dozen phases need more distinct colors than PALETTE has; tab20 past its first (device-like) blues.
-    tab20 = plt.get_cmap("tab20").colors
-    palette = {column: tab20[(i + 2) % len(tab20)] for i, column in enumerate(columns)}
+    # The largest few phases by their total over the cells, each its colour; the rest as one
+    # band: fourteen colours in a legend took 40 % of the figure's width and none could be told apart.
+    totals = split[columns].clip(lower=0).sum().sort_values(ascending=False)
+    shown = [c for c in totals.index[:MAX_PHASES] if totals[c] > 0]
+    rest = [c for c in columns if c not in shown]
+    palette = {column: PHASE_COLORS[i % len(PHASE_COLORS)] for i, column in enumerate(shown)}
     for ax, (key, rows) in zip(axes, groups):
         rows = rows.sort_values(["ctx", "batch"])
         x = np.arange(len(rows))
         bottom = rows["device_ms"].to_numpy(float)
         ax.bar(x, bottom, 0.7, color=SPLIT_COLORS["device"], label="device")
         named = np.zeros(len(rows))
-        for column in columns:
-            ms = rows[column].to_numpy(float)
-            ms = np.where(np.isfinite(ms), ms, 0.0).clip(min=0)
-            ax.bar(x, ms, 0.7, bottom=bottom, color=palette[column], label=column[len("phase_"):-len("_ms")])
+        bands = [(column[len("phase_"):-len("_ms")], [column], palette[column]) for column in shown]
+        if rest:
+            bands.append((f"{len(rest)} smaller phases", rest, "#999999"))
+        for label, band, color in bands:
+            ms = np.nan_to_num(rows[band].to_numpy(float), nan=0.0).clip(min=0).sum(axis=1)
+            ax.bar(x, ms, 0.7, bottom=bottom, color=color, label=label)
             bottom, named = bottom + ms, named + ms
         other = (rows["host_ms"].to_numpy(float) - named).clip(min=0)
         ax.bar(x, other, 0.7, bottom=bottom, color="#dddddd", hatch="..", edgecolor="white", label="other (unnamed)")
@@ -364,8 +388,9 @@ def host_phases(cells: pd.DataFrame) -> Figure:
         ax.set_xticks(x, [f"b{b}\nctx{c}" for b, c in zip(rows["batch"], rows["ctx"])], fontsize=8)
         ax.set_ylabel("ms per decode step")
         ax.set_title(_engine_title(key), fontsize=10)
+        ax.set_ylim(bottom=0)
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right center", fontsize=7)
+    fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=7)
     fig.suptitle("Decode step = device + host phases (from the profiled pairs, scaled to the timed host time; "
                  "other: host_ms the phases do not name)", fontsize=10)
     return fig

@@ -83,8 +83,9 @@ def design_counts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     prefill_bound = prefill_bound_cells(rows)
     canary = [float(c) for c in (_plain(r.get("canary_ms")) for r in rows) if c is not None]
     shifts = [float(c) for c in (_plain(r.get("canary_shift_pct")) for r in rows) if c is not None]
-    why = pd.Series([w for r in rows if (text := _plain(r.get("remeasured_for")))
-                     for w in str(text).split(";") if w], dtype=object)
+    # what each group's later periods were for, a group counted once (its cells all carry it)
+    per_group = {(_group_label(r), str(text)) for r in rows if (text := _plain(r.get("remeasured_for")))}
+    why = pd.Series([w for _, text in sorted(per_group) for w in text.split(";") if w], dtype=object)
     warmups = [int(w) for w in (_plain(r.get("warmup_rounds")) for r in rows) if w is not None]
     return {"cells": len(periods), "remeasured": sum(p > 1 for p in periods),
             "warmup_rounds": (min(warmups), max(warmups)) if warmups else None,
@@ -96,6 +97,11 @@ def design_counts(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "prefill_bound": prefill_bound, "prefill_bound_T": max(prefill_bound.values(), default=None)}
 
 
+def _group_label(row: dict[str, Any]) -> str:
+    """The engine group a row's cell was timed in, as the console names it."""
+    return f"{row.get('sku')}/{row.get('model')}/{row.get('mode')}/tp{row.get('tp')}"
+
+
 def annotated_groups(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Each engine group whose cells carry a group annotation (measure/stability.ANNOTATIONS),
     keyed 'cpu/tiny-llama/eager/tp1': the annotations and the largest common and canary
@@ -105,8 +111,7 @@ def annotated_groups(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         names = [a for a in str(_plain(r.get("group_annotations")) or "").split(",") if a]
         if not names:
             continue
-        label = f"{r.get('sku')}/{r.get('model')}/{r.get('mode')}/tp{r.get('tp')}"
-        entry = groups.setdefault(label, {"annotations": [], "common_shift_pct": None, "canary_shift_pct": None})
+        entry = groups.setdefault(_group_label(r), {"annotations": [], "common_shift_pct": None, "canary_shift_pct": None})
         entry["annotations"] = sorted({*entry["annotations"], *names})
         for key in ("common_shift_pct", "canary_shift_pct"):
             value = _plain(r.get(key))

@@ -12,6 +12,7 @@ from typing import Callable, Iterable, Optional
 import pandas as pd
 
 from hostsweep.config.grid import CELL_AXES
+from hostsweep.measure.results import format_ci
 
 # Axes shown only when some cell is off their usual value (random prompts).
 VARIED_ONLY = {"workload": "random"}
@@ -49,11 +50,11 @@ def display_row(row: dict[str, object]) -> dict[str, str]:
              for k in COLUMNS}
     step, low, high = (_number(row.get(k)) for k in ("step_ms", "step_ci_low_ms", "step_ci_high_ms"))
     shown["step_ms"] = f"{step:.3f}" if step is not None else "-"
-    shown["ci_ms"] = f"[{low:.3f}, {high:.3f}]" if low is not None and high is not None else "-"
+    shown["ci_ms"] = format_ci(low, high, 3) or "-"
     device, frac = _number(row.get("device_ms")), _number(row.get("host_frac"))
     if device is not None and frac is not None:  # host_frac with its CI over the profiled pairs, when it has one
         low, high = _number(row.get("host_frac_ci_low")), _number(row.get("host_frac_ci_high"))
-        ci = f" [{low:.2f}, {high:.2f}]" if low is not None and high is not None else ""
+        ci = f" {format_ci(low, high, 2)}" if low is not None and high is not None else ""
         shown["device_ms"], shown["host_frac"] = f"{device:.3f}", f"{frac:.3f}{ci}"
     else:  # no split, or an impossible or implausible one (measure/results.split_is_possible)
         shown["device_ms"], shown["host_frac"], shown["regime"] = "-", "-", "-"

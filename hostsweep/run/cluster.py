@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -15,7 +16,7 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional
 
 import psutil
 
@@ -215,7 +216,9 @@ def _init(ray, address: str | None, confine_daemons: bool, idle_daemons: bool,  
     finally:
         os.environ.pop(reaper.MARKER_ENV, None)
         os.sched_setaffinity(0, cores)
-    mark_session(ray._private.worker._global_node.get_session_dir_path(), marker)
+    global _session_dir
+    _session_dir = ray._private.worker._global_node.get_session_dir_path()
+    mark_session(_session_dir, marker)
     if idle_daemons:
         for pid in daemons_to_idle(set(descendant_pids(os.getpid())) - before):
             idle_process(pid)
@@ -225,6 +228,9 @@ def _init(ray, address: str | None, confine_daemons: bool, idle_daemons: bool,  
 # The watchdog of the local cluster this driver started (run/reaper.py): it kills what is
 # left of the cluster when the driver dies, or once disconnect has shut it down.
 _watchdog = None
+# The Ray session folder of the local cluster this driver started: removed at a normal end,
+# so the next sweep finds nothing of this one to reclaim.
+_session_dir: Optional[str] = None
 
 
 def _stop_watchdog() -> None:
@@ -234,10 +240,11 @@ def _stop_watchdog() -> None:
 
 
 def _reclaim_leftovers() -> None:
-    """What killed sweeps left on this machine (their watchdog killed too), before ours starts."""
+    """What killed sweeps left on this machine (their watchdog killed too), before ours starts.
+    A sweep that ended normally leaves nothing (disconnect), so anything here was killed."""
     reclaimed = reaper.reclaim_leftovers()
     if any(reclaimed.values()):
-        log.info("reclaimed what killed sweeps left: %s",
+        log.info("reclaimed what killed or crashed sweeps left: %s",
                  ", ".join(f"{n} {what}" for what, n in reclaimed.items() if n))
 
 
@@ -290,11 +297,18 @@ def check_feasible(specs: Iterable[EngineSpec], nodes: list[NodeInventory]) -> N
 def disconnect(started_here: bool) -> None:
     import ray
 
+    global _session_dir
     if started_here and ray.is_initialized():
         stop_autoscaler_monitor()
         ray.shutdown()
     if started_here:
         _stop_watchdog()
+        if _session_dir is not None:  # Ray's own sockets and logs (the sweep's logs are in its run folder)
+            shutil.rmtree(_session_dir, ignore_errors=True)
+            latest = Path(_session_dir).parent / "session_latest"
+            if latest.is_symlink() and not latest.exists():
+                latest.unlink(missing_ok=True)
+            _session_dir = None
 
 
 # The script of the autoscaler monitor a local cluster runs (a child of the driver).

@@ -127,6 +127,8 @@ class SweepWorker(SplitProfiling):
         self._timed_cells: dict[str, TimedCell] = {}
         self.probe = ContentionProbe(os.getpid(), sweep_root_pid())
         self.canary = Canary()
+        # the speed canary of the round in progress (_timed_pair): (host ms, GPU ms), None until timed
+        self._round_canary: Optional[tuple[float, Optional[float]]] = None
         log.info("contention: the engine is the tree of pid %d, the sweep that of pid %d; others are foreign",
                  self.probe.engine_root, self.probe.sweep_root)
         self.host = {
@@ -226,14 +228,18 @@ class SweepWorker(SplitProfiling):
 
     def _timed_pair(self, generate: Callable[[int], float], T: int, k: int, t1_first: bool,
                     canary: bool) -> RepTiming:
-        """One timed pair with its contention record and, when asked, the speed canary timed
-        right after it (outside the record: the canary's CPU is not the pair's)."""
+        """One timed pair with its contention record and, when asked, the speed canary of its
+        round: timed right after the round's first pair (outside the record: the canary's CPU
+        is not the pair's) and carried by every pair of the round. Once a round, not once a
+        pair: a round of a few cells lasts seconds, the machine's speed moves over tens, and
+        a 64-cell group of instant cells spent most of its time in canaries."""
         mark = self.probe.mark()
         timing = time_pair(generate, T, k, t1_first)
         contention = self.probe.since(mark)
-        return dataclasses.replace(timing, contention=contention,
-                                   canary_ms=self.canary.time_ms() if canary else None,
-                                   gpu_canary_ms=self.canary.time_gpu_ms() if canary else None)
+        if canary and self._round_canary is None:
+            self._round_canary = (self.canary.time_ms(), self.canary.time_gpu_ms())
+        canary_ms, gpu_canary_ms = self._round_canary if canary else (None, None)
+        return dataclasses.replace(timing, contention=contention, canary_ms=canary_ms, gpu_canary_ms=gpu_canary_ms)
 
     def _rounds(self, cells: Sequence[Cell], generates: list, options: MeasureOptions, what: str,
                 journal: Optional[RoundJournal] = None,
@@ -257,6 +263,7 @@ class SweepWorker(SplitProfiling):
 
         def on_round(r: int, active: int) -> None:
             self._phase = f"{what}: round {r} of {max(c.reps for c in cells)}, {active} cell(s)"
+            self._round_canary = None
             self.probe.refresh()
 
         def on_pair(i: int, timing: RepTiming) -> None:
@@ -306,9 +313,11 @@ class SweepWorker(SplitProfiling):
         if too_wide := group.too_wide_to_cure():
             named = ", ".join(f"b{c.batch} ctx{c.ctx} ±{h:.1f} %, about {n} pairs a period would"
                               for c, h, n in too_wide[:4])
-            log.warning("left flagged ci_width: the periods measure.remeasure_unstable allows would not bring "
-                        "their CI within measure.max_ci_pct=%g (%s%s)", options.measure.max_ci_pct, named,
-                        ", …" if len(too_wide) > 4 else "")
+            why = ("the periods measure.remeasure_unstable allows would not bring their CI"
+                   if options.measure.remeasure_ci_width else
+                   "no period is taken for a CI (measure.remeasure_ci_width=false): their CI is not")
+            log.warning("left flagged ci_width: %s within measure.max_ci_pct=%g (%s%s)", why,
+                        options.measure.max_ci_pct, named, ", …" if len(too_wide) > 4 else "")
         if profile is not None:
             self._reprofile_together(group, options)
         if journal:
@@ -362,6 +371,7 @@ class SweepWorker(SplitProfiling):
 
         def on_round(r: int, active: int) -> None:
             where["round"] = r - 1
+            self._round_canary = None
             self._phase = f"paired rounds: round {r} of {max(c.reps for c in cells)}, {active} slot(s)"
             self.probe.refresh()
 

@@ -248,13 +248,14 @@ def test_the_derived_timeout_grows_with_the_work_of_the_cell():
     (cell,) = cells("batch=[1]")
     base = options()
     policy = FaultPolicy(timeout_base_s=600.0, timeout_per_step_s=0.25)
-    # (warmups 1 + reps 3) pairs of a T=1 and a T=5 generate, each with a prefill step
-    assert decode_steps(cell, base) == 4 * (1 + 5 + 2)
-    assert policy.timeout_for(cell, base) == pytest.approx(600.0 + 0.25 * 32)
+    # (the group warm-up's most rounds, measure.warmup_max_rounds 6, + reps 3) pairs of a T=1
+    # and a T=5 generate, each with a prefill step
+    assert decode_steps(cell, base) == 9 * (1 + 5 + 2)
+    assert policy.timeout_for(cell, base) == pytest.approx(600.0 + 0.25 * 72)
     with_split = options("split.enabled=true", "split.reps=2")
-    assert decode_steps(cell, with_split) == 6 * 8
+    assert decode_steps(cell, with_split) == 11 * 8
     lin = options("linearity.enabled=true", "linearity.T=[8,16,32]", "linearity.reps=2")
-    assert decode_steps(cell, lin) == 32 + 2 * (9 + 17 + 33)
+    assert decode_steps(cell, lin) == 72 + 2 * (9 + 17 + 33)
     assert FaultPolicy(cell_timeout_s=42.0).timeout_for(cell, lin) == 42.0
 
 

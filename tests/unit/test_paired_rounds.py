@@ -118,7 +118,10 @@ def test_a_cells_two_sides_are_timed_back_to_back_in_every_round_each_side_first
         pa, pb = results[a.key].measurement.reps, results[b.key].measurement.reps
         assert len(pa) == len(pb) == 12 and len({p.pair_round for p in pa}) == 12
         assert [p.pair_round for p in pa] == [p.pair_round for p in pb] and [p.round for p in pa] == [p.round for p in pb]
-    timed = calls[2 * 2 * 2:]  # after each cell's warm-up pair (T=1 and T) on both sides
+    # after the warm-up rounds of both sides: each round a pair (T=1 and T) of each of its 2 cells
+    side_a, side_b = sides(cells)
+    warm = sum(results[side[0].key].stability.design.warmup_rounds for side in (side_a, side_b))
+    timed = calls[2 * 2 * warm:]
     pairs = [timed[i:i + 2] for i in range(0, len(timed), 2)]
     assert all(p[0][0] == p[1][0] and p[0][1] == p[1][1] for p in pairs)  # a pair is one side's T=1 and T
     slots = [pairs[i:i + 2] for i in range(0, len(pairs), 2)]

@@ -79,7 +79,9 @@ def test_a_machine_that_moved_every_cell_is_not_a_cell_that_moved_alone():
 
 
 def group_of(*overrides: str) -> GroupMeasurement:
-    cfg = compose_typed(["+sku=cpu", "engine.name=fake", "measure.reps=12", "batch=[1,2,4]", "ctx=[16]", *overrides])
+    # the ci_width re-measure's own tests need it on; test_a_ci_is_not_chased_by_default holds the default
+    cfg = compose_typed(["+sku=cpu", "engine.name=fake", "measure.reps=12", "batch=[1,2,4]", "ctx=[16]",
+                         "measure.remeasure_ci_width=true", *overrides])
     cells = build_cells(cfg)
     return GroupMeasurement(cells, [[[1]]] * len(cells), MeasureOptions.of(cfg.config))
 
@@ -140,7 +142,8 @@ def cell_metrics_of(group: GroupMeasurement, i: int) -> dict[str, float]:
 
 
 # The worker with the fake engine: thresholds no fake measurement breaks but the one planted.
-FAKE = ["+sku=cpu", "engine.name=fake", "measure.reps=8", "measure.warmups=1", "measure.T=5",
+FAKE = ["+sku=cpu", "engine.name=fake", "measure.reps=8", "measure.warmups=1", "measure.warmup_max_rounds=1",
+        "measure.T=5", "measure.remeasure_ci_width=true",
         "batch=[1,2,4]", "ctx=[16]", "measure.max_foreign_cpu_frac=1.0", "split.enabled=false",
         "measure.replicate_first=false", "measure.max_canary_shift_pct=1000"]
 
@@ -606,3 +609,45 @@ def test_drift_sends_a_group_to_a_new_period_at_the_groups_family_wise_level():
     assert np.mean(flagged) > 0.12  # measured 21 %: six tests at 5 % each
     assert np.mean(sent) < 0.06  # measured 2 %
     assert np.mean(alone) > 0.6  # measured 75 % (flagged drift, the cell's verdict, in 98 %)
+
+
+def test_a_ci_is_not_chased_with_a_new_period_by_default():
+    """A CI just over measure.max_ci_pct, which one more period is forecast to cure: by default
+    (measure.remeasure_ci_width=false) the group is not timed again for it, the cell is
+    flagged ci_width and named among those left flagged; with it on, the group is sent."""
+    def group_with_wide_ci(*overrides: str) -> GroupMeasurement:
+        cfg = compose_typed(["+sku=cpu", "engine.name=fake", "measure.reps=12", "batch=[1,2,4]", "ctx=[16]",
+                             *overrides])
+        cells = build_cells(cfg)
+        group = GroupMeasurement(cells, [[[1]]] * len(cells), MeasureOptions.of(cfg.config))
+        rng = np.random.default_rng(1)  # cell 3's CI comes out ±11.2 %: one more period forecasts ±7.9 %
+        group.take_period([pairs_of(list(m * np.exp(rng.normal(0, s, 12)))) for m, s in
+                           ((5.0, 0.01), (6.0, 0.01), (8.0, 0.13))])
+        return group
+
+    default = group_with_wide_ci()
+    assert "ci_width" in default.verdicts[2].reasons
+    assert not default.needs_another_period()
+    assert [cell.batch for cell, _, _ in default.too_wide_to_cure()] == [4]
+    chased = group_with_wide_ci("measure.remeasure_ci_width=true")
+    assert chased.summaries[2].ci_half_width_pct == pytest.approx(11.2, abs=0.1)
+    assert chased.needs_another_period() and chased.curable_reasons() == ["ci_width"]
+    assert chased.too_wide_to_cure() == []
+
+
+def test_the_design_line_says_what_each_period_was_for_and_each_groups_note_once():
+    from hostsweep.report.summary import design_counts, design_line
+
+    def row(batch: int, model: str, annotations: str = "", why: str = "") -> dict:
+        return {"sku": "cpu", "model": model, "mode": "eager", "tp": 1, "batch": batch, "ctx": 128,
+                "periods": 2 if why else 1, "remeasured_for": why, "group_annotations": annotations,
+                "common_shift_pct": 12.4 if annotations else 1.0, "canary_shift_pct": 1.2, "warmup_rounds": 3,
+                "canary_ms": 1.7}
+
+    rows = [*(row(b, "tiny-llama", "group_trend", "ci_width") for b in (1, 2, 4)),
+            *(row(b, "small-llama", why="foreign_cpu") for b in (1, 2))]
+    line = design_line(rows)
+    assert "re-measured 5 of 5 cells (2 periods; a period for foreign_cpu, ci_width)" in line
+    assert "group note cpu/tiny-llama/eager/tp1: group_trend (cells together moved 12 %, canary 1 %)" in line
+    assert line.count("group note") == 1 and "warm-up 3 round(s)" in line
+    assert design_counts(rows)["groups_annotated"]["cpu/tiny-llama/eager/tp1"]["annotations"] == ["group_trend"]

@@ -239,7 +239,8 @@ def test_the_probe_counts_its_own_tree_as_the_engine_and_a_stranger_as_foreign()
 # The worker with the fake engine: interleaved groups, the re-measure and the split check.
 # Thresholds no fake measurement breaks, whatever else the machine runs: these tests are
 # about the mechanics (the rules have their own tests above).
-FAKE = ["+sku=cpu", "engine.name=fake", "measure.reps=4", "measure.warmups=1", "measure.T=5",
+FAKE = ["+sku=cpu", "engine.name=fake", "measure.reps=4", "measure.warmups=1", "measure.warmup_max_rounds=1",
+        "measure.T=5",
         "batch=[1,2,4]", "ctx=[16]", "measure.max_foreign_cpu_frac=1.0",
         "measure.max_ci_pct=1000", "measure.remeasure_unstable=0"]
 
@@ -304,7 +305,7 @@ def test_an_unstable_group_is_timed_again_whole_at_most_remeasure_unstable_times
     # unstable (ci_width) and the group is timed again as often as it may be.
     monkeypatch.setattr("hostsweep.measure.group.half_width_after", lambda width, periods, more=1: 0.0)
     cells, options = fake_study("split.enabled=false", "measure.replicate_first=false", "measure.max_ci_pct=1e-9",
-                                f"measure.remeasure_unstable={remeasure}")
+                                f"measure.remeasure_unstable={remeasure}", "measure.remeasure_ci_width=true")
     worker, counts = counting_worker(tmp_path, cells[0].engine)
     result = worker.measure(cells[0], options, tuple(cells[1:]))
     assert counts == {b: 1 + 4 * (1 + remeasure) for b in (1, 2, 4)}  # every cell, every period
