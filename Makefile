@@ -51,7 +51,7 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c "import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)" 2>/dev/null || { \
-	  echo "make: hostsweep needs Python 3.11 or newer; $(PYTHON) is $$($(PYTHON) --version 2>&1 || echo missing): make PYTHON=python3.11 $(MAKECMDGOALS)" >&2; exit 2; }
+	  echo "make: hostsweep needs Python 3.11 or newer; $(PYTHON) is $$($(PYTHON) --version 2>/dev/null || echo "not found"): make PYTHON=python3.11 $(MAKECMDGOALS)" >&2; exit 2; }
 	@$(PYTHON) -c "import ensurepip" 2>/dev/null || { \
 	  echo "make: $(PYTHON) cannot make a virtual environment (no ensurepip): install python3-venv (Debian/Ubuntu) or python3.11-venv" >&2; exit 2; }
 	$(PYTHON) -m venv $(VENV)

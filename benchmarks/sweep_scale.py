@@ -66,7 +66,7 @@ def command(cells: int, uri: str, run_dir: Path, study: str, extra: tuple[str, .
     batch, ctx = grid(cells)
     return [sys.executable, "-m", "hostsweep", "+sku=cpu", "engine.name=fake", f"study={study}",
             f"batch=[{','.join(map(str, batch))}]", f"ctx=[{','.join(map(str, ctx))}]",
-            "measure.T=2", "measure.reps=2", "measure.warmups=0", "measure.bootstrap_resamples=100",
+            "measure.T=2", "measure.reps=2", "measure.warmups=0",
             "split.enabled=false", "ray.exclusive=false", f"tracking.uri={uri}",
             f"output.pending_dir={run_dir.parent / 'pending'}", f"hydra.run.dir={run_dir}", *extra]
 

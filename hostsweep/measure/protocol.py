@@ -104,6 +104,17 @@ def prefill_bound_T(wall_1_ms: float, step_ms: float, T: int) -> Optional[int]:
     return int(np.ceil(wall_1_ms / step_ms / T_STEP)) * T_STEP + 1
 
 
+def side_a_first(k: int, slot: int) -> bool:
+    """In paired rounds, whether side a's pair runs first in round k of a slot. The T order
+    flips every round (interleaved_rounds: t1_first when k is even); the side order flips
+    every two rounds, offset by the slot, so within every four rounds each slot meets all
+    four (side order, T order) combinations. Flipped together, as they once were, the
+    generate that follows the other engine's was always side a's T generate and side b's
+    T=1 generate: a cost of switching engines then raised one side's step and lowered the
+    other's in every round alike, which no number of rounds averages away."""
+    return (k // 2 + slot) % 2 == 0
+
+
 def time_pair(timed_generate: TimedGenerate, T: int, rep: int, t1_first: bool) -> RepTiming:
     """One timed (T=1, T) pair, its T=1 generate first or second."""
     if t1_first:

@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any, Collection, Mapping, Optional, Sequence, Union
+from hostsweep.config.schema import ConfigError, DiffConfig
 
 import numpy as np
 import pandas as pd
@@ -114,6 +115,20 @@ class DiffOptions:
             raise ValueError(f"fail_on={self.fail_on!r} is not allowed; allowed: null, {', '.join(FAIL_ON)}")
         if self.normalize is not None and self.normalize not in NORMALIZE:
             raise ValueError(f"normalize={self.normalize!r} is not allowed; allowed: null, {', '.join(NORMALIZE)}")
+
+
+def diff_options(cfg: DiffConfig) -> DiffOptions:
+    """The diff section (config/schema.DiffConfig) as DiffOptions, checked: a bad value is a
+    one-line ConfigError naming the key. A sweep checks it before anything starts (its paired
+    diff and its gate read it), the diff stage before it reads a run."""
+    options = DiffOptions(float(cfg.threshold_pct), tuple(cfg.quantities), float(cfg.ci_level), float(cfg.alpha),
+                          None if cfg.noise_floor_pct is None else float(cfg.noise_floor_pct), cfg.fail_on,
+                          cfg.normalize)
+    try:
+        options.check()
+    except ValueError as exc:
+        raise ConfigError(f"diff.{exc}") from None
+    return options
 
 
 def starts_of(raw: Optional[RawPairs]) -> Optional[list[np.ndarray]]:

@@ -19,16 +19,21 @@ import traceback
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+import numpy as np
+
 from hostsweep.engines.base import Engine, start_engine
 from hostsweep.config.grid import Cell, EngineSpec
 from hostsweep.config.machine import hostname
 from hostsweep.measure.protocol import (
-    RepTiming, Rounds, ci_target_rule, interleaved_rounds, own_text_seeds, prompt_digest, random_prompts, time_pair,
+    RepTiming, Rounds, ci_target_rule, interleaved_rounds, own_text_seeds, prompt_digest, random_prompts,
+    side_a_first, time_pair,
 )
 from hostsweep.measure.detectable import ci_target_for_mde
 from hostsweep.measure.group import GroupMeasurement, TimedCell
 from hostsweep.measure.results import CellResult, MeasureOptions
 from hostsweep.measure.warmup import warmed_up
+
+WARMUP_CANARIES = 3  # canary timings a warm-up round (their median): ~5 ms, one pair's noise halved
 from hostsweep.run.canary import Canary
 from hostsweep.run.contention import ContentionProbe, sweep_root_pid
 from hostsweep.run.rounds import RoundJournal, round_journal
@@ -276,13 +281,16 @@ class SweepWorker(SplitProfiling):
 
     def _warm_up(self, cells: Sequence[Cell], generates: list, options: MeasureOptions) -> int:
         """The group's untimed warm-up rounds before any timed pair: every cell's pair in each
-        round, at least measure.warmups rounds, then more while the engine still got faster
-        from round to round (measure/warmup.py); the rounds taken."""
-        m, steps = options.measure, []
+        round, then (measure.canary) the canary three times, at least measure.warmups rounds,
+        then more while the engine still got faster from round to round or the canary had
+        not come down to the machine's speed (measure/warmup.py); the rounds taken."""
+        m, steps, canaries = options.measure, [], []
         minimum = max((c.warmups for c in cells), default=0)
-        while not warmed_up(steps, minimum, m.warmup_settle_pct, max(m.warmup_max_rounds, minimum)):
+        while not warmed_up(steps, minimum, m.warmup_settle_pct, max(m.warmup_max_rounds, minimum), canaries):
             self._phase = f"warm-up round {len(steps) + 1} (at least {minimum}, at most {m.warmup_max_rounds})"
             steps.append([time_pair(timed, cell.T, len(steps), True).step_s for cell, timed in zip(cells, generates)])
+            if m.canary:
+                canaries.append(float(np.median([self.canary.time_ms() for _ in range(WARMUP_CANARIES)])))
         return len(steps)
 
     def _measure_group(self, cells: Sequence[Cell], options: MeasureOptions) -> dict[str, TimedCell]:
@@ -328,8 +336,9 @@ class SweepWorker(SplitProfiling):
     def _measure_paired_group(self, cells: Sequence[Cell], options: MeasureOptions) -> dict[str, TimedCell]:
         """Paired rounds (pair.design=rounds): each cell of side a and its partner of side b
         (same batch, ctx, workload) are one slot of the group's rounds, their two pairs timed
-        back to back in it, side a first in every other round of the slot (so each side is
-        first as often), each pair with its contention record and canary. Both pairs of a
+        back to back in it, side a first in two rounds of every four, counterbalanced with the
+        T order (protocol.side_a_first: each side first as often, and after the other engine
+        in its T=1 and its T generate alike), each pair with its contention record and canary. Both pairs of a
         slot's round carry its id (RepTiming.pair_round), which the paired diff matches them
         by: drift slower than a round's two pairs lands on both sides alike. A cell whose
         partner is not in the group (its partner reported earlier, a retry) is timed in the
@@ -363,7 +372,7 @@ class SweepWorker(SplitProfiling):
         def pair(i: int, k: int, t1_first: bool) -> RepTiming:
             slot, r = slots[i], where["round"]
             round_id = f"{rounds_id}:{r}"
-            order = slot if (k + i) % 2 == 0 else slot[::-1]
+            order = slot if side_a_first(k, i) else slot[::-1]  # counterbalanced with the T order
             for cell in order:
                 timing = timed(cell, k, t1_first, round_id)
                 timings[cell.key].append(dataclasses.replace(timing, rep=k, round=r))

@@ -38,7 +38,7 @@ from hostsweep.record.read.sides import (
     Located, Side, check_store, locate, paired_halves, read_side_cells, sides_held, with_pairs,
 )
 from hostsweep.record.views import open_ui_line, runs_table_url, store_label, ui_base
-from hostsweep.report.diff import DiffOptions, DiffResult, diff
+from hostsweep.report.diff import DiffOptions, DiffResult, diff, diff_options  # noqa: F401 - diff_options: the stage's checker
 from hostsweep.report.diff_report import DiffContext, SideInfo, build, console, headline, to_json
 from hostsweep.report.document import to_html, to_markdown
 from hostsweep.stages.compare import command_line
@@ -51,18 +51,6 @@ STAGE = StageInfo(name="diff", help="two studies (or sweeps) cell by cell: ratio
 log = logging.getLogger(__name__)
 GATE_FAILED = 1  # fail_on tripped (2 is bad input, as everywhere)
 GATE_REFUSED = 2  # fail_on cannot state a false-alarm rate: the studies lack a between-start estimate
-
-
-def diff_options(cfg: DiffConfig) -> DiffOptions:
-    """The diff section as DiffOptions, checked (a bad value is a one-line ConfigError)."""
-    options = DiffOptions(float(cfg.threshold_pct), tuple(cfg.quantities), float(cfg.ci_level), float(cfg.alpha),
-                          None if cfg.noise_floor_pct is None else float(cfg.noise_floor_pct), cfg.fail_on,
-                          cfg.normalize)
-    try:
-        options.check()
-    except ValueError as exc:
-        raise ConfigError(f"diff.{exc}") from None
-    return options
 
 
 HEAD_REQUIRED = "diff.head is required unless diff.base names a paired study (measured with pair.enabled=true or +pair.against.KEY=V)"

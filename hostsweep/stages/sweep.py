@@ -47,6 +47,7 @@ from hostsweep.record.provenance import driver_tags
 from hostsweep.record.recorder import SweepRecorder, deliveries, upload_orphans
 from hostsweep.record.store import serve_artifacts_from
 from hostsweep.record.views import experiment_description, varying_axes
+from hostsweep.report.diff import diff_options
 from hostsweep.report.modes import finished_cells, mode_pairs, study_summary
 from hostsweep.report.sweep_outputs import engines_label, print_results, write_results
 from hostsweep.run import cluster, signals
@@ -173,8 +174,11 @@ def tracking_answers(uri: str) -> Iterator[None]:
 
 def resolve_sweep(raw_cfg: DictConfig) -> Study:
     """The study, or ConfigError on bad input before Ray starts; engine_args are checked
-    against the installed vLLM's EngineArgs where the driver has vLLM, else the shipped snapshot."""
-    return resolve(raw_cfg, engine_arg_fields() or ENGINE_ARG_FIELDS)
+    against the installed vLLM's EngineArgs where the driver has vLLM, else the shipped
+    snapshot; the diff section too (diff.threshold_pct=-5 once ran a whole sweep, exit 0)."""
+    study = resolve(raw_cfg, engine_arg_fields() or ENGINE_ARG_FIELDS)
+    diff_options(study.config.diff)  # the sweep's paired diff and its gate read it: checked before anything runs
+    return study
 
 
 def run(raw_cfg: DictConfig, run_dir: Path, backend: Optional[WorkerBackend] = None) -> int:

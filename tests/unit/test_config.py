@@ -179,3 +179,21 @@ def test_every_schema_key_is_in_the_shipped_config_with_its_comment():
     conf = yaml.safe_load((Path(__file__).resolve().parents[2] / "conf" / "config.yaml").read_text())
     assert schema_keys_missing_from(conf) == ["tracking.uri"]
     assert "measure.warmups" in schema_keys_missing_from({**conf, "measure": {"T": 33}})
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("diff.threshold_pct=-5", "diff.threshold_pct must be in (0, 100), got -5.0"),
+    ("diff.alpha=0.9", "diff.alpha must be in (0, 0.5], got 0.9"),
+    ("diff.fail_on=slowest", "diff.fail_on='slowest' is not allowed"),
+    ("diff.quantities=[]", "diff.quantities must name at least one metric"),
+])
+def test_a_sweep_refuses_a_bad_diff_section_before_anything_starts(override, needle):
+    """A sweep's paired diff and its gate read diff.*: a bad value there once ran a whole
+    default sweep (86 s) and exited 0."""
+    from hostsweep.config.schema import ConfigError
+    from hostsweep.stages.sweep import resolve_sweep
+    from tests.conftest import compose_raw
+
+    with pytest.raises(ConfigError) as refused:
+        resolve_sweep(compose_raw(["+sku=cpu", "engine.name=fake", override]))
+    assert needle in str(refused.value) and "\n" not in str(refused.value)

@@ -73,12 +73,14 @@ def test_two_gpu_engines_whose_memory_does_not_fit_beside_each_other_are_refused
                        "pair.design=rounds"])
 
 
-def paired_worker(tmp_path, monkeypatch, cells, planted: float, swing: float, noise: float = 0.01):
+def paired_worker(tmp_path, monkeypatch, cells, planted: float, swing: float, noise: float = 0.01,
+                  switch_s: float = 0.0):
     """A worker holding both sides' fake engines on a virtual clock. Every generate takes the
     fake engine's modelled time times the machine's speed, which swings between 1 and `swing`
     every 5 generates (a machine whose speed changes faster than an engine start), times
-    `planted` on side b, with lognormal `noise`. Returns the worker and the generate log
-    (side, batch, tokens) in call order."""
+    `planted` on side b, with lognormal `noise`; the first generate after the other side's
+    engine ran costs `switch_s` more (a cost of switching engines: caches, the other engine's
+    threads). Returns the worker and the generate log (side, batch, tokens) in call order."""
     from hostsweep.run import worker as worker_module
 
     monkeypatch.setenv("HOSTSWEEP_FAKE_TIME_SCALE", "0")
@@ -94,6 +96,7 @@ def paired_worker(tmp_path, monkeypatch, cells, planted: float, swing: float, no
             speed = swing if (len(calls) // 5) % 2 else 1.0
             modelled = engine.overhead_s + engine.cycle_seconds(len(prompts), len(prompts[0])) * tokens
             clock.now += modelled * speed * (planted if side == "b" else 1.0) * float(np.exp(rng.normal(0, noise)))
+            clock.now += switch_s if calls and calls[-1][0] != side else 0.0
             calls.append((side, len(prompts), tokens))
             return out
 
@@ -128,6 +131,39 @@ def test_a_cells_two_sides_are_timed_back_to_back_in_every_round_each_side_first
     assert all(s[0][0][1] == s[1][0][1] and {s[0][0][0], s[1][0][0]} == {"a", "b"} for s in slots)  # back to back
     first = Counter((s[0][0][1], s[0][0][0]) for s in slots)
     assert first == {(1, "a"): 6, (1, "b"): 6, (2, "a"): 6, (2, "b"): 6}
+
+
+def test_every_slot_meets_all_four_side_and_t_orders_within_four_rounds():
+    from hostsweep.measure.protocol import side_a_first
+
+    for slot in range(5):
+        for start in range(0, 16, 4):
+            combos = {(side_a_first(k, slot), k % 2 == 0) for k in range(start, start + 4)}
+            assert combos == {(True, True), (True, False), (False, True), (False, False)}
+
+
+@pytest.mark.parametrize("counterbalanced", [True, False])
+def test_a_cost_of_switching_engines_leaves_a_paired_aa_at_one_only_when_the_orders_are_counterbalanced(
+        tmp_path, monkeypatch, counterbalanced):
+    """A paired A/A whose first generate after the other engine's costs 0.1 ms more (steps of
+    about 0.6 ms, T=5): with the side order counterbalanced against the T order the rounds'
+    geometric mean ratio stays within 1.2 % of 1 (0.4 and 0.7 % here: the switch raises a
+    round's ratio as often as it lowers it); flipped together (the old order) the switch lands
+    on the same generate of each side in every round and the ratio leans 2-4 % (0.979, 1.044),
+    which more rounds do not remove."""
+    from hostsweep.run import worker as worker_module
+
+    if not counterbalanced:
+        monkeypatch.setattr(worker_module, "side_a_first", lambda k, slot: (k + slot) % 2 == 0)
+    study = compose_typed([*FAST, "pair.enabled=true", "measure.reps=16"])
+    cells = build_cells(study)
+    worker, _ = paired_worker(tmp_path, monkeypatch, cells, planted=1.0, swing=1.0, noise=0.002, switch_s=1e-4)
+    results = measured(worker, cells, MeasureOptions.of(study.config))
+    for a, b in zip(*sides(cells)):
+        pa, pb = results[a.key].measurement.reps, results[b.key].measurement.reps
+        log_ratios = np.log([q.step_s / p.step_s for p, q in zip(pa, pb)])
+        lean = abs(float(np.exp(np.mean(log_ratios))) - 1.0)
+        assert (lean < 0.012) if counterbalanced else (lean > 0.015), lean
 
 
 @pytest.mark.parametrize("planted", [1.0, 1.10])

@@ -33,3 +33,10 @@ def test_the_warm_up_ends_at_its_most_rounds_however_fast_it_still_gets():
 def test_the_speed_up_is_the_median_over_the_cells_so_one_noisy_cell_does_not_decide_it():
     assert round_speedup_pct(COLD, WARMER) == pytest.approx(100 * (12 / 11 - 1))
     assert round_speedup_pct([10, 10, 10], [10, 10, 5]) == pytest.approx(0.0)
+
+
+def test_a_canary_still_slow_keeps_the_warm_up_going_though_the_steps_have_settled():
+    steady = [WARM, WARM, WARM]
+    assert not warmed_up(steady, 2, 3.0, 6, canary_by_round=[2.8, 1.7, 2.3])  # 35 % above the fastest
+    assert warmed_up(steady, 2, 3.0, 6, canary_by_round=[2.8, 1.7, 1.8])
+    assert warmed_up(steady[:2], 2, 3.0, 6, canary_by_round=[1.7, 1.8])
