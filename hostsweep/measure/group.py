@@ -8,11 +8,12 @@ A re-measure times the whole group again, in a period of its own: a cell re-time
 would be compared with companions timed in another period, on what may be another
 machine. Every pair is kept; a cell's number is the mean of its periods' medians (each
 holds the same rounds of every cell, so each weighs the same: pooled_periods), and how far
-the periods lay apart is reported and flagged beside it (measure/periods.py). A CI too
-wide for the periods left to bring within measure.max_ci_pct is flagged, not chased: where
-the machine's speed moves by tens of percent from round to round, a second period doubled
-the group's pairs and still left its cells flagged, and the cure is more pairs in the first
-(the log line says how many).
+the periods lay apart is reported and flagged beside it (measure/periods.py). A CI wider
+than measure.max_ci_pct is flagged, not chased, unless measure.remeasure_ci_width asks for
+a period when one is forecast to cure it: where the machine's speed wanders over a period's
+rounds, a second period doubled the group's pairs and its CIs came out no narrower (the log
+line names the cells and about how many pairs would narrow them if the noise were the
+pairs' own).
 """
 from __future__ import annotations
 
@@ -185,9 +186,10 @@ class GroupMeasurement:
     def needs_another_period(self) -> bool:
         """Whether a cell broke a rule a new period of the whole group could cure: a neighbour
         (foreign_cpu), a cell moving against its companions (drift, at the group's
-        family-wise level: drift_across_group), or a CI that the periods left would bring
-        within measure.max_ci_pct (ci_width: wider than that, another period costs the
-        group's pairs again and leaves the cell flagged; too_wide_to_cure)."""
+        family-wise level: drift_across_group), or, with measure.remeasure_ci_width, a CI
+        that the periods left would bring within measure.max_ci_pct (ci_width: wider than
+        that, another period costs the group's pairs again and leaves the cell flagged;
+        too_wide_to_cure)."""
         return bool(self.curable_reasons())
 
     def curable_reasons(self) -> list[str]:
