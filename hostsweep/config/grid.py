@@ -12,7 +12,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from itertools import product
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from hostsweep.config.engine_args import (
     LEGACY_EAGER_ARGS, canonical_json, keyed_engine_args, resolved_engine_args, unsupported_reason,
@@ -204,6 +204,12 @@ def engine_spec(study: Study, sku: SkuConfig, tp: int, mode: Optional[ModeConfig
         debug_delay=f"{cfg.debug.delay_phase}:{cfg.debug.delay_ms:g}" if cfg.debug.delay_ms > 0 else "",
         phases=cfg.split.enabled and cfg.split.phases,
     )
+
+
+def engine_label(params: Mapping[str, object]) -> str:
+    """The engine a cell ran on (its ENGINE_AXES), as the console, the design line and the
+    summary name it: 'cpu/tiny-llama/eager/tp1'."""
+    return f"{params.get('sku')}/{params.get('model')}/{params.get('mode')}/tp{params.get('tp')}"
 
 
 def build_cells(study: Study) -> list[Cell]:

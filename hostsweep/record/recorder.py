@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
+from hostsweep.config.grid import engine_label
 from hostsweep.config.validation import is_server
 from hostsweep.measure.results import CellResult, cell_metrics, cell_row, format_ci, split_is_possible
 from hostsweep.measure.phases import phase_metrics
@@ -30,11 +31,6 @@ class Measured:
     result: CellResult
     run_id: Optional[str]
     tags: dict[str, str]
-
-
-def engine_label(params: dict[str, object]) -> str:
-    """The engine a cell ran on, as the console names it: 'cpu/tiny-llama/eager/tp1'."""
-    return f"{params['sku']}/{params['model']}/{params['mode']}/tp{params['tp']}"
 
 
 def progress_label(params: dict[str, object]) -> str:

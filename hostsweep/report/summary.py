@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 import pandas as pd
 
-from hostsweep.config.grid import CELL_AXES, INT_PARAMS, PROTOCOL_PARAMS
+from hostsweep.config.grid import CELL_AXES, INT_PARAMS, PROTOCOL_PARAMS, engine_label
 from hostsweep.measure.protocol import prefill_bound_T
 from hostsweep.report.tables import ci_percent, format_markdown
 
@@ -84,7 +84,7 @@ def design_counts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     canary = [float(c) for c in (_plain(r.get("canary_ms")) for r in rows) if c is not None]
     shifts = [float(c) for c in (_plain(r.get("canary_shift_pct")) for r in rows) if c is not None]
     # what each group's later periods were for, a group counted once (its cells all carry it)
-    per_group = {(_group_label(r), str(text)) for r in rows if (text := _plain(r.get("remeasured_for")))}
+    per_group = {(engine_label(r), str(text)) for r in rows if (text := _plain(r.get("remeasured_for")))}
     why = pd.Series([w for _, text in sorted(per_group) for w in text.split(";") if w], dtype=object)
     warmups = [int(w) for w in (_plain(r.get("warmup_rounds")) for r in rows) if w is not None]
     return {"cells": len(periods), "remeasured": sum(p > 1 for p in periods),
@@ -97,11 +97,6 @@ def design_counts(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "prefill_bound": prefill_bound, "prefill_bound_T": max(prefill_bound.values(), default=None)}
 
 
-def _group_label(row: dict[str, Any]) -> str:
-    """The engine group a row's cell was timed in, as the console names it."""
-    return f"{row.get('sku')}/{row.get('model')}/{row.get('mode')}/tp{row.get('tp')}"
-
-
 def annotated_groups(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Each engine group whose cells carry a group annotation (measure/stability.ANNOTATIONS),
     keyed 'cpu/tiny-llama/eager/tp1': the annotations and the largest common and canary
@@ -111,7 +106,7 @@ def annotated_groups(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         names = [a for a in str(_plain(r.get("group_annotations")) or "").split(",") if a]
         if not names:
             continue
-        entry = groups.setdefault(_group_label(r), {"annotations": [], "common_shift_pct": None, "canary_shift_pct": None})
+        entry = groups.setdefault(engine_label(r), {"annotations": [], "common_shift_pct": None, "canary_shift_pct": None})
         entry["annotations"] = sorted({*entry["annotations"], *names})
         for key in ("common_shift_pct", "canary_shift_pct"):
             value = _plain(r.get(key))
