@@ -160,7 +160,7 @@ def drift_section(seeds: int, level: float, scale: float) -> None:
                 print(f"{noise:>8} {within:5.1%} {n:>3} " + " ".join(f"{c:10.3f}" for c in cells))
 
 
-# --- the diff stage's gate (report/diff_stats.py): family-wise false alarms and power -----
+# --- the diff stage's gate (compare/stats.py): family-wise false alarms and power -----
 
 GATE_CELLS = 100  # cells a release grid judges at once
 PLANTED_CELLS = 10  # of them, regressed by the planted shift in the power runs
@@ -181,7 +181,7 @@ def gate_rates(seeds: int, noise: str, k: int, floor: Optional[float], spread: f
                threshold: float, alpha: float, n: int = 12) -> tuple[float, float, float]:
     """(family-wise false-alarm rate over the unchanged cells, power per planted cell, share of
     unchanged cells shown `same`) of the gate over `seeds` simulated studies."""
-    from hostsweep.report.diff_stats import judge_arrays
+    from hostsweep.compare.stats import judge_arrays
 
     shift = np.ones(GATE_CELLS)
     shift[:PLANTED_CELLS] = planted
@@ -236,7 +236,7 @@ def replay_resampled(seeds: int, alpha: float, threshold: float) -> None:
     """A/A and planted shifts on each real cell's own pairs: both sides drawn (12 pairs, with
     replacement) from one start's real pairs, so the noise shape is this machine's (outliers,
     bursts) and the truth is known (ratio 1, or the planted shift); one cell judged at a time."""
-    from hostsweep.report.diff_stats import judge_arrays
+    from hostsweep.compare.stats import judge_arrays
 
     print(f"\n## replayed real pairs: both sides resampled from one cell's pairs of one engine start "
           f"(12 pairs a side), {seeds} draws, one cell judged at alpha {alpha:.2f}, threshold {threshold:g} %")
@@ -283,7 +283,7 @@ def real_side(cells: dict[str, pd.DataFrame], version: str) -> tuple[pd.DataFram
 def replay_studies(level: float, threshold: float) -> None:
     """The kept studies diffed against each other as they are (nothing changed between them,
     minutes apart on the same machine): the gate's verdicts, and each cell's MDE."""
-    from hostsweep.report.diff import DiffOptions, diff
+    from hostsweep.compare import DiffOptions, diff
 
     studies = real_cells()
     print(f"\n## replayed real studies diffed as they are (A/A: nothing changed between them), "

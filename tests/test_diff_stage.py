@@ -146,10 +146,10 @@ def test_a_head_cell_that_failed_fails_the_gate_by_name(store):
 
 
 def test_a_gate_without_any_between_start_estimate_refuses_with_exit_2(store, monkeypatch, capsys):
-    from hostsweep.report import diff as diff_report
+    import hostsweep.compare.cellwise as cellwise
 
     # as sides measured with measure.replicate_first=false and one engine start would be
-    monkeypatch.setattr(diff_report, "between_component", lambda cells, options: diff_report.Between(
+    monkeypatch.setattr(cellwise, "between_component", lambda cells, options: cellwise.Between(
         float("nan"), 0.0, "none"))
     code, _, run_dir = diff_in_process(store, *DIFF[:-1], "diff.fail_on=slower")
     assert code == diff_stage.GATE_REFUSED and "measure.replicates=3" in capsys.readouterr().err

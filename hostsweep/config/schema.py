@@ -377,7 +377,7 @@ class DiffConfig:
     # widens one-start sides; null: their replicate-first re-measures (docs/diff.md)
     noise_floor_pct: Optional[float] = None
     # canary: each step ratio also shown divided by the sides' speed-canary ratio, beside the
-    # raw one, which keeps the verdicts (report/diff_canary.py); null: raw ratios only
+    # raw one, which keeps the verdicts (compare/canary.py); null: raw ratios only
     normalize: Optional[str] = None
     experiment: Optional[str] = None  # where the diff run is logged; null: the head's experiment
     ui_port: int = 5000

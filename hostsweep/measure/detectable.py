@@ -1,12 +1,13 @@
 """The minimum detectable effect of a cell (pure): the smallest slowdown a diff gate at level
 alpha calls `slower` with the stated power (80 % by default), given the noise of the cell.
 
-A diff (report/diff_stats.py) judges the log of head/base against a Student t reference:
-it calls `slower` when log(ratio) / se > q, q the one-sided quantile at alpha (alpha / cells,
-Bonferroni's worst case of Holm's first step, when the gate judges `cells` cells), and the
-ratio lies above 1 + threshold. A true slowdown e is then found with probability `power` when
+A diff (compare/stats.py) judges the log of head/base against a Student t reference:
+it calls `slower` when (log(ratio) - log(1 + threshold)) / se > q, q the one-sided quantile at
+alpha (alpha / cells, Bonferroni's worst case of Holm's first step, when the gate judges
+`cells` cells; the larger two-sided quantile of the printed CI's level when that is stricter).
+A true slowdown e is then found with probability `power` when
 
-    log(1 + e) = max(q * se, log(1 + threshold)) + z_power * se
+    log(1 + e) = log(1 + threshold) + (q + z_power) * se
 
 which is what minimum_detectable_effect_pct returns. Release owners read it to choose
 diff.threshold_pct: a threshold below a cell's MDE asks for a change the study cannot see.
@@ -21,14 +22,18 @@ from scipy import stats
 
 
 def mde_from_se(se: float, df: float = math.inf, alpha: float = 0.05, cells: int = 1, power: float = 0.8,
-                threshold_pct: float = 0.0) -> float:
+                threshold_pct: float = 0.0, ci_level: float = 0.0) -> float:
     """The MDE in % for a log-ratio with standard error se and df degrees of freedom; nan
-    when se is not a finite non-negative number."""
+    when se is not a finite non-negative number. The gate tests against the threshold (a
+    shifted null), and its verdict must also be what the printed CI at ci_level says, so the
+    log ratio must clear log(1 + threshold) by the larger of the two quantiles."""
     if not (math.isfinite(se) and se >= 0) or not 0 < alpha < 1 or not 0 < power < 1 or cells < 1:
         return math.nan
     q = stats.t.isf(alpha / cells, df)
+    if 0 < ci_level < 1:
+        q = max(q, stats.t.ppf(0.5 + ci_level / 2, df))
     z = stats.t.ppf(power, df)
-    return (math.exp(max(q * se, math.log1p(threshold_pct / 100)) + z * se) - 1) * 100
+    return (math.exp(math.log1p(threshold_pct / 100) + (q + z) * se) - 1) * 100
 
 
 def ci_target_for_mde(mde_pct: float, level: float, alpha: float = 0.05, power: float = 0.8) -> float:

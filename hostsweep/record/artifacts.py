@@ -29,7 +29,7 @@ def _timing_rows(reps: Sequence[RepTiming]) -> list[dict[str, object]]:
     worker has a CUDA device; empty otherwise), its paired round (pair.design=rounds: the
     partner cell's pair of the same round has the same id), and its contention record (empty where
     the machine could not be observed). The diff reads `replicate` back to resample engine
-    starts, then pairs within each (report/diff.py)."""
+    starts, then pairs within each (compare/cellwise.py)."""
     rows = []
     for r in reps:
         row: dict[str, object] = {"rep": r.rep, "t1_first": r.t1_first, "wall_1_ms": r.wall_1_s * 1e3,

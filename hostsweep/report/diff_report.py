@@ -11,10 +11,10 @@ from typing import Any, Iterable, Optional
 import numpy as np
 import pandas as pd
 
-from hostsweep.report import figures as F
-from hostsweep.report.diff import (
-    GATED, HOST_FIXED, MIN_ROUNDS, PAIRED, PAIRED_ROUNDS, POINT, RAW, SUMMARY, VERDICTS, DiffResult,
+from hostsweep.compare import (
+    GATED, HOST_FIXED, MIN_ROUNDS, NO_BETWEEN, PAIRED, PAIRED_ROUNDS, POINT, RAW, SUMMARY, VERDICTS, DiffResult,
 )
+from hostsweep.report import figures as F
 from hostsweep.report.document import Bullets, Document, Figure, Heading, Table, Text
 from hostsweep.report.tables import ci_percent
 
@@ -74,7 +74,8 @@ def headline(result: DiffResult) -> str:
     text = (f"{GATED} head/base geometric mean {fmt_ratio(s['geomean_ratio'], s['ci_low'], s['ci_high'])} over "
             f"{s['cells_in_geomean']} stable cells; " + ", ".join(f"{c[v]} {v}" for v in VERDICTS)
             + f" ({s['judged']} cells judged at family-wise alpha {s['alpha']:g}, Holm; median MDE "
-            f"{s['mde_pct_median']:.1f}%)")
+            f"{s['mde_pct_median']:.1f}%)"
+            + "".join(f"; {n} inconclusive for {note}" for note, n in s.get("notes", {}).items()))
     if not s["unstable"]:
         return text
     slower = s["unstable_counts"]["slower"]
@@ -97,12 +98,20 @@ def _ci_text(lows: Iterable[float], highs: Iterable[float]) -> list[str]:
     return [fmt_ratio(1, lo, hi)[len("1.000× "):] if math.isfinite(lo) else "–" for lo, hi in zip(lows, highs)]
 
 
+def verdict_text(rows: pd.DataFrame) -> pd.Series:
+    """Each row's verdict as the table prints it: with its note when one decided it
+    ('inconclusive (no between-start estimate)'), 'no CI' for a point-only row."""
+    notes = rows["note"].fillna("").astype(str) if "note" in rows else pd.Series("", index=rows.index)
+    return pd.Series([("no CI" if verdict is None or verdict != verdict else verdict) + (f" ({note})" if note else "")
+                      for verdict, note in zip(rows["verdict"], notes)], index=rows.index)
+
+
 def cell_table(result: DiffResult, quantity: str) -> pd.DataFrame:
     rows = result.cells[result.cells["quantity"] == quantity].sort_values("ratio", ascending=False)
     table = pd.DataFrame({"cell": rows["cell"] + np.where(rows["unstable"], " (unstable)", ""),
                           "base ms": rows["base"], "head ms": rows["head"], "ratio": rows["ratio"],
                           f"{ci_percent(result.options.level)} CI": _ci_text(rows["ci_low"], rows["ci_high"]),
-                          "verdict": rows["verdict"].fillna("no CI"), "p slower (Holm)": rows["p_slower_holm"],
+                          "verdict": verdict_text(rows), "p slower (Holm)": rows["p_slower_holm"],
                           "MDE %": rows["mde_pct"], "base run": rows["base_run"],
                           "head run": rows["head_run"]})
     if "ratio_canary" in rows and quantity == GATED:  # diff.normalize=canary: beside the raw ratio
@@ -173,12 +182,19 @@ def _method(result: DiffResult) -> Bullets:
         "is held fixed and only the step noise is in the CI.",
         f"{POINT}: the ratio of the logged metrics, no CI and no verdict. {SUMMARY}: each cell's logged CI read as "
         "log-normal.",
-        f"Verdicts (t = {o.threshold_pct:g}%, alpha = {o.alpha:g}): slower = one-sided p-value of head > base, "
-        "Holm-adjusted over the cells judged, ≤ alpha, and ratio above 1+t; faster the mirror; same = the "
-        "equivalence test (TOST) at ±t rejects at alpha; else inconclusive (Student t, or the sign test for "
-        "cells paired by rounds).",
-        "mde_pct: the smallest slowdown this cell's gate calls slower 80% of the time at alpha / (cells judged) "
-        "and the threshold: choose threshold_pct at or above it.",
+        f"Verdicts (t = {o.threshold_pct:g}%, alpha = {o.alpha:g}): slower = the one-sided test of "
+        "H0 ratio ≤ 1+t (the null shifted to the threshold), Holm-adjusted over the cells judged, rejects at alpha, "
+        f"and the printed {o.level:.0%} CI lies wholly above 1+t; faster the mirror below 1−t; same = the "
+        "equivalence test (TOST) at ±t rejects at alpha and the printed CI lies inside [1−t, 1+t]; else "
+        "inconclusive (Student t, or the sign test for cells paired by rounds). So slower means beyond the "
+        "threshold at the stated error rate, and no verdict contradicts its own CI.",
+        f"inconclusive ({NO_BETWEEN}): a sequential cell with a side measured in one engine start and no "
+        "diff.noise_floor_pct: its pairs' CI holds one start's noise, which the drift between studies exceeds, so "
+        "no CI is printed and no verdict given; the study's own periods and re-measures are named as a lower "
+        "bound only. A rounds cell with fewer rounds than Holm over its cells needs for slower or faster says so.",
+        "mde_pct: the smallest true slowdown this cell's gate calls slower 80% of the time (beyond the threshold, "
+        "at alpha / (cells judged); ∞ where no verdict can be reached): the changes you must catch should lie "
+        "above it.",
         f"fail_on={o.fail_on or 'null'} judges {GATED}: it fails on every cell judged slower, on unstable cells whose "
         "ratio lies beyond 1+t (split_impossible alone does not make step_ms unstable), and on base cells the head "
         "lacks or FAILED."))
@@ -192,7 +208,7 @@ def _sources(ctx: DiffContext) -> Table:
     return Table(pd.DataFrame(rows))
 
 
-def build(result: DiffResult, ctx: DiffContext, folder: Path) -> Document:
+def diff_document(result: DiffResult, ctx: DiffContext, folder: Path) -> Document:
     """The diff document; its figure is written under folder/figures."""
     figure = ratio_figure(result, folder / "figures" / "ratios.png")
     doc = Document(f"Diff {ctx.base.label} → {ctx.head.label}")

@@ -5,7 +5,7 @@ release gate: did it get slower with the new vLLM, torch, driver, SKU, mode or e
     python -m hostsweep stage=diff diff.base=<parent run id> diff.head=<parent run id> diff.fail_on=slower
 
 Both sides are named and read back from MLflow first (record/read/sides.py; an unknown study or
-run is a one-line error, exit 2), compared by report/diff.py, written under
+run is a one-line error, exit 2), compared by the compare package, written under
 <run dir>/diff/ (diff.md, diff.html, diff.json, diff.csv, figures/ratios.png) and logged as a run
 `diff-<base>-<head>` in the head's experiment. With diff.fail_on=slower the exit code is 1
 when any cell's step_ms is judged slower (Holm over the cells at diff.alpha, beyond
@@ -38,8 +38,8 @@ from hostsweep.record.read.sides import (
     Located, Side, check_store, locate, paired_halves, read_side_cells, sides_held, with_pairs,
 )
 from hostsweep.record.views import open_ui_line, runs_table_url, store_label, ui_base
-from hostsweep.report.diff import DiffOptions, DiffResult, diff, diff_options  # noqa: F401 - diff_options: the stage's checker
-from hostsweep.report.diff_report import DiffContext, SideInfo, build, console, headline, to_json
+from hostsweep.compare import DiffOptions, DiffResult, diff, diff_options  # noqa: F401 - diff_options: the stage's checker
+from hostsweep.report.diff_report import DiffContext, SideInfo, diff_document, console, headline, to_json
 from hostsweep.report.document import to_html, to_markdown
 from hostsweep.stages.compare import command_line
 from hostsweep.stages import resolve_for_reading
@@ -114,13 +114,22 @@ def _params(result: DiffResult, ctx: DiffContext) -> dict[str, object]:
     return params | {f"differs.{d.name}": d.text() for d in result.differs}
 
 
+def note_key(note: str) -> str:
+    """A cell note as an MLflow metric key: 'no between-start estimate' -> 'no_between_start_estimate'
+    (a too-few-rounds note keeps its first words)."""
+    words = "".join(c if c.isalnum() else " " for c in note.split("(")[0]).split()
+    return "_".join(words) or "noted"
+
+
 def _metrics(result: DiffResult) -> dict[str, float]:
     metrics: dict[str, float] = {}
     for quantity, s in result.summary.items():
         prefix = "" if quantity == "step_ms" else f"{quantity}."
         metrics |= {f"{prefix}geomean_ratio": s["geomean_ratio"], f"{prefix}geomean_ci_low": s["ci_low"],
                     f"{prefix}geomean_ci_high": s["ci_high"], f"{prefix}unstable": s["unstable"],
-                    **{f"{prefix}{verdict}": n for verdict, n in s["counts"].items()}}
+                    **{f"{prefix}{verdict}": n for verdict, n in s["counts"].items()},
+                    # inconclusive for a reason no data could change (NO_BETWEEN), counted apart
+                    **{f"{prefix}inconclusive_{note_key(note)}": n for note, n in s.get("notes", {}).items()}}
     s = result.summary.get("step_ms", {})
     return metrics | {"failing": float(len(result.failing())), "gate_failed": float(result.gate()[0]),
                       "unmatched": float(len(result.unmatched)), "missing": float(len(result.missing())),
@@ -131,7 +140,7 @@ def _metrics(result: DiffResult) -> dict[str, float]:
 
 
 def write(result: DiffResult, ctx: DiffContext, folder: Path) -> None:
-    doc = build(result, ctx, folder)
+    doc = diff_document(result, ctx, folder)
     (folder / "diff.md").write_text(to_markdown(doc, folder))
     (folder / "diff.html").write_text(to_html(doc))
     (folder / "diff.json").write_text(json.dumps(to_json(result, ctx), indent=1))

@@ -47,7 +47,7 @@ from hostsweep.record.provenance import driver_tags
 from hostsweep.record.recorder import SweepRecorder, deliveries, upload_orphans
 from hostsweep.record.store import serve_artifacts_from
 from hostsweep.record.views import experiment_description, varying_axes
-from hostsweep.report.diff import diff_options
+from hostsweep.compare import diff_options
 from hostsweep.report.modes import finished_cells, mode_pairs, study_summary
 from hostsweep.report.sweep_outputs import engines_label, print_results, write_results
 from hostsweep.run import cluster, signals

@@ -36,7 +36,7 @@ from hostsweep.record.read.selection import in_grid_order
 from hostsweep.report.modes import finished_cells, paired
 from hostsweep.report.summary import cell_entry
 from hostsweep.report.tables import table_columns
-from hostsweep.report.diff_match import CELL_DIMS
+from hostsweep.compare.match import CELL_DIMS
 from tests.conftest import compose_typed
 
 cell = grid.build_cells(compose_typed(["+sku=cpu", "measure.seed=7"]))[0]

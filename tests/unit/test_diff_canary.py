@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from hostsweep.report.diff_canary import machine_line, normalized_ratio, side_canary
+from hostsweep.compare.canary import machine_line, normalized_ratio, side_canary
 
 
 def side(canary_ms: float, n: int = 8, cv: float = 0.03, seed: int = 0) -> pd.DataFrame:
@@ -55,7 +55,7 @@ def test_the_normalized_ci_covers_a_planted_regression_the_machine_also_hid(seed
 def test_the_diff_says_the_heads_machine_was_slower_and_normalizes_beside_the_raw_verdicts():
     """An A/A pair whose head met a machine 30 % slower: the raw ratios say 1.3 and keep the
     verdicts; the canary columns say 1.0; the console names the machines."""
-    from hostsweep.report.diff import DiffOptions, diff
+    from hostsweep.compare import DiffOptions, diff
     from hostsweep.report.diff_report import cell_table, console
     from tests.unit.test_diff import side as diff_side
 
@@ -77,7 +77,7 @@ def test_the_diff_says_the_heads_machine_was_slower_and_normalizes_beside_the_ra
 
 
 def test_normalize_takes_only_canary():
-    from hostsweep.report.diff import DiffOptions
+    from hostsweep.compare import DiffOptions
 
     with pytest.raises(ValueError, match="normalize='speed' is not allowed; allowed: null, canary"):
         DiffOptions(normalize="speed").check()
@@ -95,7 +95,7 @@ def test_the_comparison_report_gives_each_skus_host_speed():
 
 
 def test_the_diff_table_names_the_level_its_cis_were_taken_at():
-    from hostsweep.report.diff import DiffOptions, diff
+    from hostsweep.compare import DiffOptions, diff
     from hostsweep.report.diff_report import cell_table
     from tests.unit.test_diff import side as diff_side
 

@@ -21,11 +21,11 @@ import pandas as pd
 import pytest
 
 from hostsweep.config.schema import ConfigError, DiffConfig
-from hostsweep.report import diff_stats as S
-from hostsweep.report.diff import (
+from hostsweep.compare import stats as S
+from hostsweep.compare import (
     CELL_DIMS, GATED, PAIRED, PAIRED_HOST, RAW, DiffOptions, diff, floor_text, geometric_mean,
 )
-from hostsweep.report.diff_report import DiffContext, SideInfo, build, console, to_json
+from hostsweep.report.diff_report import DiffContext, SideInfo, diff_document, console, to_json
 from hostsweep.report.document import to_markdown
 
 CELLS, K, PAIRS = 16, 3, 12  # a study: 16 cells, pair.starts=3, 12 timed pairs a start
@@ -69,8 +69,9 @@ def test_the_same_machine_measured_as_two_studies_apart_raises_false_alarms_or_s
     +15 %, which the paired design finds (next test)."""
     rng = np.random.default_rng(12)
     (base, _), (_, head) = paired_sweeps(rng, STUDIES), paired_sweeps(rng, STUDIES)  # two sweeps, apart
-    one_start = S.judge_arrays(base[:, :, :1], head[:, :, :1], 5.0, ALPHA)
+    one_start = S.judge_arrays(base[:, :, :1], head[:, :, :1], 5.0, ALPHA, between_var=0.0)  # as if no spread
     assert any_slower(one_start) > 0.9
+    assert (S.judge_arrays(base[:, :, :1], head[:, :, :1], 5.0, ALPHA) == "inconclusive").all()  # so: no verdict
     assert any_slower(S.judge_arrays(base, head, 5.0, ALPHA)) <= ALPHA + SLACK
     (base, _), (_, head) = paired_sweeps(rng, STUDIES), paired_sweeps(rng, STUDIES, PLANTED)
     assert (S.judge_arrays(base, head, 5.0, ALPHA) == "slower").mean() < 0.1
@@ -88,7 +89,7 @@ def test_a_paired_sweep_finds_a_planted_15_percent_in_every_cell_and_its_ci_cove
 
 
 # ---------------------------------------------------------------------------------------
-# The same through report/diff.py: the frames stage=diff reads back from a paired sweep.
+# The same through compare/cellwise.py: the frames stage=diff reads back from a paired sweep.
 
 def frames(base: np.ndarray, head: np.ndarray, parent: str = "p" * 32, sides: tuple[str, str] = ("a", "b"),
            device: float = 0.8) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, list[np.ndarray]]]:
@@ -184,7 +185,7 @@ def test_every_row_and_the_result_say_the_design(tmp_path: Path):
     def info(side: str) -> SideInfo:
         return SideInfo("ab", f"ab:{side}", "study", "hostsweep-ab", "1", ("p" * 32,), CELLS, 0, side)
     ctx = DiffContext(info("a"), info("b"), "sqlite:///x.db", "r" * 32, "hostsweep-ab", "now", "python -m hostsweep")
-    md = to_markdown(build(paired, ctx, tmp_path), tmp_path)
+    md = to_markdown(diff_document(paired, ctx, tmp_path), tmp_path)
     assert f"Design: {paired.design}." in md and "between-start spread on this machine" in md
     data = json.loads(json.dumps(to_json(paired, ctx)))
     assert data["design"] == paired.design and data["noise_floor_pct"] == pytest.approx(paired.noise_floor_pct)
@@ -223,7 +224,7 @@ def test_the_floor_a_paired_aa_states_keeps_a_sequential_gate_of_one_start_sides
     floor = float(np.mean(floors))
     (base, _), (_, head) = paired_sweeps(rng, STUDIES, k=1, drift=drift, start=start), \
         paired_sweeps(rng, STUDIES, k=1, drift=drift, start=start)
-    assert any_slower(S.judge_arrays(base, head, 5.0, ALPHA)) > 0.5  # no floor: false alarms
+    assert any_slower(S.judge_arrays(base, head, 5.0, ALPHA, between_var=0.0)) > ALPHA + SLACK  # no floor: alarms
     assert any_slower(S.judge_arrays(base, head, 5.0, ALPHA, math.log1p(floor / 100) ** 2)) <= ALPHA + SLACK
 
 

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from hostsweep.record.read.sides import pairs_by_start, period_spread
-from hostsweep.report import diff_stats as S
+from hostsweep.compare import stats as S
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "raw_timings"
 CELLS = sorted(DATA.glob("*.csv"))

@@ -12,8 +12,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "hostsweep"
 # The order the data flows through; a module may import only from its own package or
 # from packages before it.
-ORDER = ["config", "measure", "engines", "run", "record", "model", "calibrate", "report", "stages", "__main__"]
-PURE_PACKAGES = ("config", "measure", "model", "report")
+ORDER = ["config", "measure", "engines", "run", "record", "model", "calibrate", "compare", "report", "stages", "__main__"]
+PURE_PACKAGES = ("config", "measure", "model", "compare", "report")
 POISON = "raise ImportError('{name} must not be imported by the pure core')\n"
 
 
@@ -64,7 +64,7 @@ def test_the_model_imports_only_the_pure_core(path):
 @pytest.mark.parametrize("path", [p for p in modules() if package_of(p) in PURE_PACKAGES],
                          ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_the_pure_core_imports_only_the_pure_core(path):
-    """config, measure, model and report import none of engines, run, record or calibrate,
+    """config, measure, model, compare and report import none of engines, run, record or calibrate,
     not even their MLflow-free modules: what a report writes to MLflow goes through an object
     the stage hands it (report/sweep_outputs.RecordedSweep)."""
     assert hostsweep_imports(path) <= set(PURE_PACKAGES)
@@ -87,6 +87,31 @@ def test_the_pure_core_imports_without_ray_mlflow_vllm_or_torch(tmp_path):
     pure = pure_modules()
     assert "hostsweep.model.fit" in pure and "hostsweep.model.host_calibration" in pure
     assert "hostsweep.config.grid" in pure and "hostsweep.report.sweep_outputs" in pure
+    assert "hostsweep.compare.cellwise" in pure
     proc = subprocess.run([sys.executable, "-c", script, *pure], capture_output=True, text=True,
                           env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "compare").glob("*.py")), ids=lambda p: p.name)
+def test_the_comparison_engine_keeps_one_module_per_job_and_each_small(path):
+    """compare/ holds one module per job (matching, each design, verdicts, the gate, summaries),
+    each short enough to read whole; report/ renders what it returns and computes nothing of it."""
+    assert len(path.read_text().splitlines()) <= 450
+
+
+# Entry points every stage or CLI defines by protocol: the stage registry calls run(), the
+# console scripts main().
+PROTOCOL_NAMES = {"run", "main"}
+
+
+def test_no_two_modules_define_the_same_public_name():
+    """One name, one thing: two public functions or classes of one name in the package make a
+    reader (and an import) guess which is meant."""
+    where: dict[str, list[str]] = {}
+    for path in modules():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+                where.setdefault(node.name, []).append(str(path.relative_to(PACKAGE)))
+    twins = {name: paths for name, paths in where.items() if len(paths) > 1 and name not in PROTOCOL_NAMES}
+    assert not twins, twins

@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 from scipy import stats
@@ -111,14 +111,15 @@ def widen(var: np.ndarray, df: np.ndarray, between_var: float, between_df: float
 
 def pvalues(d: np.ndarray, se: np.ndarray, df: np.ndarray, threshold_pct: float
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(p_slower, p_faster, p_same) for log-ratios d with standard errors se and df:
-    p_slower tests H0 head <= base, p_faster H0 head >= base, p_same the equivalence test
-    (TOST) of H0 |ratio| outside [1 - t, 1 + t], the larger of its two one-sided p-values."""
+    """(p_slower, p_faster, p_same) for log-ratios d with standard errors se and df. The nulls
+    are shifted to the threshold t, so a verdict means beyond it at the stated error rate:
+    p_slower tests H0 ratio <= 1 + t, p_faster H0 ratio >= 1 - t, p_same the equivalence test
+    (TOST) of H0 ratio outside [1 - t, 1 + t], the larger of its two one-sided p-values."""
     d, se, df = (np.asarray(x, dtype=float) for x in (d, se, df))
     safe = np.where(se > 0, se, np.nan)
     up, down = math.log(1 + threshold_pct / 100), math.log(1 - threshold_pct / 100)
-    p_slower = stats.t.sf(d / safe, df)
-    p_faster = stats.t.cdf(d / safe, df)
+    p_slower = stats.t.sf((d - up) / safe, df)
+    p_faster = stats.t.cdf((d - down) / safe, df)
     p_same = np.maximum(stats.t.cdf((d - up) / safe, df), stats.t.sf((d - down) / safe, df))
     return p_slower, p_faster, p_same
 
@@ -140,16 +141,23 @@ def holm(p: np.ndarray) -> np.ndarray:
 
 
 def verdicts(d: np.ndarray, p_slower_adj: np.ndarray, p_faster_adj: np.ndarray, p_same: np.ndarray,
-             alpha: float, threshold_pct: float) -> np.ndarray:
-    """slower: Holm-significant increase and the ratio beyond 1 + t; faster the mirror;
-    same: TOST at alpha (per cell: proving every cell the same is an intersection-union
-    test, which needs no adjustment); else inconclusive."""
+             alpha: float, threshold_pct: float, ci_low: Optional[np.ndarray] = None,
+             ci_high: Optional[np.ndarray] = None) -> np.ndarray:
+    """slower: Holm-significant beyond 1 + t (the shifted null of pvalues / sign_pvalues);
+    faster the mirror; same: TOST at alpha (per cell: proving every cell the same is an
+    intersection-union test, which needs no adjustment); else inconclusive. With the printed
+    CI (ratio scale) given, a verdict must also be what that CI says: slower only when it lies
+    wholly above 1 + t, faster wholly below 1 - t, same wholly inside [1 - t, 1 + t]; so no
+    reader meets a verdict its own interval contradicts (the rates stay at or below alpha)."""
     ratio = np.exp(np.asarray(d, dtype=float))
     t = threshold_pct / 100
+    low = np.full(ratio.shape, -np.inf) if ci_low is None else np.nan_to_num(np.asarray(ci_low, float), nan=-np.inf)
+    high = np.full(ratio.shape, np.inf) if ci_high is None else np.nan_to_num(np.asarray(ci_high, float), nan=np.inf)
+    agree = ci_low is None  # no CI given: the tests alone (the simulations' vectorized replay)
     out = np.full(ratio.shape, "inconclusive", dtype=object)
-    out[np.asarray(p_same) <= alpha] = "same"
-    out[(np.asarray(p_faster_adj) <= alpha) & (ratio < 1 - t)] = "faster"
-    out[(np.asarray(p_slower_adj) <= alpha) & (ratio > 1 + t)] = "slower"
+    out[(np.asarray(p_same) <= alpha) & (agree | ((low >= 1 - t) & (high <= 1 + t)))] = "same"
+    out[(np.asarray(p_faster_adj) <= alpha) & (ratio < 1 - t) & (agree | (high < 1 - t))] = "faster"
+    out[(np.asarray(p_slower_adj) <= alpha) & (ratio > 1 + t) & (agree | (low > 1 + t))] = "slower"
     return out
 
 
@@ -235,9 +243,9 @@ def rounds_log_ratio(base: np.ndarray, head: np.ndarray, level: float
 
 def sign_pvalues(d: np.ndarray, threshold_pct: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(p_slower, p_faster, p_same) of per-round log ratios d (last axis) by exact sign tests,
-    the tests whose inversion is the order-statistic CI of their median: p_slower tests H0
-    median <= 0 (the chance of at least this many positive d_r among n, Binomial(n, 1/2)),
-    p_faster the mirror, p_same the equivalence test (TOST) of H0 median outside
+    the tests whose inversion is the order-statistic CI of their median, with the null shifted
+    to the threshold t: p_slower tests H0 median <= log(1 + t) (the chance of at least this
+    many d_r above it among n, Binomial(n, 1/2)), p_faster the mirror at log(1 - t), p_same the equivalence test (TOST) of H0 median outside
     [log(1 - t), log(1 + t)], the larger of its two one-sided p-values. A d_r exactly on a
     bound counts against rejecting: conservative with ties, exact without."""
     d = np.asarray(d, dtype=float)
@@ -247,31 +255,39 @@ def sign_pvalues(d: np.ndarray, threshold_pct: float) -> tuple[np.ndarray, np.nd
         return stats.binom.sf(count - 1, n, 0.5)
 
     up, down = math.log(1 + threshold_pct / 100), math.log(1 - threshold_pct / 100)
-    p_slower, p_faster = at_least((d > 0).sum(axis=-1)), at_least((d < 0).sum(axis=-1))
+    p_slower, p_faster = at_least((d > up).sum(axis=-1)), at_least((d < down).sum(axis=-1))
     p_same = np.maximum(at_least((d < up).sum(axis=-1)), at_least((d > down).sum(axis=-1)))
     return p_slower, p_faster, p_same
 
 
-def judge_rounds(base: np.ndarray, head: np.ndarray, threshold_pct: float, alpha: float) -> np.ndarray:
-    """The verdicts report/diff.py gives paired-rounds cells, for many simulated studies at once:
+def judge_rounds(base: np.ndarray, head: np.ndarray, threshold_pct: float, alpha: float,
+                 level: float = 0.95) -> np.ndarray:
+    """The verdicts compare/cellwise.py gives paired-rounds cells, for many simulated studies at once:
     base and head shaped (studies, cells, rounds), round r of base and of head timed back to
-    back; Holm over each study's cells."""
+    back; Holm over each study's cells; each verdict agreeing with the cell's printed CI at level."""
     d = np.log(np.asarray(head, dtype=float)) - np.log(np.asarray(base, dtype=float))
     slower, faster, same = sign_pvalues(d, threshold_pct)
-    return verdicts(np.median(d, axis=-1), holm(slower), holm(faster), same, alpha, threshold_pct)
+    median, low, high, _ = rounds_log_ratio(base, head, level)
+    return verdicts(median, holm(slower), holm(faster), same, alpha, threshold_pct, np.exp(low), np.exp(high))
 
 
 def judge_arrays(base: np.ndarray, head: np.ndarray, threshold_pct: float, alpha: float,
-                 between_var: float = math.nan, between_df: float = math.inf, paired: bool = False) -> np.ndarray:
-    """The verdicts report/diff.py gives, for many simulated studies at once: base and head
-    shaped (studies, cells, k starts, n pairs); Holm over each study's cells. paired: start i
-    of base and start i of head form a start pair (a paired sweep's cells, k >= 2)."""
+                 between_var: float = math.nan, between_df: float = math.inf, paired: bool = False,
+                 level: float = 0.95) -> np.ndarray:
+    """The verdicts compare/cellwise.py gives, for many simulated studies at once: base and head
+    shaped (studies, cells, k starts, n pairs); Holm over each study's cells; each verdict
+    agreeing with the cell's printed CI at level. paired: start i of base and start i of head
+    form a start pair (a paired sweep's cells, k >= 2). Sequential one-start sides with no
+    between-start component are inconclusive, whatever their pairs say (cellwise does the same)."""
     if paired:
         d, se, df = paired_log_ratio(np.median(base, axis=-1), np.median(head, axis=-1))
     else:
+        if min(np.shape(base)[-2], np.shape(head)[-2]) == 1 and not math.isfinite(between_var):
+            return np.full(np.shape(base)[:-2], "inconclusive", dtype=object)
         (eb, vb, fb), (eh, vh, fh) = side_arrays(base, between_var, between_df), \
             side_arrays(head, between_var, between_df)
         d, se = eh - eb, np.sqrt(vb + vh)
         df = satterthwaite([vb, vh], [fb, fh])
     slower, faster, same = pvalues(d, se, df, threshold_pct)
-    return verdicts(d, holm(slower), holm(faster), same, alpha, threshold_pct)
+    low, high = ci(d, se, df, level)
+    return verdicts(d, holm(slower), holm(faster), same, alpha, threshold_pct, low, high)

@@ -1,18 +1,18 @@
 """Which cells of two sides are compared (pure): what differs between the sides, the
 dimensions they are matched on, and each cell's label. The rules are stated in
-hostsweep/report/diff.py, which uses these."""
+hostsweep/compare/cellwise.py, which uses these."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import pandas as pd
 
 from hostsweep.config.grid import CELL_PARAMS, OPTIONAL_PARAMS
 
 # Cell params, in the order a label names them; matched on unless they are what differs
-# (replicates: engine starts, "1" when a side logged none, report/diff.py with_replicates).
+# (replicates: engine starts, "1" when a side logged none, compare/cellwise.py with_replicates).
 CELL_DIMS = (*CELL_PARAMS, *OPTIONAL_PARAMS)
 # Where a number came from: reported when it differs, never matched on.
 PROVENANCE_DIMS = ("vllm_version", "torch_version", "hostsweep_version", "ray_version", "git_sha",
@@ -99,3 +99,30 @@ def match_cells(base: pd.DataFrame, head: pd.DataFrame, on: Sequence[str]
               for side, other, rows, others in (("base", "head", bases, heads), ("head", "base", heads, bases))
               for key, row in rows.items() if key not in others]
     return pairs, pd.DataFrame(lonely, columns=["side", *on, "run_id", "reason"]), warnings
+
+
+def unmatched_label(row: Mapping[str, Any], dims: Sequence[str]) -> str:
+    return cell_label(row, [d for d in dims if d in row] or [d for d in ("batch", "ctx") if d in row])
+
+
+def with_replicates(base: pd.DataFrame, head: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Both sides with a `replicates` param (engine starts; absent means 1) when either has it,
+    so a one-start side is never matched silently against a several-start one."""
+    if "replicates" not in base and "replicates" not in head:
+        return base, head
+    fill = lambda f: f.assign(replicates=[text(v) or "1" for v in f.get("replicates", pd.Series([None] * len(f),  # noqa: E731
+                                                                                               index=f.index))])
+    return fill(base), fill(head)
+
+
+def with_failed_reasons(unmatched: pd.DataFrame, failed: Optional[pd.DataFrame], on: Sequence[str]) -> pd.DataFrame:
+    """Base cells the head lacks: say so when the head has a FAILED run of the cell."""
+    if failed is None or failed.empty or unmatched.empty:
+        return unmatched
+    on = [d for d in on if d in failed]  # the params a failed run logged (all, from a sweep)
+    runs = {tuple(text(r.get(d)) for d in on): r.get("run_id") for r in failed.to_dict("records")}
+    keys = [tuple(text(r.get(d)) for d in on) for r in unmatched.to_dict("records")]
+    reasons = [f"head run {runs[k]} FAILED" if side == "base" and k in runs else why
+               for k, side, why in zip(keys, unmatched["side"], unmatched["reason"])]
+    return unmatched.assign(reason=reasons)
+

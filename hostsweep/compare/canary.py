@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import numpy as np
 import pandas as pd
 from scipy import stats
 
-NORMALIZE = ("canary",)  # diff.normalize's values (None: raw ratios only)
+from hostsweep.compare.options import GATED, MIN_ROUNDS
+from hostsweep.compare.rounds import MatchedRounds
+from hostsweep.compare.stats import ci, paired_log_ratio, rounds_log_ratio
+
 # A side's canary needs this many cells for its spread, and so its CI, to mean anything.
 MIN_CELLS = 3
 
@@ -81,7 +84,6 @@ def paired_canary_ratio(base: list[np.ndarray], head: list[np.ndarray], level: f
     with a t-interval on k - 1 df; nan with fewer than 2 start pairs or unequal starts."""
     if len(base) != len(head) or len(base) < 2 or not all(len(g) for g in (*base, *head)):
         return math.nan, math.nan, math.nan
-    from hostsweep.report.diff_stats import ci, paired_log_ratio
 
     d, se, df = paired_log_ratio(np.array([np.median(g) for g in base]), np.array([np.median(g) for g in head]))
     if not (np.isfinite(d) and np.isfinite(se)):
@@ -95,8 +97,7 @@ def rounds_canary_ratio(base: np.ndarray, base_canary: np.ndarray, head: np.ndar
     """A cell paired by rounds, each pair's step divided by the canary timed right after it:
     d_r = log((head_r / head canary_r) / (base_r / base canary_r)) over the rounds whose pairs
     both carry a canary, exp of their median with the order-statistic CI (the raw rounds
-    statistic, diff_stats.rounds_log_ratio); nan with fewer than min_rounds such rounds."""
-    from hostsweep.report.diff_stats import rounds_log_ratio
+    statistic, stats.rounds_log_ratio); nan with fewer than min_rounds such rounds."""
 
     arrays = [np.asarray(x, dtype=float) for x in (base, base_canary, head, head_canary)]
     with np.errstate(invalid="ignore"):
@@ -122,3 +123,22 @@ def with_canary_ratios(cells: pd.DataFrame, quantity: str, level: float, base: O
     for k, name in enumerate(CANARY_COLUMNS):
         cells[name] = [v[k] for v in values]
     return cells
+
+
+def paired_canary_ratios(cells: pd.DataFrame, raw_canary: Mapping[str, list[np.ndarray]], level: float,
+                          rounds: Mapping[str, Optional[MatchedRounds]]) -> pd.DataFrame:
+    """The paired step rows' canary columns from their pairs' step / canary: start pair by start
+    pair (compare/canary.paired_canary_ratio) where both runs have them, round by round
+    (rounds_canary_ratio) for a cell judged by paired rounds."""
+    cells = cells.copy()
+    for i in cells.index[(cells["quantity"] == GATED) & (cells["design"] == "paired")]:
+        matched = rounds.get(str(cells.at[i, "base_run"]))
+        if cells.at[i, "test"] == "sign" and matched is not None:
+            cells.loc[i, list(CANARY_COLUMNS)] = rounds_canary_ratio(
+                matched.base, matched.base_canary, matched.head, matched.head_canary, level, MIN_ROUNDS)
+            continue
+        base, head = raw_canary.get(str(cells.at[i, "base_run"])), raw_canary.get(str(cells.at[i, "head_run"]))
+        if base is not None and head is not None:
+            cells.loc[i, list(CANARY_COLUMNS)] = paired_canary_ratio(base, head, level)
+    return cells
+

@@ -1,0 +1,116 @@
+"""What a diff is asked (DiffOptions, checked from the diff config section) and the words its
+rows use: verdicts, designs, sides, where a CI came from, and which flags touch a step's own
+number (pure)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import pandas as pd
+
+from hostsweep.compare.match import text
+from hostsweep.config.schema import ConfigError, DiffConfig
+from hostsweep.measure.stability import ANNOTATIONS
+
+NORMALIZE = ("canary",)  # diff.normalize's values (None: raw ratios only)
+VERDICTS = ("faster", "slower", "same", "inconclusive")
+FAIL_ON = ("slower", "inconclusive")
+GATED = "step_ms"  # the quantity fail_on judges: the one with raw pairs on both sides
+RAW, SUMMARY, HOST_FIXED, POINT = ("raw pairs", "summary CIs (approximate: no raw_timings.csv)",
+                                   "step pairs, device_ms held fixed", "point only (no raw pairs)")
+PAIRED, PAIRED_HOST = "paired engine starts", "paired engine starts, device_ms held fixed"
+PAIRED_ROUNDS, PAIRED_ROUNDS_HOST = "paired rounds", "paired rounds, device_ms held fixed"
+# A cell is judged by paired rounds from this many matched rounds: the fewest whose order
+# statistics reach a 95 % CI of the median ([min, max] of 6 covers 96.9 %), and a sign test
+# that can reject at all (p >= 1/64 below it even when every round agrees).
+MIN_ROUNDS = 6
+# A sequential cell with a one-start side and no between-start component (no noise floor, fewer
+# than 2 starts): its pairs' CI holds one engine start's noise only, which the machine's drift
+# between studies exceeds, so it is inconclusive for this, whatever its pairs say.
+NO_BETWEEN = "no between-start estimate"
+# How a row's CI and p-values were made: a Student t on d, se, df; the exact sign test and
+# order-statistic CI of a paired-rounds cell; none (point only).
+TESTS = ("t", "sign", "")
+DESIGNS = ("paired", "sequential")  # a cell's design: both sides in one sweep, starts alternated; or measured apart
+SIDES = ("a", "b")  # a paired study's sides (param `side`): a the study as given, b with pair.against
+# Reasons that do not touch the step's own number: a cell unstable only for these is judged
+# as stable on step_ms (its host_ms stays unstable).
+NOT_STEP_REASONS = frozenset({"split_impossible", "split_implausible"})
+RawPairs = Union[np.ndarray, Sequence[np.ndarray]]  # one start's pairs, or one array per start
+# A run's pairs timed in paired rounds: one row per pair, the columns of
+# record/read/sides.ROUND_COLUMNS (pair_round, step_ms, canary_ms, replicate, period, round).
+RawRounds = pd.DataFrame
+
+
+@dataclass(frozen=True)
+class DiffOptions:
+    threshold_pct: float = 5.0
+    quantities: tuple[str, ...] = ("step_ms", "device_ms", "host_ms")
+    level: float = 0.95
+    alpha: float = 0.05
+    noise_floor_pct: Optional[float] = None  # between-start spread (SD, %) for one-start sides
+    fail_on: Optional[str] = None
+    normalize: Optional[str] = None  # "canary": each step ratio also divided by the sides' canary ratio
+
+    def check(self) -> None:
+        """ValueError naming the field (the stage makes it a one-line ConfigError)."""
+        if not 0 < self.threshold_pct < 100:
+            raise ValueError(f"threshold_pct must be in (0, 100), got {self.threshold_pct}")
+        if not 0.5 <= self.level < 1:
+            raise ValueError(f"ci_level must be in [0.5, 1), got {self.level}")
+        if not 0 < self.alpha <= 0.5:
+            raise ValueError(f"alpha must be in (0, 0.5], got {self.alpha}")
+        if self.noise_floor_pct is not None and not 0 <= self.noise_floor_pct < 100:
+            raise ValueError(f"noise_floor_pct must be in [0, 100) or null, got {self.noise_floor_pct}")
+        if not self.quantities:
+            raise ValueError("quantities must name at least one metric, e.g. [step_ms]")
+        if self.fail_on is not None and self.fail_on not in FAIL_ON:
+            raise ValueError(f"fail_on={self.fail_on!r} is not allowed; allowed: null, {', '.join(FAIL_ON)}")
+        if self.normalize is not None and self.normalize not in NORMALIZE:
+            raise ValueError(f"normalize={self.normalize!r} is not allowed; allowed: null, {', '.join(NORMALIZE)}")
+
+
+def diff_options(cfg: DiffConfig) -> DiffOptions:
+    """The diff section (config/schema.DiffConfig) as DiffOptions, checked: a bad value is a
+    one-line ConfigError naming the key. A sweep checks it before anything starts (its paired
+    diff and its gate read it), the diff stage before it reads a run."""
+    options = DiffOptions(float(cfg.threshold_pct), tuple(cfg.quantities), float(cfg.ci_level), float(cfg.alpha),
+                          None if cfg.noise_floor_pct is None else float(cfg.noise_floor_pct), cfg.fail_on,
+                          cfg.normalize)
+    try:
+        options.check()
+    except ValueError as exc:
+        raise ConfigError(f"diff.{exc}") from None
+    return options
+
+def stable_flag(value: Any) -> Optional[bool]:
+    """A cell's `stable` tag, param or metric as True/False; None when the cell has none."""
+    word = text(value).strip().lower()
+    if word in ("false", "0", "no"):
+        return False
+    if word in ("true", "1", "yes"):
+        return True
+    return None
+
+
+def finite_value(row: Mapping[str, Any], name: str) -> Optional[float]:
+    try:
+        value = float(row.get(name))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def step_unstable(flags: tuple[Optional[bool], Optional[bool]], reasons: tuple[str, str]) -> bool:
+    """Whether either side is unstable for its own step: a cell flagged only split_impossible is
+    not (its step is fine; the split is what failed), nor one flagged only for what its whole
+    group met (measure/stability.ANNOTATIONS, as older runs recorded them among the reasons):
+    the fit keeps such cells, and the gate does not fail on them either."""
+    for flag, why in zip(flags, reasons):
+        named = {r.strip() for r in why.split(",") if r.strip()}
+        if flag is False and (not named or named - NOT_STEP_REASONS - set(ANNOTATIONS)):
+            return True
+    return False
+

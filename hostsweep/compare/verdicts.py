@@ -1,0 +1,76 @@
+"""Multiplicity and verdicts (pure): the p-values of every judged row, Holm over each
+quantity's cells, the verdicts, the CIs and each row's minimum detectable effect."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from hostsweep.compare import stats as S
+from hostsweep.compare.options import MIN_ROUNDS, DiffOptions
+from hostsweep.compare.rounds import rounds_se
+from hostsweep.measure.detectable import mde_from_se
+
+def rounds_for_a_verdict(cells: int, alpha: float) -> int:
+    """The fewest rounds whose sign test can call one of `cells` cells slower or faster under
+    Holm at alpha (its smallest p-value, 2^-n, times the cells at Holm's first step), and whose
+    order-statistic CI reaches the level (MIN_ROUNDS): below it no verdict but same can happen."""
+    return max(MIN_ROUNDS, math.ceil(math.log2(max(cells, 1) / alpha) - 1e-12))
+
+
+def judge_cells(cells: pd.DataFrame, options: DiffOptions) -> pd.DataFrame:
+    """p-values, Holm over each quantity's tested cells, verdicts, CIs and the MDE per row. A
+    t row (d, se, df) gets its p-values and CI from the t; a paired-rounds row (test "sign")
+    keeps the exact sign tests and order-statistic CI it came with, and joins Holm with them.
+    A verdict agrees with the CI printed (stats.verdicts). A row with a note (NO_BETWEEN) is
+    inconclusive with no CI; a rounds row with fewer rounds than any slower/faster verdict
+    needs says so in its note, and its MDE is infinite."""
+    out = cells.copy()
+    if "note" not in out:
+        out["note"] = ""
+    for column in ("p_slower", "p_faster", "p_same", "ci_low", "ci_high", "ci_coverage"):
+        if column not in out:
+            out[column] = math.nan
+    if "test" not in out:
+        out["test"] = ""
+    for column in ("p_slower_holm", "p_faster_holm", "mde_pct"):
+        out[column] = math.nan
+    out["verdict"] = None
+    for quantity in out["quantity"].unique() if len(out) else []:
+        sign = (out["quantity"] == quantity) & (out["test"] == "sign")
+        t = (out["quantity"] == quantity) & ~sign & out["se"].notna() & (out["se"] > 0)
+        mine = t | sign
+        if not mine.any():
+            continue
+        if t.any():
+            d, se, df = (out.loc[t, c].to_numpy(float) for c in ("d", "se", "df"))
+            low, high = S.ci(d, se, df, options.level)
+            out.loc[t, ["p_slower", "p_faster", "p_same", "ci_low", "ci_high"]] = \
+                np.column_stack([*S.pvalues(d, se, df, options.threshold_pct), low, high])
+        slower, faster, same = (out.loc[mine, c].to_numpy(float) for c in ("p_slower", "p_faster", "p_same"))
+        out.loc[mine, "p_slower_holm"], out.loc[mine, "p_faster_holm"] = S.holm(slower), S.holm(faster)
+        out.loc[mine, "verdict"] = S.verdicts(out.loc[mine, "d"].to_numpy(float),
+                                              out.loc[mine, "p_slower_holm"].to_numpy(float),
+                                              out.loc[mine, "p_faster_holm"].to_numpy(float), same,
+                                              options.alpha, options.threshold_pct,
+                                              out.loc[mine, "ci_low"].to_numpy(float),
+                                              out.loc[mine, "ci_high"].to_numpy(float))
+        m = int(mine.sum())
+        se = [e if kind == "t" else rounds_se(math.log(lo), math.log(hi), cov)
+              for kind, e, lo, hi, cov in zip(out.loc[mine, "test"], out.loc[mine, "se"], out.loc[mine, "ci_low"],
+                                              out.loc[mine, "ci_high"], out.loc[mine, "ci_coverage"])]
+        df = [f if kind == "t" else math.inf for kind, f in zip(out.loc[mine, "test"], out.loc[mine, "df"])]
+        out.loc[mine, "mde_pct"] = [mde_from_se(e, f, options.alpha, m, threshold_pct=options.threshold_pct,
+                                                ci_level=options.level) for e, f in zip(se, df)]
+        need = rounds_for_a_verdict(m, options.alpha)
+        short = sign & (out["rounds"] < need) if "rounds" in out else sign & False
+        if short.any():
+            out.loc[short, "mde_pct"] = math.inf
+            out.loc[short, "note"] = [f"too few rounds for slower or faster ({int(n)} of the {need} that "
+                                      f"{m} cell(s) at alpha {options.alpha:g} need)" for n in out.loc[short, "rounds"]]
+    noted = out["verdict"].isna() & out["note"].astype(str).ne("") & out["ratio"].notna()
+    out.loc[noted, "verdict"] = "inconclusive"
+    out.loc[noted, "mde_pct"] = math.inf
+    return out
+
