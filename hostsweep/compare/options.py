@@ -19,8 +19,8 @@ VERDICTS = ("faster", "slower", "same", "inconclusive")
 FAIL_ON = ("slower", "inconclusive")
 GATED = "step_ms"  # the quantity fail_on judges: the one with raw pairs on both sides
 RAW, SUMMARY, HOST_FIXED, POINT = ("raw pairs", "summary CIs (approximate: no raw_timings.csv)",
-                                   "step pairs, device_ms held fixed", "point only (no raw pairs)")
-PAIRED, PAIRED_HOST = "paired engine starts", "paired engine starts, device_ms held fixed"
+                                   "step pairs minus device_ms, its CI propagated", "point only (no raw pairs)")
+PAIRED, PAIRED_HOST = "paired engine starts", "paired engine starts minus device_ms, its CI propagated"
 PAIRED_ROUNDS, PAIRED_ROUNDS_HOST = "paired rounds", "paired rounds, device_ms held fixed"
 # A cell is judged by paired rounds from this many matched rounds: the fewest whose order
 # statistics reach a 95 % CI of the median ([min, max] of 6 covers 96.9 %), and a sign test
@@ -114,3 +114,19 @@ def step_unstable(flags: tuple[Optional[bool], Optional[bool]], reasons: tuple[s
             return True
     return False
 
+
+
+def device_error(row: Mapping[str, Any]) -> tuple[float, float]:
+    """(variance in ms^2, df) of a cell's device_ms, read back from its t-interval over the
+    split's profiled pairs (device_ci_low_ms/high_ms at the cell's ci_level, split_pairs - 1
+    df); (0, inf) when the cell logged none: then device_ms is held fixed, as it was before the
+    split had a CI."""
+    low, high = finite_value(row, "device_ci_low_ms"), finite_value(row, "device_ci_high_ms")
+    pairs = finite_value(row, "split_pairs")
+    if low is None or high is None or high <= low or pairs is None or pairs < 2:
+        return 0.0, math.inf
+    level = finite_value(row, "ci_level") or 0.95
+    from scipy import stats  # the options module stays light for the CLI's checker
+
+    se = (high - low) / (2 * float(stats.t.ppf(0.5 + level / 2, pairs - 1)))
+    return se ** 2, pairs - 1.0

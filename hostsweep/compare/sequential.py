@@ -13,7 +13,7 @@ import pandas as pd
 from hostsweep.compare import stats as S
 from hostsweep.config.grid import engine_label
 from hostsweep.compare.options import (GATED, HOST_FIXED, NO_BETWEEN, POINT, RAW, SUMMARY, DiffOptions, RawPairs,
-                                       finite_value)
+                                       device_error, finite_value)
 from hostsweep.compare.quantity import Compared
 from hostsweep.measure.detectable import se_from_ci
 
@@ -102,13 +102,18 @@ def step_side(row: Mapping[str, Any], groups: Optional[list[np.ndarray]], betwee
     return S.LogEstimate(e.est, float(var), float(df), 1, e.pairs), f"one start + {between.source}"
 
 
-def host_side(e: S.LogEstimate, device_ms: Optional[float]) -> Optional[S.LogEstimate]:
-    """host = step - device_ms (device fixed): its log and variance by the delta method."""
+def host_side(e: S.LogEstimate, device_ms: Optional[float], device_var: float = 0.0,
+              device_df: float = math.inf) -> Optional[S.LogEstimate]:
+    """host = step - device_ms: its log and variance by the delta method, the step's error and
+    device_ms's own (device_var, from the split's profiled pairs: options.device_error) added,
+    Welch–Satterthwaite df."""
     step = math.exp(e.est)
     if device_ms is None or step - device_ms <= 0:
         return None
-    factor = step / (step - device_ms)
-    return S.LogEstimate(math.log(step - device_ms), e.var * factor ** 2, e.df, e.starts, e.pairs)
+    host = step - device_ms
+    parts = [e.var * step ** 2 / host ** 2, device_var / host ** 2]
+    df = float(S.satterthwaite([np.array(v) for v in parts], [np.array(e.df), np.array(device_df)]))
+    return S.LogEstimate(math.log(host), sum(parts), df, e.starts, e.pairs)
 
 
 
@@ -127,8 +132,8 @@ def sequential_compared(quantity: str, base: Mapping[str, Any], head: Mapping[st
             (b, why_b), (h, why_h) = sides  # type: ignore[misc]
             source = RAW if both_raw else SUMMARY
             if quantity == "host_ms":
-                b, h, source = host_side(b, finite_value(base, "device_ms")), \
-                    host_side(h, finite_value(head, "device_ms")), HOST_FIXED
+                b, h, source = host_side(b, finite_value(base, "device_ms"), *device_error(base)), \
+                    host_side(h, finite_value(head, "device_ms"), *device_error(head)), HOST_FIXED
             if b is not None and h is not None:
                 d, why = h.est - b.est, f"base: {why_b}; head: {why_h}"
                 if NO_BETWEEN in why:

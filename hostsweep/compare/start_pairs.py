@@ -12,7 +12,7 @@ import pandas as pd
 
 from hostsweep.compare import stats as S
 from hostsweep.compare.options import GATED, PAIRED, PAIRED_HOST, POINT, RawPairs
-from hostsweep.compare.options import finite_value
+from hostsweep.compare.options import device_error, finite_value
 from hostsweep.compare.quantity import Compared, paired_sides
 from hostsweep.compare.sequential import starts_of
 
@@ -29,7 +29,9 @@ def paired_starts(base: Mapping[str, Any], head: Mapping[str, Any],
 def start_pairs_compared(quantity: str, base: Mapping[str, Any], head: Mapping[str, Any], groups: tuple[list[np.ndarray], ...],
             k: int) -> Compared:
     """One quantity of a paired cell: step_ms and host_ms from the start pairs' medians (host
-    with each side's device_ms held fixed), anything else point only."""
+    with each side's device_ms subtracted, its own error added once: it is one number per
+    side, the same in every start pair, so the start pairs' spread cannot hold it), anything
+    else point only."""
     if quantity in (GATED, "host_ms"):
         medians = [np.array([np.median(g) for g in side]) for side in groups]
         source = PAIRED
@@ -39,6 +41,12 @@ def start_pairs_compared(quantity: str, base: Mapping[str, Any], head: Mapping[s
             source = PAIRED_HOST
         if all(np.isfinite(m).all() and (m > 0).all() for m in medians):
             d, se, df = S.paired_log_ratio(medians[0], medians[1])
+            if quantity == "host_ms":
+                errors = [device_error(row) for row in (base, head)]
+                parts = [v / float(np.mean(m)) ** 2 for (v, _), m in zip(errors, medians)]
+                df = S.satterthwaite([np.array(se ** 2), *map(np.array, parts)],
+                                     [np.array(df), *(np.array(f) for _, f in errors)])
+                se = np.sqrt(se ** 2 + sum(parts))
             return Compared(math.exp(float(d)), source, float(d), float(se), float(df), f"paired: {k} start pairs",
                             (k, k), "paired", tuple(float(x) for x in np.log(medians[1]) - np.log(medians[0])))
     b, h = finite_value(base, quantity), finite_value(head, quantity)

@@ -74,8 +74,8 @@ def cell_mde_pct(step_ms: float, low_ms: float, high_ms: float, coverage: float,
     """A measured cell's MDE (what cells.csv and summary.json report as mde_pct), at the gate's
     default level (alpha 0.05, one cell, 80 % power, no threshold). A CI over several engine
     starts is a t-interval with one df fewer than them, and already spans what changes between
-    them. A one-start cell's CI holds within-start noise only (over several periods too: their
-    CI is the fixed-effects one, measure/group.pooled_periods); it adds the spread the study
+    them. A one-start cell's CI holds within-start noise only (over several periods, plus their
+    disagreement: measure/group.pooled_periods); it adds the spread the study
     shows of itself: the standard deviation of its period medians when it was timed in several
     periods, else what its replicate-first re-measure shows (|log(replicate / step)| / sqrt(2)),
     else nothing, and a diff widens it by the study's between-start component (docs/diff.md)."""

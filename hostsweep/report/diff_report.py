@@ -178,8 +178,10 @@ def _method(result: DiffResult) -> Bullets:
         "round cancels; an effect of one side's single engine start does not. Cells with fewer than "
         f"{MIN_ROUNDS} matched rounds are judged as above. The geometric mean over such cells: per round the "
         "mean over the cells of d_r, then the median of those with its order-statistic CI.",
-        f"{HOST_FIXED}: host_ms = step − device_ms; the split has one profiled pair per cell, so device_ms "
-        "is held fixed and only the step noise is in the CI.",
+        f"{HOST_FIXED}: host_ms = step − device_ms, by the delta method with device_ms's own error (its t-interval "
+        "over the split's profiled pairs) added to the step's; the paired designs likewise, device_ms's error "
+        "added once (one number per side); a cell paired by rounds holds device_ms fixed (the sign test has no "
+        "variance to add it to), and says so.",
         f"{POINT}: the ratio of the logged metrics, no CI and no verdict. {SUMMARY}: each cell's logged CI read as "
         "log-normal.",
         f"Verdicts (t = {o.threshold_pct:g}%, alpha = {o.alpha:g}): slower = the one-sided test of "

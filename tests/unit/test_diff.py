@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from scipy import stats
 
 from hostsweep.compare import (
     GATED, HOST_FIXED, POINT, RAW, SUMMARY, DiffOptions, dimensions, diff, match_cells, stable_flag,
@@ -289,7 +290,7 @@ def test_the_gate_states_how_many_cells_it_judged_and_at_what_level():
     assert slower.cells["mde_pct"].notna().any() and (slower.cells["mde_pct"].dropna() > 5).all()
 
 
-def test_host_ms_holds_device_fixed_device_ms_has_no_ci_and_no_verdict():
+def test_host_ms_without_a_device_ci_holds_device_fixed_and_device_ms_has_no_verdict():
     result, _, _ = run({}, PLANTED, 5)
     host = result.cells[result.cells["quantity"] == "host_ms"]
     device = result.cells[result.cells["quantity"] == "device_ms"]
@@ -337,3 +338,24 @@ def test_the_document_json_and_console_say_what_differs_first(tmp_path: Path):
     out = console(result)
     assert out.splitlines()[0] == "what differs: vllm_version: 0.31.0 → 0.32.0"
     assert "2 slower" in out and "b4-ctx128" in out
+
+
+def test_host_ms_carries_device_ms_own_error_by_the_delta_method():
+    """host = step - device: device_ms comes from a few profiled pairs with its own t-interval,
+    which the host diff's variance must hold beside the step's (a device CI of ±10 % on a
+    device-heavy cell widens the host CI several-fold)."""
+    result, base, head = run({}, {}, 5)
+    for frame in (base, head):
+        frame["device_ci_low_ms"] = frame["device_ms"].astype(float) * 0.9
+        frame["device_ci_high_ms"] = frame["device_ms"].astype(float) * 1.1
+        frame["split_pairs"] = 3.0
+    raw = {**side("0.31.0", {}, 5)[1], **side("0.32.0", {}, 5)[1]}
+    wider = diff(base, head, raw, DiffOptions(noise_floor_pct=FLOOR))
+    host = lambda r: r.cells[r.cells["quantity"] == "host_ms"].set_index("cell")  # noqa: E731
+    before, after = host(result), host(wider)
+    assert (after["se"] > before["se"]).all()
+    row, b = after.iloc[0], base.iloc[0]
+    step, device = float(b["step_ms"]), float(b["device_ms"])
+    device_se = 0.1 * device / stats.t.ppf(0.975, 2)
+    added = 2 * device_se ** 2 / (step - device) ** 2  # both sides: same device, same error
+    assert row["se"] ** 2 == pytest.approx(before.iloc[0]["se"] ** 2 + added, rel=0.05)
