@@ -53,6 +53,15 @@ class DiffOptions:
     noise_floor_pct: Optional[float] = None  # between-start spread (SD, %) for one-start sides
     fail_on: Optional[str] = None
     normalize: Optional[str] = None  # "canary": each step ratio also divided by the sides' canary ratio
+    # The SD (%) of the ratio between two engine instances of one configuration: what a paired
+    # A/A by rounds shows as its geometric mean's shift. Each side of paired rounds is one
+    # instance, shared by every round and cell, so the rounds CI cannot hold it; it is added.
+    instance_floor_pct: Optional[float] = None
+
+    @property
+    def instance_var(self) -> float:
+        """instance_floor_pct as a variance of the log ratio (0 when not given)."""
+        return math.log1p(self.instance_floor_pct / 100) ** 2 if self.instance_floor_pct else 0.0
 
     def check(self) -> None:
         """ValueError naming the field (the stage makes it a one-line ConfigError)."""
@@ -64,6 +73,8 @@ class DiffOptions:
             raise ValueError(f"alpha must be in (0, 0.5], got {self.alpha}")
         if self.noise_floor_pct is not None and not 0 <= self.noise_floor_pct < 100:
             raise ValueError(f"noise_floor_pct must be in [0, 100) or null, got {self.noise_floor_pct}")
+        if self.instance_floor_pct is not None and not 0 <= self.instance_floor_pct < 100:
+            raise ValueError(f"instance_floor_pct must be in [0, 100) or null, got {self.instance_floor_pct}")
         if not self.quantities:
             raise ValueError("quantities must name at least one metric, e.g. [step_ms]")
         if self.fail_on is not None and self.fail_on not in FAIL_ON:
@@ -78,7 +89,7 @@ def diff_options(cfg: DiffConfig) -> DiffOptions:
     diff and its gate read it), the diff stage before it reads a run."""
     options = DiffOptions(float(cfg.threshold_pct), tuple(cfg.quantities), float(cfg.ci_level), float(cfg.alpha),
                           None if cfg.noise_floor_pct is None else float(cfg.noise_floor_pct), cfg.fail_on,
-                          cfg.normalize)
+                          cfg.normalize, None if cfg.instance_floor_pct is None else float(cfg.instance_floor_pct))
     try:
         options.check()
     except ValueError as exc:

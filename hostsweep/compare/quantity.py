@@ -38,9 +38,11 @@ class Compared:
     @property
     def test(self) -> str:
         """How the verdict is made (TESTS)."""
-        if self.rounds:
+        if self.note:
+            return ""
+        if self.rounds and not math.isfinite(self.se):
             return "sign"
-        return "t" if not self.note and math.isfinite(self.se) and self.se > 0 else ""
+        return "t" if math.isfinite(self.se) and self.se > 0 else ""
 
 
 def paired_sides(base: Mapping[str, Any], head: Mapping[str, Any]) -> bool:

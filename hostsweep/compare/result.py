@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
 import pandas as pd
 
 from hostsweep.compare.match import Difference, unmatched_label
@@ -39,6 +40,24 @@ class DiffResult:
         return (f"between-start spread on this machine: {x} % (SD, {int(self.noise_floor_df)} df): a sequential diff "
                 f"of two studies measured apart can pass diff.noise_floor_pct={x} (a lower bound: studies measured "
                 "further apart drift more)")
+
+    def instance_line(self) -> Optional[str]:
+        """What a paired A/A by rounds says of the engine-instance effect, or None: each side ran
+        on one instance, so its geometric mean (before any instance floor) is one draw of the
+        ratio between two instances of one configuration; the SD over repeated A/As is what
+        diff.instance_floor_pct takes."""
+        rows = self._gated()
+        if self.against or rows.empty or not (rows["rounds"] > 0).all() or \
+                {d.name for d in self.differs} - {"side"}:
+            return None
+        logs = np.log(rows["ratio"].to_numpy(float))
+        logs = logs[np.isfinite(logs)]
+        if not logs.size:
+            return None
+        shift = math.expm1(float(np.mean(logs))) * 100
+        return (f"instance effect this paired A/A shows: {shift:+.1f} % (the geometric mean of its cells, one "
+                "instance a side): one draw of what two engine instances differ by; the SD over repeated A/As is "
+                "what diff.instance_floor_pct takes")
 
     def _gated(self) -> pd.DataFrame:
         return self.cells[self.cells["quantity"] == GATED] if len(self.cells) else self.cells

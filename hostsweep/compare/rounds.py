@@ -92,12 +92,33 @@ def rounds_compared(quantity: str, base: Mapping[str, Any], head: Mapping[str, A
             source = PAIRED_ROUNDS_HOST
         if all(np.isfinite(s).all() and (s > 0).all() for s in sides):
             median, log_ci, coverage, p, d = rounds_statistic(*sides, options.level, options.threshold_pct)
+            d_rounds = tuple(zip(rounds.keys, (float(x) for x in d)))
+            if options.instance_var > 0:
+                # one instance a side, shared by every round: its variance added to each half of
+                # the rounds' CI in quadrature (exact when it is 0), and judged by the normal
+                # whose CI that is, so the verdict and the printed CI agree
+                log_ci = widened(median, log_ci, options.instance_var, options.level)
+                se = (log_ci[1] - log_ci[0]) / (2 * float(stats.norm.ppf(0.5 + options.level / 2)))
+                return Compared(math.exp(median), source, median, se, math.inf,
+                                f"paired: {rounds.n} rounds{left_out} + instance floor "
+                                f"diff.instance_floor_pct={options.instance_floor_pct:g}", (starts, starts), "paired",
+                                log_ci=log_ci, coverage=options.level, rounds=rounds.n, d_rounds=d_rounds,
+                                between_var=options.instance_var)
             return Compared(math.exp(median), source, median, between=f"paired: {rounds.n} rounds{left_out}",
                             starts=(starts, starts), design="paired", log_ci=log_ci, coverage=coverage, p=p,
-                            rounds=rounds.n, d_rounds=tuple(zip(rounds.keys, (float(x) for x in d))))
+                            rounds=rounds.n, d_rounds=d_rounds)
     b, h = finite_value(base, quantity), finite_value(head, quantity)
     return Compared(h / b if b is not None and h is not None and b > 0 and h > 0 else math.nan, POINT,
                     design="paired", between=f"paired: {rounds.n} rounds{left_out}", starts=(starts, starts))
+
+
+def widened(centre: float, log_ci: tuple[float, float], variance: float, level: float) -> tuple[float, float]:
+    """A CI (log scale) around centre with a normal component of `variance` added to each of its
+    halves in quadrature: the order-statistic CI's shape kept, the shared effect made room for."""
+    z = float(stats.norm.ppf(0.5 + level / 2))
+    extra = z * z * variance
+    return (centre - math.sqrt((centre - log_ci[0]) ** 2 + extra),
+            centre + math.sqrt((log_ci[1] - centre) ** 2 + extra))
 
 
 def rounds_se(low: float, high: float, coverage: float) -> float:
@@ -118,8 +139,9 @@ def rounds_geometric_mean(rows: pd.DataFrame, level: float) -> Optional[tuple[fl
     with its order-statistic CI: (ratio, low, high, the CI's exact coverage). Only rounds every
     cell has count, so each per-round mean is over the same cells (a cell that stopped early
     would change what a round averages). None unless every row is paired by rounds with its
-    shared rounds recorded and at least MIN_ROUNDS of them common to all."""
-    if rows.empty or not (rows["test"] == "sign").all():
+    shared rounds recorded and at least MIN_ROUNDS of them common to all. Rows widened by an
+    instance floor (test "t", between_var > 0) count too: the caller widens the mean once."""
+    if rows.empty or not (rows["rounds"] > 0).all() or not rows["test"].isin(("sign", "t")).all():
         return None
     per_cell: list[dict[str, float]] = []
     for text_ in rows["d_rounds"]:

@@ -10,7 +10,7 @@ import pandas as pd
 
 from hostsweep.compare import stats as S
 from hostsweep.compare.options import GATED, NO_BETWEEN, POINT, VERDICTS, DiffOptions
-from hostsweep.compare.rounds import rounds_geometric_mean
+from hostsweep.compare.rounds import rounds_geometric_mean, widened
 from hostsweep.compare.start_pairs import paired_geometric_mean
 
 def _counts_text(values: Sequence[int]) -> str:
@@ -92,6 +92,16 @@ def geometric_mean(d: np.ndarray, se: np.ndarray, df: np.ndarray, level: float,
     return point, float(low), float(high)
 
 
+def widened_by_instances(mean: tuple[float, float, float, float], options: DiffOptions
+                         ) -> tuple[float, float, float, float]:
+    """A rounds geometric mean (ratio, low, high, coverage) with the instance floor added once
+    (rounds.widened): every cell of a side ran on that side's one instance, so averaging over
+    cells leaves the instance effect whole."""
+    ratio, low, high, _ = mean
+    log_low, log_high = widened(math.log(ratio), (math.log(low), math.log(high)), options.instance_var, options.level)
+    return ratio, math.exp(log_low), math.exp(log_high), options.level
+
+
 def summarize_quantities(rows: pd.DataFrame, options: DiffOptions) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for quantity in options.quantities:
@@ -101,6 +111,8 @@ def summarize_quantities(rows: pd.DataFrame, options: DiffOptions) -> dict[str, 
         stable = mine[~mine["unstable"]]
         tested = stable[stable["verdict"].notna()]
         by_rounds = rounds_geometric_mean(tested, options.level)
+        if by_rounds and options.instance_var > 0:
+            by_rounds = widened_by_instances(by_rounds, options)
         gm, low, high = by_rounds[:3] if by_rounds else paired_geometric_mean(tested, options.level) or \
             geometric_mean(*(tested[c].to_numpy(float) for c in ("d", "se", "df")), options.level,
                            tested["between_var"].to_numpy(float) if "between_var" in tested else None)

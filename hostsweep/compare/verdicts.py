@@ -46,6 +46,10 @@ def judge_cells(cells: pd.DataFrame, options: DiffOptions) -> pd.DataFrame:
         if t.any():
             d, se, df = (out.loc[t, c].to_numpy(float) for c in ("d", "se", "df"))
             low, high = S.ci(d, se, df, options.level)
+            # a CI the row came with (a rounds CI widened by the instance floor) is the one printed
+            carried = out.loc[t, "ci_low"].notna().to_numpy() & out.loc[t, "ci_high"].notna().to_numpy()
+            low = np.where(carried, out.loc[t, "ci_low"].to_numpy(float), low)
+            high = np.where(carried, out.loc[t, "ci_high"].to_numpy(float), high)
             out.loc[t, ["p_slower", "p_faster", "p_same", "ci_low", "ci_high"]] = \
                 np.column_stack([*S.pvalues(d, se, df, options.threshold_pct), low, high])
         slower, faster, same = (out.loc[mine, c].to_numpy(float) for c in ("p_slower", "p_faster", "p_same"))

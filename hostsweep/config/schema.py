@@ -376,6 +376,9 @@ class DiffConfig:
     # The step's spread (SD, %) between engine starts on this machine, from an A/A diff:
     # widens one-start sides; null: their replicate-first re-measures (docs/diff.md)
     noise_floor_pct: Optional[float] = None
+    # The ratio's SD (%) between two engine instances of one configuration, from repeated
+    # paired A/As by rounds: widens paired-rounds CIs, whose sides are one instance each
+    instance_floor_pct: Optional[float] = None
     # canary: each step ratio also shown divided by the sides' speed-canary ratio, beside the
     # raw one, which keeps the verdicts (compare/canary.py); null: raw ratios only
     normalize: Optional[str] = None

@@ -223,6 +223,8 @@ def diff_document(result: DiffResult, ctx: DiffContext, folder: Path) -> Documen
             Table(counts_table(result)))
     if result.noise_floor_line():
         doc.add(Text(f"The {result.noise_floor_line()}."))
+    if result.instance_line():
+        doc.add(Text(f"The {result.instance_line()}."))
     if result.machine:
         doc.add(Text(f"Machines: {result.machine}. The verdicts are on the raw ratios; "
                      + ("`ratio_canary` divides each by the canary ratio (docs/diff.md)."
@@ -271,6 +273,7 @@ def to_json(result: DiffResult, ctx: DiffContext) -> dict[str, Any]:
         "between": result.between, "machine": result.machine, "canary_ms": result.canary_ms,
         "design": result.design, "noise_floor_pct": _clean(result.noise_floor_pct),
         "noise_floor_df": _clean(result.noise_floor_df),
+        "instance_line": result.instance_line(),
         "cells": [{k: _clean(v) for k, v in row.items()} for row in result.cells.to_dict("records")],
         "unmatched": [{k: _clean(v) for k, v in row.items()} for row in result.unmatched.to_dict("records")],
         "warnings": result.warnings,
@@ -289,6 +292,7 @@ def console(result: DiffResult) -> str:
         lines.append(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     lines.append(headline(result))
     lines += [result.noise_floor_line()] if result.noise_floor_line() else []
+    lines += [result.instance_line()] if result.instance_line() else []
     lines += [f"machines: {result.machine}"] if result.machine else []
     lines += [f"unmatched: {len(result.unmatched)} cell(s) ({(result.unmatched['side'] == 'base').sum()} base only, "
               f"{(result.unmatched['side'] == 'head').sum()} head only)"] if len(result.unmatched) else []

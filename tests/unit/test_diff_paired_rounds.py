@@ -422,3 +422,43 @@ def test_stage_diff_of_a_paired_rounds_sweep_reads_pair_round_and_judges_by_roun
     assert {c["ci_source"] for c in steps} == {PAIRED_ROUNDS} and {c["verdict"] for c in steps} == {"slower"}
     assert data["noise_floor_pct"] is None and "design: paired: 20 rounds" in out.getvalue()
     assert all(c["ratio_canary"] == pytest.approx(c["ratio"]) for c in steps)  # a steady canary changes nothing
+
+
+def instance_aa(rng: np.random.Generator, cells: int, rounds: int, sd: float) -> tuple:
+    """One paired A/A by rounds whose side b ran on another engine instance: every cell of side
+    b shifted by one N(0, sd) draw on log scale, shared by all its rounds and cells."""
+    base, head = rounds_study(rng, 1, cells, rounds, 1.0)
+    return base[0], head[0] * math.exp(rng.normal(0, sd))
+
+
+def test_an_instance_floor_keeps_paired_aas_covering_one_across_instances():
+    """200 paired A/As, each a new pair of instances 2.5 % apart (SD): the rounds CIs alone
+    cover 1.00 for too few cells, and the family's geometric mean misses 1.00 far beyond 5 %;
+    with diff.instance_floor_pct=2.5 both cover it at least 95 % of the time, and every such
+    A/A stays free of slower and faster."""
+    rng = np.random.default_rng(61)
+    bare, floored, bare_mean, floored_mean, verdicts = [], [], [], [], []
+    for _ in range(200):
+        b, h, raw, by_round, _ = round_frames(*instance_aa(rng, 4, 40, 0.025))
+        for options, cells, means in ((DiffOptions(), bare, bare_mean),
+                                      (DiffOptions(instance_floor_pct=2.5), floored, floored_mean)):
+            result = diff(b, h, raw, options, raw_rounds=by_round)
+            rows = steps_of(result)
+            cells.extend((rows["ci_low"] <= 1.0) & (1.0 <= rows["ci_high"]))
+            s = result.summary[GATED]
+            means.append(s["ci_low"] <= 1.0 <= s["ci_high"])
+            if options.instance_floor_pct:
+                verdicts.extend(rows["verdict"])
+                assert "instance floor diff.instance_floor_pct=2.5" in rows["between"].iloc[0]
+    assert np.mean(floored) >= 0.95 and np.mean(floored_mean) >= 0.95, (np.mean(floored), np.mean(floored_mean))
+    assert np.mean(bare_mean) < 0.85 and np.mean(bare) < np.mean(floored)
+    assert not {"slower", "faster"} & set(verdicts)
+
+
+def test_a_paired_aa_by_rounds_states_the_instance_effect_it_saw():
+    b, h, raw, by_round, _ = round_frames(*instance_aa(np.random.default_rng(62), 4, 24, 0.0))
+    b, h = (f.assign(pair_against="") for f in (b, h))  # an A/A: side b overrides nothing
+    result = diff(b, h, raw, DiffOptions(), raw_rounds=by_round)
+    line = result.instance_line()
+    assert line is not None and line.startswith("instance effect this paired A/A shows: ")
+    assert "diff.instance_floor_pct" in line
