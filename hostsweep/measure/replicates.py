@@ -21,7 +21,7 @@ from hostsweep.measure.intervals import between_starts_ci, few_starts_warning
 from hostsweep.measure.periods import DesignRecord, median_canary_ms
 from hostsweep.measure.protocol import CellMeasurement, summarize
 from hostsweep.measure.results import CellResult
-from hostsweep.measure.split import SplitResult
+from hostsweep.measure.split import SplitResult, pooled_allreduce
 from hostsweep.measure.split_stats import TimedStep, split_stats
 from hostsweep.measure.stability import REASONS, StabilityRules, Stability, contention_summary
 
@@ -76,7 +76,8 @@ def merged_split(starts: Sequence[CellResult], measurement: CellMeasurement, hos
     return dataclasses.replace(chosen, device_ms=s.device_ms, host_ms=s.host_ms, host_frac=s.host_frac,
                                profiled_step_ms=s.profiled_step_ms, profiler_overhead=s.profiler_overhead,
                                regime=s.regime, device_ci=s.device_ci, host_ci=s.host_ci, host_frac_ci=s.host_frac_ci,
-                               profiled_step_ci=s.profiled_step_ci, pairs=sum(sp.pairs for sp in splits))
+                               profiled_step_ci=s.profiled_step_ci, pairs=sum(sp.pairs for sp in splits),
+                               **pooled_allreduce(splits, level))
 
 
 def merged_stability(starts: Sequence[CellResult], measurement: CellMeasurement, rules: StabilityRules) -> Stability:

@@ -185,6 +185,7 @@ def _raw_metrics(result: CellResult) -> dict[str, float]:
             metrics.update(copy_ms=sp.copy_ms, copy_bytes_per_step=sp.copy_bytes,
                            launches_per_step=sp.launches_per_step)
         metrics.update(split_ci_metrics(sp))
+        metrics.update(allreduce_metrics(sp))
         if sp.phases is not None:
             metrics.update(phase_metrics(sp.phases, sp.profiled_step_ms - sp.device_ms))
         if not split_is_possible(result):  # impossible or implausible: no host number to plot, fit or diff
@@ -216,6 +217,22 @@ def split_is_possible(result: CellResult) -> bool:
     """Whether the cell's split may be shown as a host_frac and a regime: not flagged
     split_impossible or split_implausible (measure/stability.py)."""
     return result.stability is None or not {"split_impossible", "split_implausible"} & set(result.stability.reasons)
+
+
+def allreduce_metrics(sp: SplitResult) -> dict[str, float]:
+    """The all-reduce in situ of a TP > 1 cell (measure/split.py): rank 0's ms per step with
+    its CI over the profiled pairs, the least and most of the ranks' means (a rank that reaches
+    the all-reduce first waits for the others inside it), its calls per step. None at TP-1.
+    Named apart from the fit's allreduce_ms, the calibrated T_ar (model/study_fit.py)."""
+    if len(sp.per_rank_allreduce_ms) < 2:
+        return {}
+    metrics = {"allreduce_insitu_ms": sp.allreduce_insitu_ms,
+               "allreduce_insitu_rank_min_ms": min(sp.per_rank_allreduce_ms),
+               "allreduce_insitu_rank_max_ms": max(sp.per_rank_allreduce_ms),
+               "allreduces_per_step": sp.allreduces_per_step}
+    if sp.allreduce_insitu_ci is not None:
+        metrics["allreduce_insitu_ci_low_ms"], metrics["allreduce_insitu_ci_high_ms"] = sp.allreduce_insitu_ci
+    return metrics
 
 
 def split_ci_metrics(sp: SplitResult) -> dict[str, float]:

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from hostsweep.measure.phases import PhaseSplit
-from hostsweep.measure.split_stats import TimedStep, implausible_checks, split_stats
+from hostsweep.measure.split_stats import TimedStep, implausible_checks, mean_t_ci, split_stats
 from hostsweep.measure.traces import TraceTotals
 
 
@@ -49,6 +49,11 @@ class SplitResult:
     profiled_step_ci: Optional[tuple[float, float]] = None
     device_floor_ms: float = 0.0  # no real step's device time is below this (device_floor_ms())
     implausible: tuple[str, ...] = ()  # the split_stats.IMPLAUSIBLE_CHECKS it fails
+    # The all-reduce in situ, ms per step of each rank (a part of its device time); pooled: the
+    # mean over the pairs, rank 0's with a t-interval (None below 3 pairs). Empty at TP-1.
+    per_rank_allreduce_ms: tuple[float, ...] = ()
+    allreduce_insitu_ci: Optional[tuple[float, float]] = None
+    allreduces_per_step: float = 0.0  # rank 0's all-reduce calls per step (2L + 1 on vLLM's Llama)
 
     @property
     def possible(self) -> bool:
@@ -62,6 +67,11 @@ class SplitResult:
     def sound(self) -> bool:
         """Possible and passing every physical check: a split whose host_frac may be shown."""
         return self.possible and not self.implausible
+
+    @property
+    def allreduce_insitu_ms(self) -> float:
+        """Rank 0's all-reduce time per step; NaN without several ranks (nothing to reduce)."""
+        return self.per_rank_allreduce_ms[0] if len(self.per_rank_allreduce_ms) > 1 else float("nan")
 
     @property
     def slowest_rank(self) -> int:
@@ -122,6 +132,7 @@ def device_split(
     host_ms = step_ms - device_ms
     host_frac = host_ms / step_ms
     kernels_per_step = per_step(short.kernel_count, long.kernel_count, T)
+    allreduce = tuple(per_step(a.allreduce_us, b.allreduce_us, T) / 1e3 for a, b in zip(ranks_1, ranks_T))
     return SplitResult(
         kernel_source=long.kernel_source,
         device_ms=device_ms,
@@ -138,7 +149,21 @@ def device_split(
         kernels_per_step=kernels_per_step,
         launches_per_step=per_step(short.launch_count, long.launch_count, T),
         device_floor_ms=device_floor_ms(kernels_per_step, long.durations_us, T - 1),
+        per_rank_allreduce_ms=allreduce if len(allreduce) > 1 else (),
+        allreduces_per_step=per_step(ranks_1[0].allreduce_count, ranks_T[0].allreduce_count, T),
     )
+
+
+def pooled_allreduce(splits: Sequence[SplitResult], level: float) -> dict[str, object]:
+    """The in-situ all-reduce over several splits (pairs, or starts), as SplitResult fields:
+    each rank's mean, rank 0's t-interval, the calls per step's mean. Empty at TP-1."""
+    ranks = [s.per_rank_allreduce_ms for s in splits if s.per_rank_allreduce_ms]
+    if not ranks or len({len(r) for r in ranks}) != 1:
+        return {}
+    means = tuple(float(v) for v in np.mean(np.asarray(ranks, dtype=float), axis=0))
+    _, ci, _ = mean_t_ci([r[0] for r in ranks], level)
+    return {"per_rank_allreduce_ms": means, "allreduce_insitu_ci": ci,
+            "allreduces_per_step": float(np.mean([s.allreduces_per_step for s in splits]))}
 
 
 def pooled_split(splits: Sequence[SplitResult], step: TimedStep, threshold: float,
@@ -159,7 +184,7 @@ def pooled_split(splits: Sequence[SplitResult], step: TimedStep, threshold: floa
         profiler_overhead=s.profiler_overhead, regime=s.regime, pairs=s.pairs, device_ci=s.device_ci,
         host_ci=s.host_ci, host_frac_ci=s.host_frac_ci, profiled_step_ci=s.profiled_step_ci, device_floor_ms=floor,
         phases=phases if phases is not None else chosen.phases,
-        implausible=implausible_checks(s, step, floor, forward, overhead_band))
+        implausible=implausible_checks(s, step, floor, forward, overhead_band), **pooled_allreduce(splits, step.level))
 
 
 def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:

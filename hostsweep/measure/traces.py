@@ -16,6 +16,14 @@ processes). What counts as a "kernel":
       parent and is not counted again.
   On a GPU those non-counted ops are host work (no kernel launch), which is why they are
   left on the host side of the split here too.
+
+**All-reduce in situ**: the tensor-parallel all-reduces among the counted kernels, by name
+(ALLREDUCE_CPU_OPS, ALLREDUCE_CUDA_KERNELS). On a GPU the all-reduce is kernels (NCCL's, or
+vLLM's custom all-reduce), device time like any other; the CPU build's all-reduce ops do the
+reduction on the rank's own cores, so they count as its compute ops too. Either way the
+all-reduce is a part of the kernel sum, never beside it: device compute = kernels −
+all-reduce. The host ops around it (`vllm::all_reduce`, and on a GPU `c10d::allreduce_`, whose
+CPU time is the enqueue, not the reduction) are not the all-reduce's time.
 """
 from __future__ import annotations
 
@@ -39,6 +47,14 @@ CPU_METADATA_OPS = frozenset({
 })
 # Wrapper namespaces: their own time is host bookkeeping; kernels inside still count.
 CPU_WRAPPER_PREFIXES = ("vllm::",)
+# The CPU build's all-reduce ops: vLLM's shared-memory all-reduce (CpuCommunicator ->
+# torch.ops._C.shm_allreduce), and torch.distributed's gloo path it falls back to.
+ALLREDUCE_CPU_OPS = frozenset({"_C::shm_allreduce", "shm_allreduce", "c10d::allreduce_", "gloo:all_reduce"})
+# CUDA all-reduce kernels, by a part of their (templated) names: NCCL's, vLLM's custom
+# all-reduce (csrc/custom_all_reduce.cuh) and torch's symmetric-memory ones.
+ALLREDUCE_CUDA_KERNELS = ("ncclDevKernel_AllReduce", "ncclKernel_AllReduce", "cross_device_reduce_1stage",
+                          "cross_device_reduce_2stage", "multimem_all_reduce", "one_shot_all_reduce",
+                          "two_shot_all_reduce")
 GPU_COPY_CATEGORIES = ("gpu_memcpy", "gpu_memset")
 # Host-side CUDA API events; the ones whose name holds "Launch" (cudaLaunchKernel,
 # cuLaunchKernelEx, cudaGraphLaunch…) are the host's launches: a replayed CUDA graph is one.
@@ -64,6 +80,8 @@ class TraceTotals:
     copy_bytes: float = 0.0
     by_name_us: Counter = field(default_factory=Counter)
     launch_count: int = 0  # host launch calls (cuda traces only)
+    allreduce_us: float = 0.0  # the all-reduce kernels / ops among the counted ones (is_allreduce)
+    allreduce_count: int = 0
     # Every kernel's duration, ascending (float32: 4 bytes a kernel), for the physical floor of
     # a step's device time (split.device_floor_ms).
     durations_us: array = field(default_factory=lambda: array("f"), compare=False, repr=False)
@@ -95,7 +113,16 @@ def interval_union_us(intervals: Iterable[Interval]) -> float:
     return total
 
 
+def is_allreduce(name: str, source: str) -> bool:
+    """Whether a counted kernel (cuda) or compute op (cpu-ops) is a tensor-parallel all-reduce."""
+    if source == "cuda":
+        return any(part in name for part in ALLREDUCE_CUDA_KERNELS)
+    return name in ALLREDUCE_CPU_OPS
+
+
 def is_cpu_compute_op(name: str) -> bool:
+    if name in ALLREDUCE_CPU_OPS:  # the reduction runs on the rank's cores: its compute, as NCCL's kernels are a GPU's
+        return True
     if name in CPU_METADATA_OPS or name.startswith(CPU_WRAPPER_PREFIXES):
         return False
     return name.startswith("aten::") or name.startswith("_C")
@@ -150,6 +177,7 @@ def totals(trace: dict[str, Any]) -> TraceTotals:
     for iv in kernels:
         by_name[iv.name] += iv.end_us - iv.start_us
     copy_us, copy_bytes = copy_totals(events) if source == "cuda" else (0.0, 0.0)
+    allreduces = [iv.end_us - iv.start_us for iv in kernels if is_allreduce(iv.name, source)]
     return TraceTotals(
         kernel_source=source,
         kernel_sum_us=sum(iv.end_us - iv.start_us for iv in kernels),
@@ -159,5 +187,7 @@ def totals(trace: dict[str, Any]) -> TraceTotals:
         copy_bytes=copy_bytes,
         by_name_us=by_name,
         launch_count=launch_count(events) if source == "cuda" else 0,
+        allreduce_us=sum(allreduces),
+        allreduce_count=len(allreduces),
         durations_us=array("f", sorted(iv.end_us - iv.start_us for iv in kernels)),
     )

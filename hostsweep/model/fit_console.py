@@ -68,7 +68,8 @@ def _evidence_line(group: dict[str, Any]) -> str:
 def _heldout(data: dict[str, Any]) -> list[str]:
     lines = []
     for group in (g for g in data["groups"] if g["role"] == "held-out"):
-        state = "FALSIFIED, kept out of the comparison" if group["falsified"] else "compared"
+        state = "FALSIFIED, kept out of the comparison" if group["falsified"] else \
+            "ALL-REDUCE MISMATCH, kept out of the comparison" if group.get("verdict") == "allreduce_mismatch" else "compared"
         if group["falsifying_cells"]:
             state += (f"; {group['falsifying_cells']} cell(s) below the bound, "
                       f"{group['falsifying_needed']} needed to falsify")
@@ -77,8 +78,8 @@ def _heldout(data: dict[str, Any]) -> list[str]:
         scores = [{k: s[k] for k in ("form", "mape_mean", "mape_p95", "mape_max", "n")} for s in data["scores"]
                   if (s["sku"], s["tp"], s["role"]) == (group["sku"], group["tp"], "held-out")]
         lines.append(_table(scores, 2))
-        if group.get("verdict") == "falsified":
-            lines.append(f"verdict: falsified ({group['reason']}); on these cells alone the evidence says "
+        if group.get("verdict") in ("falsified", "allreduce_mismatch"):  # the family evidence is kept apart
+            lines.append(f"verdict: {group['verdict']} ({group['reason']}); on these cells alone the evidence says "
                          f"{group['evidence_apart']['verdict']}")
         elif "verdict" in group:
             lines.append(_evidence_line(group))

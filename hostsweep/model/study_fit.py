@@ -26,6 +26,8 @@ from hostsweep.model.hostforms import (DEFAULT_FORM, FORMS, FittedForm, ScaleFit
                                        fit_scale, identifiability, predict_terms_s)
 from hostsweep.model.inputs import in_regime
 from hostsweep.model.resolution import inconclusive_noise, overall_noise
+from hostsweep.model.term_checks import (ALLREDUCE_MISMATCH, INSITU_COLUMNS, SPLIT_COLUMNS, STANDALONE,
+                                         allreduce_path, guard_group, host_path)
 from hostsweep.model.verdict import falsifying_threshold, host_family_verdict, overall_verdict
 
 SCHEMA = "hostsweep.fit/1"
@@ -40,9 +42,12 @@ class CalibrationTerms:
     allreduce: dict[str, AllReduceFit]
     host: HostFit
     roofs: dict[str, dict[str, float]] = field(default_factory=dict)
+    # "engine" when H(N) was fitted to the engine's own TP-1 host time, else the calibration's
+    # line (model/term_checks.host_path): the falsification guard reads it
+    host_path: str = STANDALONE
 
     def to_dict(self) -> dict[str, Any]:
-        return {"host": {"s0_ms": self.host.s0_s * 1e3, "s1_ms": self.host.s1_s * 1e3},
+        return {"host": {"s0_ms": self.host.s0_s * 1e3, "s1_ms": self.host.s1_s * 1e3, "path": self.host_path},
                 "allreduce": {sku: {"latency_us": f.latency_s * 1e6, "bandwidth_gbps": f.bandwidth_Bps / 1e9}
                               for sku, f in self.allreduce.items()}, "roofs": self.roofs}
 
@@ -156,7 +161,8 @@ TRACE_COLUMNS = ("mode", "run_id", "cell_key", "parent_run_id")
 
 def _predictions(cells: pd.DataFrame, predicted: dict[str, np.ndarray], roles: np.ndarray,
                  bound_ms: np.ndarray, terms: Terms, g: float, options: FitOptions) -> pd.DataFrame:
-    keep = [c for c in ("sku", "model", "tp", "batch", "ctx", "step_ms", *CI_COLUMNS, *TRACE_COLUMNS) if c in cells]
+    keep = [c for c in ("sku", "model", "tp", "batch", "ctx", "step_ms", *CI_COLUMNS, *TRACE_COLUMNS, *SPLIT_COLUMNS,
+                        *INSITU_COLUMNS) if c in cells]
     regime = cells["in_regime"].to_numpy(bool)
     columns = {c: cells[c].to_numpy() for c in keep}
     columns |= {"role": roles, "in_regime": regime, "predicted_ms": predicted[options.form],
@@ -178,8 +184,9 @@ def _bound_ms(terms: Terms, forms: dict[str, FittedForm], options: FitOptions) -
     return np.min(np.vstack(hosts), axis=0) * 1e3
 
 
-def _groups(table: pd.DataFrame, options: FitOptions) -> tuple[list[dict], list[dict]]:
-    """Per (sku, tp, role): counts, falsification, each form's MAPE and the group verdict."""
+def _groups(table: pd.DataFrame, options: FitOptions, terms: CalibrationTerms) -> tuple[list[dict], list[dict]]:
+    """Per (sku, tp, role): counts, falsification, each form's MAPE and the group verdict,
+    a held-out one guarded by its own terms (model/term_checks.guard_group)."""
     groups, scores = [], []
     step = table["step_ms"].to_numpy(float)
     regime, falsifies = table["in_regime"].to_numpy(bool), table["falsifies"].to_numpy(bool)
@@ -208,6 +215,9 @@ def _groups(table: pd.DataFrame, options: FitOptions) -> tuple[list[dict], list[
             row.update(evidence if not falsified else {
                 "verdict": "falsified", "reason": f"{below} cell(s) below H + T_ar: kept out of the comparison",
                 "evidence_apart": evidence})
+        if role == "held-out" and len(inside):
+            paths = {"H": host_path(terms), "T_ar": allreduce_path(terms, sku)}
+            row = guard_group(row, table.iloc[inside], paths)
         groups.append(row)
     return groups, scores
 
@@ -232,6 +242,9 @@ def _falsification(table: pd.DataFrame, groups: list[dict], options: FitOptions,
                 "would put there by chance (one-sided binomial, 2.5% per cell, 5% level; without CIs: one cell)",
         "judged_on_point": points_only,
         "falsified_groups": [{"sku": g["sku"], "tp": g["tp"]} for g in groups if g["falsified"]],
+        # groups whose calibrated T_ar misses their in-situ all-reduce: not judged (term_checks)
+        "allreduce_mismatch_groups": [{"sku": g["sku"], "tp": g["tp"]} for g in groups
+                                      if g.get("verdict") == ALLREDUCE_MISMATCH],
         "cells": table[table["falsifies"]].to_dict(orient="records"),
     }
 
@@ -259,13 +272,16 @@ def fit_study(cells: pd.DataFrame, terms: CalibrationTerms, options: FitOptions)
     predicted = {name: predict_terms_s(f, all_terms) * 1e3 for name, f in forms.items()}
     table = _predictions(cells, predicted, roles, _bound_ms(all_terms, forms, options), all_terms, pinned.g,
                          options)
-    groups, scores = _groups(table, options)
-    compared = [g for g in groups if g["role"] == "held-out" and "verdict" in g and g["verdict"] != "falsified"]
+    groups, scores = _groups(table, options, terms)
+    compared = [g for g in groups if g["role"] == "held-out" and "verdict" in g
+                and g["verdict"] not in ("falsified", ALLREDUCE_MISMATCH)]
     falsification = _falsification(table, groups, options, warnings)
     shrink = tp_shrink(cells, {"measured": step_ms, "baseline": predicted["baseline"],
                                "model": predicted[options.form]})
     verdict = overall_verdict(compared, [(g["sku"], g["tp"]) for g in groups if g["role"] == "held-out"
                                          and g.get("verdict") == "falsified" and g["tp"] not in options.train_tp])
+    if mismatched := [f"{g['sku']} TP-{g['tp']}" for g in groups if g.get("verdict") == ALLREDUCE_MISMATCH]:
+        verdict["reason"] += f"; not judged, the calibrated T_ar misses the in-situ all-reduce: {', '.join(mismatched)}"
     if verdict["verdict"] == "inconclusive" and (noise := overall_noise(compared)):
         verdict["noise"] = noise
     return FitReport(options, terms.to_dict(), scale, forms, scores, groups, verdict, falsification,

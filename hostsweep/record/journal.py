@@ -56,6 +56,7 @@ def decode_result(data: dict) -> CellResult:
                                                    "top_ops": tuple(tuple(op) for op in sp["top_ops"]),
                                                    "phases": decode_phases(sp.get("phases")),
                                                    "implausible": tuple(sp.get("implausible", ())),
+                                                   "per_rank_allreduce_ms": tuple(sp.get("per_rank_allreduce_ms", ())),
                                                    **{k: _pair(sp.get(k)) for k in SPLIT_CIS}})
     lin = data["linearity"]
     linearity = None if lin is None else LinearityResult(**{**lin, **{k: tuple(lin[k]) for k in
@@ -74,7 +75,7 @@ def decode_result(data: dict) -> CellResult:
     )
 
 
-SPLIT_CIS = ("device_ci", "host_ci", "host_frac_ci", "profiled_step_ci")
+SPLIT_CIS = ("device_ci", "host_ci", "host_frac_ci", "profiled_step_ci", "allreduce_insitu_ci")
 
 
 def _pair(value: Optional[list]) -> Optional[tuple]:

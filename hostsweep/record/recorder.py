@@ -48,6 +48,7 @@ def describe(result: CellResult, shown: Optional[dict[str, float]] = None) -> st
     step = f"{shown['step_ms']:.3f} ms/step{periods_note(result.stability)}" if result.measurement else result.status
     if result.split is not None:
         step += f", device {shown['device_ms']:.3f} ms, " + host_frac_note(result, shown)
+        step += allreduce_note(shown)
         step += largest_phase_note(result)
     if result.status != "FINISHED" and result.error:
         step += f": {result.error.strip().splitlines()[0][:300]}"
@@ -58,6 +59,16 @@ def describe(result: CellResult, shown: Optional[dict[str, float]] = None) -> st
     if result.stability is not None and result.measurement is not None:
         step += unstable_note(result.stability)
     return step
+
+
+def allreduce_note(shown: dict[str, float]) -> str:
+    """', all-reduce 0.412 ms [0.39, 0.44] (ranks 0.40-0.47)' for a TP > 1 cell: the all-reduce
+    in situ from its profiled pairs (measure/results.allreduce_metrics); '' at TP-1."""
+    if "allreduce_insitu_ms" not in shown:
+        return ""
+    ci = format_ci(shown.get("allreduce_insitu_ci_low_ms"), shown.get("allreduce_insitu_ci_high_ms"), 3)
+    return (f", all-reduce {shown['allreduce_insitu_ms']:.3f} ms{' ' + ci if ci else ''} (ranks "
+            f"{shown['allreduce_insitu_rank_min_ms']:.3f}-{shown['allreduce_insitu_rank_max_ms']:.3f})")
 
 
 def host_frac_note(result: CellResult, shown: dict[str, float]) -> str:

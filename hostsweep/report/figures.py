@@ -98,19 +98,39 @@ def step_composition(pred: pd.DataFrame) -> Figure:
         ctx = max(c for b, c in full if b == batch)
         chosen = cells[(cells["batch"] == batch) & (cells["ctx"] == ctx)].groupby("tp").mean(numeric_only=True)
         x = np.arange(len(chosen))
+        measured = "device_ms" in chosen and bool(chosen["device_ms"].notna().any())
+        width, offset = (0.38, -0.2) if measured else (0.6, 0.0)
         pieces = {"compute": chosen["compute_ms"], "all-reduce": chosen["allreduce_ms"],
                   "host / additive": (chosen["step_ms"] - chosen["compute_ms"] - chosen["allreduce_ms"]).clip(lower=0)}
         bottom = np.zeros(len(chosen))
         for name, values in pieces.items():
-            ax.bar(x, values.to_numpy(), 0.6, bottom=bottom, color=PIECES[name], label=name)
+            ax.bar(x + offset, values.to_numpy(), width, bottom=bottom, color=PIECES[name], label=f"model: {name}")
             bottom += values.to_numpy()
+        if measured:
+            _measured_composition(ax, x + 0.2, width, chosen)
         ax.errorbar(x, chosen["step_ms"], yerr=_ci_yerr(chosen), fmt="k_", ms=18, capsize=4, label="measured step, 95% CI")
         ax.set_xticks(x, [f"TP-{k}" for k in chosen.index])
         ax.set_title(f"{sku} {model}: N={batch}, ctx {ctx}", fontsize=10)
         ax.set_ylabel("ms per decode step")
     fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=8)
-    fig.suptitle("Decode-step composition (model pieces; host = measured − compute − all-reduce)", fontsize=11)
+    fig.suptitle("Decode-step composition: the model's pieces (left; host = measured − compute − calibrated "
+                 "all-reduce) and, where split, the measured ones (right, hatched)", fontsize=10)
     return fig
+
+
+def _measured_composition(ax: plt.Axes, x: np.ndarray, width: float, chosen: pd.DataFrame) -> None:
+    """The measured step beside the model's: device compute, the all-reduce in situ (rank 0,
+    from the cells' own traces; 0 at TP-1) and the host-exposed rest (model/term_checks)."""
+    insitu = chosen["allreduce_insitu_ms"].fillna(0.0) if "allreduce_insitu_ms" in chosen else 0.0 * chosen["device_ms"]
+    insitu = insitu.where(chosen.index.to_series() > 1, 0.0)
+    pieces = {"compute": chosen["device_ms"] - insitu, "all-reduce": insitu,
+              "host / additive": chosen["host_ms"].clip(lower=0) if "host_ms" in chosen else 0.0 * insitu}
+    bottom = np.zeros(len(chosen))
+    for name, values in pieces.items():
+        heights = values.fillna(0.0).to_numpy(float)
+        ax.bar(x, heights, width, bottom=bottom, color=PIECES[name], hatch="//", edgecolor="white",
+               label=f"measured: {name}{' in situ' if name == 'all-reduce' else ''}")
+        bottom += heights
 
 
 def _ci_yerr(frame: pd.DataFrame) -> np.ndarray | None:

@@ -17,6 +17,7 @@ from hostsweep.report import fit_tables
 from hostsweep.report.document import Bullets, Document, Figure, Heading, Table, Text
 from hostsweep.report.study_modes import mode_sections
 from hostsweep.report.tables import host_phase_table
+from hostsweep.report.term_tables import decomposition_section, terms_section
 
 # the reported numbers of the tensor-parallel study [2] (README.md#references), quoted beside
 # a study of its design
@@ -177,6 +178,7 @@ def _shrink(fit: dict[str, Any], pred: pd.DataFrame, figures: dict[str, Path], r
                  "C/k divides it. model_H_mean_ms is the pinned H(N) for comparison."),
             Table(per_tp, digits=3), Table(ratios, "ratio of mean residuals over matched cells, bootstrap 95% CI", 3)
             if len(ratios) else Text("No matched cells at two TP degrees: the residual cannot be compared across TP."),
+            *decomposition_section(fit, pred),
             Figure(figures["step_composition"], "Decode-step composition per TP degree.")]
 
 
@@ -238,7 +240,7 @@ def build(ctx: Context, cells: pd.DataFrame, fit: dict[str, Any], folder: Path) 
     families = {f["form"]: f["family"] for f in fit["forms"]}
     figures = write_figures(pred, stable, forms, regime, families, folder / "figures")
     doc = Document(f"Cross-SKU comparison: {ctx.study}")
-    for part in (_verdicts(fit, groups), _unstable(fit, cells, ctx.exclude_unstable), _host_speed(cells),
+    for part in (_verdicts(fit, groups), terms_section(fit, pred), _unstable(fit, cells, ctx.exclude_unstable), _host_speed(cells),
                  _provenance(ctx, cells),
                  _terms(fit, ctx),
                  _heldout(fit, pred, groups, forms, figures), _falsification(fit, pred),

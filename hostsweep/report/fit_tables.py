@@ -47,7 +47,11 @@ def _score(fit: dict[str, Any], form: str, sku: str, tp: int) -> dict[str, Any]:
 
 
 def additive_model_verdict(group: dict[str, Any]) -> tuple[str, str]:
-    """validated / falsified / inconclusive for one held-out group, with the reason."""
+    """validated / falsified / allreduce_mismatch / inconclusive for one held-out group, with
+    the reason (a mismatched all-reduce is reported as such, never as a falsification:
+    model/term_checks.guard_group)."""
+    if group.get("verdict") == "allreduce_mismatch":
+        return "allreduce_mismatch", group["reason"]
     if group.get("falsified"):
         return "falsified", group.get("reason", "cells below H + T_ar")
     if "verdict" not in group:
@@ -72,6 +76,8 @@ def heldout_groups(fit: dict[str, Any], pred: pd.DataFrame) -> pd.DataFrame:
         cells = pred[(pred["sku"] == sku) & (pred["tp"] == tp) & (pred["role"] == "held-out") & pred["in_regime"]]
         model, base = _score(fit, form, sku, tp), _score(fit, "baseline", sku, tp)
         verdict, reason = additive_model_verdict(group)
+        drive = group.get("driving_term", {}).get("sentence")  # every verdict line names what drives the margin
+        reason = reason if not drive or drive in reason else f"{reason}; {drive}"
         rows.append({"sku": sku, "tp": tp, "cells": group["n"], "out_of_regime": group["out_of_regime"],
                      "model_mape_mean": model.get("mape_mean"), "model_mape_p95": model.get("mape_p95"),
                      "model_mape_max": model.get("mape_max"), "model_in_ci": f"{_in_ci(cells, 'predicted_ms')}/{len(cells)}",
