@@ -53,6 +53,29 @@ def side_canary(cells: pd.DataFrame) -> Optional[SideCanary]:
                       len(values))
 
 
+def side_tracking(cells: pd.DataFrame) -> Optional[float]:
+    """The share (%) of the steps' round-to-round moves a side's canary explained: the median
+    over its cells of the groups' canary_explains_pct (measure/canary_tracking.py), 0 where the
+    canary moved against the steps (r < 0); None when its cells recorded none (runs from
+    before the canary's tracking was recorded, or groups of too few rounds)."""
+    if "canary_r" not in cells:
+        return None
+    r = pd.to_numeric(cells["canary_r"], errors="coerce").dropna().to_numpy(dtype=float)
+    if not r.size:
+        return None
+    return float(np.median(np.where(r > 0, r * r * 100.0, 0.0)))
+
+
+def tracking_line(base: Optional[float], head: Optional[float]) -> Optional[str]:
+    """"the canary explains 12 % (base) / 40 % (head) of the steps' round-to-round moves", or
+    None when neither side recorded it."""
+    if base is None and head is None:
+        return None
+    named = " / ".join(f"{'not recorded' if v is None else f'{v:.0f} %'} ({name})"
+                       for name, v in (("base", base), ("head", head)))
+    return f"the canary explains {named} of the steps' round-to-round moves"
+
+
 def machine_line(base: Optional[SideCanary], head: Optional[SideCanary]) -> Optional[str]:
     """"the head's machine ran 31 % slower than the base's (speed canary 2.215 vs 1.691 ms)",
     or None when either side has no canary."""

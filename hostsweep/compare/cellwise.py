@@ -54,7 +54,8 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from hostsweep.compare.canary import machine_line, paired_canary_ratios, side_canary, with_canary_ratios
+from hostsweep.compare.canary import (machine_line, paired_canary_ratios, side_canary, side_tracking, tracking_line,
+                                      with_canary_ratios)
 from hostsweep.compare.match import (cell_label, dimensions, match_cells, text, with_failed_reasons,
                                      with_replicates)
 from hostsweep.compare.options import (GATED, MIN_ROUNDS, DiffOptions, RawPairs, RawRounds, finite_value, stable_flag,
@@ -66,6 +67,7 @@ from hostsweep.compare.sequential import Between, between_component, sequential_
 from hostsweep.compare.start_pairs import paired_noise_floor, paired_starts, start_pairs_compared
 from hostsweep.compare.summary import comparison_design, summarize_quantities
 from hostsweep.compare.verdicts import judge_cells
+from hostsweep.measure.canary_tracking import TRACKS_EXPLAINED_PCT
 from hostsweep.measure.intervals import few_starts_warning
 
 
@@ -165,13 +167,22 @@ def diff(base: pd.DataFrame, head: pd.DataFrame, raw: Mapping[str, RawPairs], op
     if len(two):
         warnings.append(f"{len(two)} cell(s): {few_starts_warning(2)}")
     canaries = side_canary(base), side_canary(head)
-    if options.normalize == "canary":
+    tracked = side_tracking(base), side_tracking(head)
+    # normalized ratios only where the canary tracks what moved the engine (or was not measured)
+    untracked = [f"{name} {t:.0f} %" for name, t in zip(("base", "head"), tracked)
+                 if t is not None and t < TRACKS_EXPLAINED_PCT]
+    if options.normalize == "canary" and untracked:
+        warnings.append(f"diff.normalize=canary: the canary explains only {', '.join(untracked)} of the steps' "
+                        f"round-to-round moves (under {TRACKS_EXPLAINED_PCT:.0f} %): it does not track what moved "
+                        "the engine, so no normalized ratios (the raw ratios and their verdicts stand)")
+    elif options.normalize == "canary":
         cells = with_canary_ratios(cells, GATED, options.level, *canaries)
         cells = paired_canary_ratios(cells, raw_canary or {}, options.level, rounds)
     sources = {"base": between[0].source, "head": between[1].source}
     floor = paired_noise_floor(pairs, raw, set(cells.loc[cells["test"] == "sign", "base_run"].astype(str)))
     result = DiffResult(options, matched_on, differs, shared, label_dims, cells, unmatched, warnings=warnings,
-                        between=sources, machine=machine_line(*canaries),
+                        between=sources, machine="; ".join(filter(None, (machine_line(*canaries),
+                                                                         tracking_line(*tracked)))) or None,
                         canary_ms={name: c.ms if c else None for name, c in zip(("base", "head"), canaries)},
                         design=comparison_design(cells, sources), noise_floor_pct=floor.pct if floor else None,
                         noise_floor_df=floor.df if floor else 0.0,

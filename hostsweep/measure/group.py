@@ -31,6 +31,7 @@ from hostsweep.measure.periods import (
     DesignRecord, ProfiledPair, by_period, canary_shift_pct, clean_pairs, common_period_ratios, common_shift_pct,
     common_trend, contended_rounds, median_canary_ms, period_disagrees, period_medians_ms, relative_to_companions,
 )
+from hostsweep.measure.canary_tracking import group_tracking
 from hostsweep.measure.protocol import CellMeasurement, RepTiming, adaptive_looks, summarize
 from hostsweep.measure.results import MeasureOptions, stability_rules_of
 from hostsweep.measure.speculative import SpecResult, spec_summary
@@ -132,6 +133,7 @@ class GroupMeasurement:
         self.drift_across_group = frozenset(
             i for i, (judged, used) in enumerate(zip(relative, useds))
             if any(drifted(part, strict) for part in by_period(judged if judged is not None else used)))
+        tracked = group_tracking(self.timings)
         for i, (pairs, clean, used) in enumerate(zip(self.timings, cleans, useds)):
             summary = self._summary(i, used)
             reasons = {r for part in by_period(used) for r in timing_reasons(part, summary, rules, False)} - {"ci_width"}
@@ -146,7 +148,8 @@ class GroupMeasurement:
             self.summaries[i] = dataclasses.replace(summary, reps=pairs)  # every pair kept, flagged or not
             design = DesignRecord(self.periods, period_medians_ms(used), len(used), len(contended),
                                   median_canary_ms(pairs), shift, moved_together, median_canary_ms(pairs, gpu=True),
-                                  tuple(self.remeasured_for), self.warmup_rounds)
+                                  tuple(self.remeasured_for), self.warmup_rounds,
+                                  tracked.r if tracked else None, tracked.explained_pct if tracked else None)
             self.verdicts[i] = self._verdict(reasons | self.annotations, used, design)
 
     def _annotate(self, canary_shift: Optional[float], trend: Optional[Sequence[RepTiming]],

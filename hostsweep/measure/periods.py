@@ -57,6 +57,10 @@ class DesignRecord:
     # 'foreign_cpu+drift'), one entry a period
     remeasured_for: tuple[str, ...] = ()
     warmup_rounds: int = 0  # untimed rounds the group warmed up in before its first timed one
+    # how well the canary tracked the group's step moves over its rounds (canary_tracking.py):
+    # their correlation and the share (%) of the steps' moves it explains; None: too few rounds
+    canary_r: Optional[float] = None
+    canary_explains_pct: Optional[float] = None
 
 
 def round_of(pair: RepTiming) -> RoundId:

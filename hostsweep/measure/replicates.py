@@ -105,6 +105,9 @@ def merged_design(designs: Sequence[Optional[DesignRecord]], measurement: CellMe
         return None
     shifts = [d.canary_shift_pct for d in known if d.canary_shift_pct is not None]
     together = [d.common_shift_pct for d in known if d.common_shift_pct is not None]
+    # the weakest start's canary tracking: a diff normalizes only where every start tracked
+    weakest = min(((d.canary_r, d.canary_explains_pct) for d in known if d.canary_explains_pct is not None),
+                  key=lambda t: t[1], default=(None, None))
     return DesignRecord(periods=max(d.periods for d in known),
                         period_medians_ms=tuple(m for d in known for m in d.period_medians_ms),
                         clean_pairs=sum(d.clean_pairs for d in known),
@@ -114,7 +117,8 @@ def merged_design(designs: Sequence[Optional[DesignRecord]], measurement: CellMe
                         common_shift_pct=max(together) if together else None,
                         gpu_canary_ms=median_canary_ms(measurement.reps, gpu=True),
                         remeasured_for=tuple(w for d in known for w in d.remeasured_for),
-                        warmup_rounds=max(d.warmup_rounds for d in known))
+                        warmup_rounds=max(d.warmup_rounds for d in known),
+                        canary_r=weakest[0], canary_explains_pct=weakest[1])
 
 
 def merge_starts(starts: Sequence[CellResult], rules: StabilityRules, host_bound_threshold: float) -> CellResult:

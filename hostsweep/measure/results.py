@@ -284,6 +284,8 @@ def design_metrics(design: Optional[DesignRecord]) -> dict[str, float]:
         metrics["gpu_canary_ms"] = design.gpu_canary_ms
     if design.warmup_rounds:
         metrics["warmup_rounds"] = float(design.warmup_rounds)
+    if design.canary_r is not None and design.canary_explains_pct is not None:
+        metrics["canary_r"], metrics["canary_explains_pct"] = design.canary_r, design.canary_explains_pct
     return metrics
 
 

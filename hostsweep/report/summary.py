@@ -33,7 +33,8 @@ STABILITY = {"foreign_cpu_frac": "foreign_cpu_frac", "foreign_cpu_frac_max": "fo
              "replicate_step_ms": "replicate_step_ms", "periods": "periods", "period_spread_pct": "period_spread_pct",
              "clean_pairs": "clean_pairs", "contended_rounds": "contended_rounds", "canary_ms": "canary_ms",
              "canary_shift_pct": "canary_shift_pct", "common_shift_pct": "common_shift_pct",
-             "gpu_canary_ms": "gpu_canary_ms", "warmup_rounds": "warmup_rounds"}
+             "gpu_canary_ms": "gpu_canary_ms", "warmup_rounds": "warmup_rounds", "canary_r": "canary_r",
+             "canary_explains_pct": "canary_explains_pct"}
 # MLflow's run tags cap at 8,000 characters and longer values are cut silently (server side):
 # the parent's description stays under that, and says where the rest is.
 NOTE_LIMIT = 7_900
@@ -87,6 +88,7 @@ def design_counts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     per_group = {(engine_label(r), str(text)) for r in rows if (text := _plain(r.get("remeasured_for")))}
     why = pd.Series([w for _, text in sorted(per_group) for w in text.split(";") if w], dtype=object)
     warmups = [int(w) for w in (_plain(r.get("warmup_rounds")) for r in rows) if w is not None]
+    explained = [float(e) for e in (_plain(r.get("canary_explains_pct")) for r in rows) if e is not None]
     return {"cells": len(periods), "remeasured": sum(p > 1 for p in periods),
             "warmup_rounds": (min(warmups), max(warmups)) if warmups else None,
             "remeasured_for": {str(k): int(v) for k, v in why.value_counts().items()},
@@ -94,6 +96,8 @@ def design_counts(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "max_periods": max(periods, default=None),
             "canary_ms": float(pd.Series(canary).median()) if canary else None,
             "canary_shift_pct_max": max(shifts, default=None),
+            # how much of the steps' round-to-round moves the canary explained, over the groups (%)
+            "canary_explains_pct": (min(explained), max(explained)) if explained else None,
             "prefill_bound": prefill_bound, "prefill_bound_T": max(prefill_bound.values(), default=None)}
 
 
@@ -148,7 +152,11 @@ def design_line(rows: list[dict[str, Any]]) -> Optional[str]:
     if d["canary_ms"] is not None:
         moved = f", moved up to {d['canary_shift_pct_max']:.0f} % within a group" \
             if d["canary_shift_pct_max"] is not None else ""
-        parts.append(f"speed canary {d['canary_ms']:.3f} ms{moved}")
+        explains = d["canary_explains_pct"]
+        tracked = "" if explains is None else (
+            f", explains {explains[0]:.0f} % of the steps' round-to-round moves" if round(explains[0]) == round(explains[1])
+            else f", explains {explains[0]:.0f}–{explains[1]:.0f} % of the steps' round-to-round moves")
+        parts.append(f"speed canary {d['canary_ms']:.3f} ms{moved}{tracked}")
     for group, note in d["groups_annotated"].items():
         moved = ", ".join(f"{what} {note[key]:.0f} %" for what, key in
                           (("cells together moved", "common_shift_pct"), ("canary", "canary_shift_pct"))
