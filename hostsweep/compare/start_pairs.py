@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from hostsweep.compare import stats as S
+from hostsweep.config.grid import engine_label
 from hostsweep.compare.options import GATED, PAIRED, PAIRED_HOST, POINT, RawPairs
 from hostsweep.compare.options import device_error, finite_value
 from hostsweep.compare.quantity import Compared, paired_sides
@@ -65,7 +66,8 @@ def floor_text(pct: float) -> str:
 @dataclass(frozen=True)
 class NoiseFloor:
     """The between-start spread of a paired diff: the log start medians' variance of each side
-    of each paired cell, pooled over cells and sides (df = the sum of k - 1)."""
+    of each paired cell, averaged over the cells of an engine group and pooled over groups and
+    sides (df = k - 1 per group and side: a group's cells share its engine starts)."""
 
     var: float
     df: float
@@ -82,8 +84,13 @@ def paired_noise_floor(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any
     included (what flagged them is the machine's noise too: leaving them out would state a
     floor lower than the machine's, and a low floor lets a sequential gate's false alarms
     through); None when none is. Cells judged by paired rounds (base run ids in by_rounds)
-    have each side started once: no spread between starts to state."""
-    variances, dfs, cells = [], [], 0
+    have each side started once: no spread between starts to state. Degrees of freedom are
+    counted per engine group, not per cell."""
+    # per engine group and side: the cells' start-median spreads, and the starts' k - 1 df once,
+    # since the cells of a group share their engine starts (one machine move each), so a
+    # group's cells are not independent evidence of the spread
+    spreads: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    cells = 0
     for b, h in pairs:
         if str(b.get("run_id")) in by_rounds:
             continue
@@ -91,10 +98,11 @@ def paired_noise_floor(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any
         if not paired_starts(b, h, groups):
             continue
         cells += 1
-        for side in groups:
+        for i, side in enumerate(groups):
             var, df = S.start_spread(np.array([np.median(g) for g in side]))  # type: ignore[union-attr]
-            variances.append(float(var))
-            dfs.append(float(df))
+            spreads.setdefault((engine_label(b), i), []).append((float(var), float(df)))
+    variances = [float(np.mean([v for v, _ in group])) for group in spreads.values()]
+    dfs = [max(d for _, d in group) for group in spreads.values()]
     var, df = S.pooled(variances, dfs)
     return NoiseFloor(var, df, cells) if df else None
 

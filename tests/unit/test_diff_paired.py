@@ -195,7 +195,8 @@ def test_every_row_and_the_result_say_the_design(tmp_path: Path):
 def test_the_noise_floor_of_a_paired_aa_is_the_simulated_between_start_spread():
     """Each side's start medians spread by the machine's drift between start pairs and each
     start's own noise: sqrt(2² + 1²) = 2.24 % (the median's own noise, 0.2 % / sqrt(12), adds
-    nothing to speak of). 64 cells: 256 df."""
+    nothing to speak of). 64 cells of one engine group: their starts are the group's, so 2
+    sides x (3 - 1) = 4 df, not one set per cell."""
     drift, start = 0.02, 0.01
     truth = math.expm1(math.hypot(drift, start)) * 100
     estimates = []
@@ -203,11 +204,11 @@ def test_the_noise_floor_of_a_paired_aa_is_the_simulated_between_start_spread():
         base, head = paired_sweeps(np.random.default_rng([18, seed]), 1, drift=drift, start=start, within=0.002,
                                    cells=64)
         result = diff(*frames(base[0], head[0]), DiffOptions())
-        assert result.noise_floor_df == 64 * 2 * (K - 1)
+        assert result.noise_floor_df == 2 * (K - 1)
         estimates.append(result.noise_floor_pct)
     assert all(abs(e / truth - 1) < 0.2 for e in estimates), (truth, estimates)
     line = result.noise_floor_line()
-    assert line == (f"between-start spread on this machine: {floor_text(result.noise_floor_pct)} % (SD, 256 df): a "
+    assert line == (f"between-start spread on this machine: {floor_text(result.noise_floor_pct)} % (SD, 4 df): a "
                     f"sequential diff of two studies measured apart can pass diff.noise_floor_pct="
                     f"{floor_text(result.noise_floor_pct)} (a lower bound: studies measured further apart drift more)")
 
