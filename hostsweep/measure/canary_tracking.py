@@ -57,15 +57,17 @@ def tracking(observations: Iterable[tuple[RoundKey, int, float, Optional[float]]
     """The canary's tracking over (round key, cell index, step, canary) observations of one
     group; None with fewer than MIN_MOVES round-to-round moves, a canary that never moved, or
     steps that never moved together."""
-    steps: dict[int, dict[RoundKey, float]] = {}
+    logs: dict[int, dict[RoundKey, list[float]]] = {}
     canary: dict[RoundKey, list[float]] = {}
     for key, cell, step, value in observations:
         if step > 0 and math.isfinite(step):
-            steps.setdefault(cell, {})[key] = math.log(step)
+            logs.setdefault(cell, {}).setdefault(key, []).append(math.log(step))
         if value is not None and value > 0 and math.isfinite(value):
             canary.setdefault(key, []).append(math.log(value))
-    if not steps or not canary:
+    if not logs or not canary:
         return None
+    # a key a cell met more than once (a block of rounds): the mean of its log steps there
+    steps = {cell: {k: float(np.mean(v)) for k, v in row.items()} for cell, row in logs.items()}
     # each cell's log step less its own mean over the rounds it has: what the round did to it
     offsets = {cell: {k: v - float(np.mean(list(row.values()))) for k, v in row.items()} for cell, row in steps.items()}
     keys = sorted(set(canary) & {k for row in offsets.values() for k in row})
