@@ -58,7 +58,9 @@ def study(tmp_path_factory) -> dict:
 
 def test_stage_all_writes_a_report_that_states_the_verdict_on_tp2(study):
     out = study["proc"].stdout
-    verdict = re.search(r"held-out cpu TP-2: (validated|falsified|inconclusive) — (.+)", out)
+    # allreduce_mismatch: the calibrated T_ar (standalone gloo here) misses the in-situ all-reduce, so no
+    # falsification is read from the group (model/term_checks.py)
+    verdict = re.search(r"held-out cpu TP-2: (validated|falsified|inconclusive|allreduce_mismatch) — (.+)", out)
     assert verdict, out[-3000:]
     report = (study["report"] / "report.md").read_text()
     assert f"held-out cpu TP-2: **{verdict.group(1)}**" in report
