@@ -4,7 +4,8 @@
     hostsweep-model fit --cells outputs/.../cells.csv --calibration seed002-h100 --train-sku h100
     hostsweep-model synth --calibration seed002-h100 --out tp-study.csv   # cells from the TP study's [2] own numbers
     hostsweep-model whatif runs:/<run_id>/model --model llama-3.1-70b --sku h100 --batch 1 --ctx 2048
-    hostsweep-model allreduce --ranks 2 --out calib.yaml      # gloo here, NCCL on GPUs
+    hostsweep-model allreduce --ranks 2 --out calib.yaml      # vLLM's own TP all-reduce (shared memory on CPUs)
+    hostsweep-model allreduce --path standalone --ranks 2 --out calib.yaml   # the TP study's method (gloo, NCCL)
     hostsweep-model roofs --sku h100 --ray-address auto --out calib.yaml
     hostsweep-model host --experiment hostsweep-default --model tiny-llama --sku cpu --out calib.yaml
 Calibrations are logged as runs of the MLflow experiment "calibration".
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import asdict
 import sys
 from pathlib import Path
 
@@ -23,6 +25,7 @@ import pandas as pd
 import yaml
 
 from hostsweep.calibrate.fit_command import fit_arguments, fit_command, measured_cells, synth_arguments, synth_command
+from hostsweep.calibrate.microbench import roof_dtype
 from hostsweep.config.options import load_sku
 from hostsweep.config.redact import redact, redact_console, redact_log_records
 from hostsweep.config.schema import DEFAULT_TRACKING_URI, TRACKING_URI_ENV, ConfigError
@@ -59,25 +62,27 @@ def _write_calibration(path: str | None, section: str, values: dict) -> None:
 
 
 def allreduce_command(args: argparse.Namespace) -> int:
-    from hostsweep.calibrate.allreduce_bench import run_allreduce_sweep
-    from hostsweep.calibrate.microbench import run_on_sku
-    from hostsweep.model.fit import fit_allreduce
+    """λ, β on the engine's path (vLLM's own TP communicator) or standalone (torch.distributed,
+    the TP study's method); the calibration section records which (`path`, `method`): the
+    engine path's under `allreduce`, the standalone one under `allreduce_standalone`."""
+    from hostsweep.calibrate.allreduce_terms import measure_allreduce
     from hostsweep.record.registry import log_calibration
 
-    sku = load_sku(args.sku)
+    sku = asdict(load_sku(args.sku))
+    gpu = sku.get("accelerator_type") is not None
+    if args.path == "standalone" and args.backend == "nccl" and not gpu:
+        raise ConfigError(f"--backend nccl needs a GPU SKU; sku {args.sku} is a CPU")
     sizes = np.geomspace(args.min_bytes, args.max_bytes, args.points).astype(int)
-    gpus = args.ranks if args.backend == "nccl" else 0
-    frame = run_on_sku(run_allreduce_sweep, sku.accelerator_type, gpus, args.ray_address,
-                       args.ranks, sizes, args.reps, args.backend)
-    fit = fit_allreduce(frame["bytes"], frame["seconds"])
-    print(frame.to_string(index=False))
-    print(f"lambda = {fit.latency_s * 1e6:.1f} us, beta = {fit.bandwidth_Bps / 1e9:.2f} GB/s "
-          f"({args.ranks} ranks, {args.backend}, sku {args.sku})")
-    log_calibration(args.tracking_uri, "allreduce", args.sku,
-                    {"ranks": args.ranks, "backend": args.backend, "reps": args.reps},
-                    {"lambda_us": fit.latency_s * 1e6, "beta_gbps": fit.bandwidth_Bps / 1e9}, frame)
-    _write_calibration(args.out, "allreduce", {args.sku: {"latency_us": fit.latency_s * 1e6,
-                                                          "bandwidth_gbps": fit.bandwidth_Bps / 1e9}})
+    measured = measure_allreduce(args.path, sku, args.ranks, sizes, args.dtype or roof_dtype(gpu), args.ray_address,
+                                 reps=args.reps)
+    record = measured.record
+    print(measured.frame.to_string(index=False))
+    print(f"lambda = {record.latency_us:.1f} us, beta = {record.bandwidth_gbps:.2f} GB/s "
+          f"({record.method}, sku {args.sku})")
+    log_calibration(args.tracking_uri, "allreduce", args.sku, measured.params,
+                    {"lambda_us": record.latency_us, "beta_gbps": record.bandwidth_gbps}, measured.frame)
+    section = "allreduce" if args.path == "engine" else "allreduce_standalone"
+    _write_calibration(args.out, section, {args.sku: asdict(record)})
     return 0
 
 
@@ -88,15 +93,17 @@ def roofs_command(args: argparse.Namespace) -> int:
     sku = load_sku(args.sku)
     gpu = sku.accelerator_type is not None
     roofs = run_on_sku(measure_roofs, sku.accelerator_type, 1 if gpu else 0, args.ray_address,
-                       gpu, args.gemm_size, args.copy_mib)
+                       gpu, args.gemm_size, args.copy_mib, 5, args.dtype)
     datasheet = {"peak_bf16_tflops": sku.peak_bf16_tflops, "mem_bandwidth_gbps": sku.mem_bandwidth_gbps}
-    print(f"sku {args.sku}: {roofs['measured_tflops']:.2f} TFLOP/s ({roofs['gemm_dtype']} GEMM), "
+    print(f"sku {args.sku}: {roofs['measured_tflops']:.2f} TFLOP/s ({roofs['dtype']} GEMM, {roofs['matmul']}), "
           f"{roofs['measured_bandwidth_gbps']:.1f} GB/s copy; datasheet {datasheet}")
     log_calibration(args.tracking_uri, "roofs", args.sku, {**roofs, **datasheet},
                     {k: roofs[k] for k in ("measured_tflops", "measured_bandwidth_gbps")},
                     pd.DataFrame([{**roofs, **datasheet}]))
-    _write_calibration(args.out, "roofs", {args.sku: {k: roofs[k] for k in ("measured_tflops",
-                                                                           "measured_bandwidth_gbps")}})
+    values = {**{k: roofs[k] for k in ("measured_tflops", "measured_bandwidth_gbps")}, "dtype": roofs["dtype"],
+              "matmul": roofs["matmul"]}
+    _write_calibration(args.out, "roofs", {args.sku: values})
+    _write_calibration(args.out, "roofs_by_dtype", {f"{args.sku}/{roofs['dtype']}": values})
     return 0
 
 
@@ -136,9 +143,14 @@ def parser() -> argparse.ArgumentParser:
     whatif.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8], help="TP degrees to compare")
     whatif.add_argument("--min-gain", type=float, default=0.10,
                         help="a doubling that gains less than this fraction of the step stops helping")
-    ar = sub.add_parser("allreduce", help="all-reduce microbenchmark: fit lambda and beta")
-    ar.add_argument("--ranks", type=int, default=2, help="ranks taking part (GPUs with nccl)")
-    ar.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="gloo on CPUs, nccl on GPUs")
+    ar = sub.add_parser("allreduce", help="all-reduce on the engine's path (or standalone): fit lambda and beta")
+    ar.add_argument("--path", choices=["engine", "standalone"], default="engine",
+                    help="engine: through vLLM's own TP communicator (shared memory on the CPU build, custom "
+                         "all-reduce or NCCL on GPUs); standalone: torch.distributed, the TP study's method")
+    ar.add_argument("--ranks", type=int, default=2, help="ranks taking part (the TP degree; GPUs on a GPU SKU)")
+    ar.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
+                    help="standalone only, and chosen from the SKU: gloo on CPUs, nccl on GPUs")
+    ar.add_argument("--dtype", default=None, help="message dtype (default: what engine.dtype=auto resolves to)")
     ar.add_argument("--min-bytes", type=float, default=4e3, help="smallest message, bytes")
     ar.add_argument("--max-bytes", type=float, default=32e6, help="largest message, bytes")
     ar.add_argument("--points", type=int, default=12, help="message sizes, log-spaced between the two")
@@ -150,6 +162,7 @@ def parser() -> argparse.ArgumentParser:
     roofs.add_argument("--sku", default="cpu", help="SKU to measure (a conf/sku name)")
     roofs.add_argument("--gemm-size", type=int, default=4096, help="n of the n x n x n GEMM")
     roofs.add_argument("--copy-mib", type=int, default=512, help="MiB copied for the bandwidth")
+    roofs.add_argument("--dtype", default=None, help="GEMM and copy dtype (default: what engine.dtype=auto resolves to)")
     roofs.add_argument("--out", default=None, help="merge the roofs into this calibration YAML")
     roofs.add_argument("--ray-address", default=None, help="run as a Ray task on a node of --sku")
     host = sub.add_parser("host", help="H(N) from host_ms of tp=1 split cells")

@@ -25,23 +25,60 @@ def _median_seconds(action: Callable[[], None], sync: Callable[[], None], reps: 
     return float(np.median(times))
 
 
-def measure_roofs(gpu: bool, gemm_size: int = 4096, copy_mib: int = 512, reps: int = 5) -> dict[str, Any]:
-    """Achieved dense GEMM FLOP/s (bf16 on GPUs, float32 on CPUs) and copy bandwidth."""
+def _engine_gemm(a: Any, b: Any, gpu: bool) -> tuple[Callable[[], Any], str]:
+    """The GEMM as the engine's linear layers run it, and its name. On the CPU build vLLM's
+    unquantized linear layers call vLLM's own oneDNN matmul (`_C::onednn_mm` on a handle
+    built from the transposed weight; vllm model_executor/layers/utils.py
+    dispatch_cpu_unquantized_gemm), not torch.mm: that op is timed here where vLLM has it.
+    (On AMX CPUs vLLM sends small projections to its sgl-kernel GEMM instead; a roof is a
+    large GEMM, which stays on oneDNN there too.) On GPUs the unquantized linear is
+    torch's matmul (cuBLAS)."""
+    import torch
+
+    if not gpu:
+        try:
+            from vllm import _custom_ops as ops
+
+            if ops._supports_onednn:
+                handle = ops.create_onednn_mm(b.t().contiguous().t(), 32)  # [K, N] over an [N, K] weight
+                return (lambda: ops.onednn_mm(handle, a, None)), "vllm _C::onednn_mm (oneDNN, the engine's linear)"
+        except (ImportError, RuntimeError, AttributeError):
+            pass  # no vLLM CPU build here: torch's matmul, and the roof says so
+    return (lambda: torch.mm(a, b)), "torch.mm" + (" (cuBLAS)" if gpu else "")
+
+
+def roof_dtype(gpu: bool, dtype: Optional[str] = None) -> str:
+    """The dtype the roofs run in: the engines' (their cells' recorded `dtype`, passed in),
+    else what `engine.dtype=auto` resolves to on this machine (config/machine.default_dtype,
+    the rule config/resolve.py applies before the engine starts)."""
+    if dtype and dtype != "auto":
+        return dtype
+    from hostsweep.config.machine import cpu_flags, default_dtype
+
+    return default_dtype(gpu, cpu_flags())
+
+
+def measure_roofs(gpu: bool, gemm_size: int = 4096, copy_mib: int = 512, reps: int = 5,
+                  dtype: Optional[str] = None) -> dict[str, Any]:
+    """Achieved dense GEMM FLOP/s and copy bandwidth in the engine's dtype (roof_dtype), the
+    GEMM through the engine's matmul path (_engine_gemm)."""
     import torch
 
     device = torch.device("cuda") if gpu else torch.device("cpu")
-    dtype = torch.bfloat16 if gpu else torch.float32
+    dtype_name = roof_dtype(gpu, dtype)
+    torch_dtype = getattr(torch, dtype_name)
     sync = torch.cuda.synchronize if gpu else (lambda: None)
-    a = torch.randn(gemm_size, gemm_size, device=device, dtype=dtype)
-    b = torch.randn(gemm_size, gemm_size, device=device, dtype=dtype)
-    gemm_s = _median_seconds(lambda: torch.mm(a, b), sync, reps)
-    numel = copy_mib * 2 ** 20 // torch.finfo(dtype).bits * 8
-    src, dst = torch.empty(numel, device=device, dtype=dtype), torch.empty(numel, device=device, dtype=dtype)
+    a = torch.randn(gemm_size, gemm_size, device=device, dtype=torch_dtype)
+    b = torch.randn(gemm_size, gemm_size, device=device, dtype=torch_dtype)
+    gemm, matmul = _engine_gemm(a, b, gpu)
+    gemm_s = _median_seconds(gemm, sync, reps)
+    numel = copy_mib * 2 ** 20 // torch.tensor([], dtype=torch_dtype).element_size()
+    src, dst = (torch.empty(numel, device=device, dtype=torch_dtype) for _ in range(2))
     copy_s = _median_seconds(lambda: dst.copy_(src), sync, reps)
     moved = 2 * numel * src.element_size()  # a copy reads and writes every byte
     return {"measured_tflops": 2 * gemm_size ** 3 / gemm_s / 1e12, "measured_bandwidth_gbps": moved / copy_s / 1e9,
-            "gemm_dtype": str(dtype).replace("torch.", ""), "gemm_size": gemm_size, "copy_mib": copy_mib,
-            "device": torch.cuda.get_device_name(0) if gpu else "cpu"}
+            "dtype": dtype_name, "gemm_dtype": dtype_name, "matmul": matmul, "gemm_size": gemm_size,
+            "copy_mib": copy_mib, "device": torch.cuda.get_device_name(0) if gpu else "cpu"}
 
 
 def run_on_sku(function: Callable[..., Any], accelerator_type: Optional[str], gpus: int,

@@ -21,6 +21,10 @@ STAGES = stage_names()
 # Where the fit stage takes each SKU's roofs and H(N) from (see FitConfig).
 ROOF_SOURCES = ("auto", "datasheet", "measured")
 HOST_SOURCES = ("auto", "calibration", "cells")
+# Which all-reduce T_ar is fitted with (FitConfig.allreduce, AllReduceCalibration.path): the
+# engine's own communicator, or the standalone torch.distributed microbenchmark (the TP study's
+# method). The names match model/term_checks.ENGINE and STANDALONE.
+ALLREDUCE_PATHS = ("engine", "standalone")
 # The one engine registry: engine.name -> "module:Class", imported only where a worker
 # starts that engine (hostsweep.engines.base.start_engine).
 ENGINES = {
@@ -277,10 +281,15 @@ class FaultsConfig:
 
 @dataclass
 class AllReduceCalibration:
-    """λ and β of t = λ + bytes/β, from the all-reduce microbenchmark on one SKU."""
+    """λ and β of t = λ + bytes/β, from an all-reduce measured on one SKU."""
 
     latency_us: float = MISSING
     bandwidth_gbps: float = MISSING
+    # engine: through the communicator vLLM's TP group uses (calibrate/engine_allreduce.py);
+    # standalone: a torch.distributed all_reduce (the TP study's method). A calibration that
+    # records no path (a paper's reported values) is standalone.
+    path: str = "standalone"
+    method: str = ""  # what ran, e.g. the communicator and the path its trace showed, ranks, dtype
 
 
 @dataclass
@@ -297,6 +306,8 @@ class RoofsCalibration:
 
     measured_tflops: float = MISSING
     measured_bandwidth_gbps: float = MISSING
+    dtype: Optional[str] = None  # the GEMM's and copy's dtype (null: not recorded)
+    matmul: str = ""  # the matmul path the GEMM took, where known (e.g. oneDNN on the CPU build)
 
 
 @dataclass
@@ -307,6 +318,10 @@ class CalibrationConfig:
     allreduce: dict[str, AllReduceCalibration] = field(default_factory=dict)  # by SKU
     host: HostCalibration = field(default_factory=HostCalibration)
     roofs: dict[str, RoofsCalibration] = field(default_factory=dict)  # by SKU
+    # The paper's method recorded beside the engine path's: standalone all-reduce fits by SKU
+    allreduce_standalone: dict[str, AllReduceCalibration] = field(default_factory=dict)
+    # One roof per (SKU, dtype) for a study whose cells mix dtypes, keyed "<sku>/<dtype>"
+    roofs_by_dtype: dict[str, RoofsCalibration] = field(default_factory=dict)
 
 
 @dataclass
@@ -337,6 +352,9 @@ class FitConfig:
     # Roofs of T_cmp per SKU: datasheet (conf/sku), measured (calibration roofs), or auto:
     # datasheet where the SKU has them, measured otherwise (the CPU).
     roofs: str = "auto"
+    # T_ar: engine (the all-reduce through vLLM's own communicator for the SKU and TP degree) or
+    # standalone (a torch.distributed all-reduce, the TP study's method); both are recorded
+    allreduce: str = "engine"
     # H(N): calibration (its host section), cells (fitted to host_ms of the train SKU's
     # TP-1 split cells), or auto: the calibration's when it has one (non-zero), else the cells'.
     host: str = "auto"

@@ -43,6 +43,12 @@ def model_inputs(measured: pd.DataFrame, shapes: Mapping[str, Mapping[str, Any]]
     frame["peak_flops"] = [float(skus[s][flops_key]) * 1e12 for s in frame["sku"]]
     frame["mem_bw"] = [float(skus[s][bw_key]) * 1e9 for s in frame["sku"]]
     frame["device_memory_bytes"] = [float(skus[s]["device_memory_gib"]) * GIB for s in frame["sku"]]
+    if "dtype" in frame:  # a SKU measured in several dtypes: each cell on its own dtype's roof
+        for row, (sku, dtype) in enumerate(zip(frame["sku"], frame["dtype"])):
+            roof = skus[sku].get("roofs_by_dtype", {}).get(dtype)
+            if roof is not None:
+                frame.iloc[row, frame.columns.get_loc("peak_flops")] = float(roof["peak_bf16_tflops"]) * 1e12
+                frame.iloc[row, frame.columns.get_loc("mem_bw")] = float(roof["mem_bandwidth_gbps"]) * 1e9
     if "dtype_bytes" not in frame:
         dtypes = frame["dtype"] if "dtype" in frame else pd.Series("bfloat16", index=frame.index)
         frame["dtype_bytes"] = [DTYPE_BYTES[d] for d in dtypes]

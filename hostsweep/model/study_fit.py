@@ -27,7 +27,7 @@ from hostsweep.model.hostforms import (DEFAULT_FORM, FORMS, FittedForm, ScaleFit
 from hostsweep.model.inputs import in_regime
 from hostsweep.model.resolution import inconclusive_noise, overall_noise
 from hostsweep.model.term_checks import (ALLREDUCE_MISMATCH, INSITU_COLUMNS, SPLIT_COLUMNS, STANDALONE,
-                                         allreduce_path, guard_group, host_path)
+                                         allreduce_path, guard_group, host_path, path_of)
 from hostsweep.model.verdict import falsifying_threshold, host_family_verdict, overall_verdict
 
 SCHEMA = "hostsweep.fit/1"
@@ -45,18 +45,42 @@ class CalibrationTerms:
     # "engine" when H(N) was fitted to the engine's own TP-1 host time, else the calibration's
     # line (model/term_checks.host_path): the falsification guard reads it
     host_path: str = STANDALONE
+    # By SKU, the path T_ar was measured on (ENGINE / STANDALONE) and what ran (the guard and
+    # the report read them); the standalone fits (the TP study's method) recorded beside
+    allreduce_paths: dict[str, str] = field(default_factory=dict)
+    allreduce_methods: dict[str, str] = field(default_factory=dict)
+    allreduce_standalone: dict[str, AllReduceFit] = field(default_factory=dict)
+    allreduce_standalone_methods: dict[str, str] = field(default_factory=dict)
+    allreduce_requested: str = ""  # fit.allreduce (engine | standalone); "" where no stage chose
 
     def to_dict(self) -> dict[str, Any]:
+        def fits(items: dict[str, AllReduceFit], paths: dict[str, str], methods: dict[str, str]) -> dict[str, Any]:
+            return {sku: {"latency_us": f.latency_s * 1e6, "bandwidth_gbps": f.bandwidth_Bps / 1e9,
+                          "path": paths.get(sku, STANDALONE), "method": methods.get(sku, "")}
+                    for sku, f in items.items()}
+
+        standalone = {sku: STANDALONE for sku in self.allreduce_standalone}
         return {"host": {"s0_ms": self.host.s0_s * 1e3, "s1_ms": self.host.s1_s * 1e3, "path": self.host_path},
-                "allreduce": {sku: {"latency_us": f.latency_s * 1e6, "bandwidth_gbps": f.bandwidth_Bps / 1e9}
-                              for sku, f in self.allreduce.items()}, "roofs": self.roofs}
+                "allreduce": fits(self.allreduce, self.allreduce_paths, self.allreduce_methods),
+                "allreduce_requested": self.allreduce_requested,
+                "allreduce_standalone": fits(self.allreduce_standalone, standalone, self.allreduce_standalone_methods),
+                "roofs": self.roofs}
 
 
 def calibration_terms(calibration: CalibrationConfig) -> CalibrationTerms:
     allreduce = {sku: AllReduceFit(v.latency_us * 1e-6, v.bandwidth_gbps * 1e9)
                  for sku, v in calibration.allreduce.items()}
     host = HostFit(calibration.host.s0_ms * 1e-3, calibration.host.s1_ms * 1e-3)
-    return CalibrationTerms(allreduce, host, {sku: asdict(r) for sku, r in calibration.roofs.items()})
+    roofs = {sku: asdict(r) for sku, r in calibration.roofs.items()}
+    roofs.update({key: asdict(r) for key, r in calibration.roofs_by_dtype.items()})
+    standalone = {sku: AllReduceFit(v.latency_us * 1e-6, v.bandwidth_gbps * 1e9)
+                  for sku, v in calibration.allreduce_standalone.items()}
+    return CalibrationTerms(allreduce, host, roofs,
+                            allreduce_paths={sku: path_of(v) for sku, v in calibration.allreduce.items()},
+                            allreduce_methods={sku: v.method for sku, v in calibration.allreduce.items()},
+                            allreduce_standalone=standalone,
+                            allreduce_standalone_methods={sku: v.method
+                                                          for sku, v in calibration.allreduce_standalone.items()})
 
 
 @dataclass(frozen=True)

@@ -128,8 +128,14 @@ def _terms(fit: dict[str, Any], ctx: Context) -> list:
     text = (f"g = {scale['g']:.3f} fitted on {scale['cells']} in-regime cells of sku {options['train_sku']} "
             f"TP {options['train_tp']} ({scale['method']}); with the out-of-regime cells of that selection "
             f"g = {scale['g_with_out_of_regime']:.3f}. Model form `{options['form']}`, bound `{options['bound']}`.")
-    return [Heading("Fixed terms and the fitted scale"), Text(text),
-            Table(pd.DataFrame(ctx.sources), "where each fixed term came from")]
+    blocks = [Heading("Fixed terms and the fitted scale"), Text(text),
+              Table(pd.DataFrame(ctx.sources), "where each fixed term came from")]
+    paths = fit_tables.allreduce_paths_table(fit.get("calibration", {}))
+    if not paths.empty:  # T_ar's path: the engine's communicator, or the TP study's standalone method
+        blocks += [Text(fit_tables.allreduce_paths_text(paths) or "T_ar per SKU, on the path each was measured on:"),
+                   Table(paths, "T_ar in use (path_used, what ran) beside the standalone all-reduce, the TP "
+                         "study's method")]
+    return blocks
 
 
 def _heldout(fit: dict[str, Any], pred: pd.DataFrame, groups: pd.DataFrame, forms: pd.DataFrame,

@@ -203,3 +203,27 @@ def _group_regime(regimes: pd.Series) -> str:
     if "undetermined" in found:
         return "undetermined"
     return found.pop() if len(found) == 1 else "mixed"
+
+
+def allreduce_paths_table(calibration: dict[str, Any]) -> pd.DataFrame:
+    """Per SKU, the T_ar the fit used (its path and what ran) beside the standalone
+    all-reduce (the TP study's method) where one was recorded: fit.json's calibration."""
+    requested = calibration.get("allreduce_requested") or ""
+    beside = calibration.get("allreduce_standalone", {})
+    rows = []
+    for sku, used in calibration.get("allreduce", {}).items():
+        other = beside.get(sku) if used.get("path") != "standalone" else None
+        rows.append({"sku": sku, "fit.allreduce": requested, "path_used": used.get("path", "standalone"),
+                     "lambda_us": used["latency_us"], "beta_gbps": used["bandwidth_gbps"],
+                     "method": used.get("method", ""),
+                     "standalone_lambda_us": other["latency_us"] if other else np.nan,
+                     "standalone_beta_gbps": other["bandwidth_gbps"] if other else np.nan})
+    return pd.DataFrame(rows)
+
+
+def allreduce_paths_text(table: pd.DataFrame) -> str:
+    """One sentence per SKU whose T_ar is not on the path fit.allreduce asked for."""
+    off = table[(table["fit.allreduce"] != "") & (table["fit.allreduce"] != table["path_used"])]
+    return " ".join(f"**sku {r['sku']}: fit.allreduce={r['fit.allreduce']} but T_ar is the {r['path_used']} "
+                    "all-reduce (the engine's path could not be measured): NOT ON THE ENGINE'S PATH.**"
+                    for _, r in off.iterrows())

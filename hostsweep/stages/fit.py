@@ -95,11 +95,14 @@ def fit_selection(study: Study, selection: Selection, run_dir: Path) -> StudyFit
         raise ConfigError(f"{exc} ({exclusion.describe()})") from None
     extra = {"study": study.name, "experiment": selection.experiment, "mode": cfg.fit.mode,
              "cells": len(cells), "sweep_runs": ",".join(selection.parent_runs)[:500],
+             "fit.allreduce": cfg.fit.allreduce, **{f"allreduce_path.{sku}": path
+                                                    for sku, path in fixed.terms.allreduce_paths.items()},
              **{f"{s['term']}_source.{s['sku']}": s["source"] for s in fixed.sources}}
     host_line = {**fixed.host_line.values(), "fitted": fixed.host_line.describe()} if fixed.host_line else None
     # H fitted to the TP-1 cells' own host time is on the engine's path; the calibration's line is
     # a microbenchmark's (or a paper's): the falsification guard says which (model/term_checks.py)
-    terms = replace(fixed.terms, host_path=ENGINE if fixed.host_line else STANDALONE)
+    terms = replace(fixed.terms, host_path=ENGINE if fixed.host_line else STANDALONE,
+                    allreduce_requested=cfg.fit.allreduce)
     outcome = fit_and_log(cells, terms, fixed.skus, options, run_dir / "fit" / "fit.json", cfg.tracking.uri,
                           cfg.fit.models_experiment, "datasheet", extra_params=extra, exclusion=exclusion,
                           host_line=host_line)

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from hostsweep.calibrate.microbench import measure_roofs, run_on_sku
+from hostsweep.calibrate.microbench import measure_roofs, roof_dtype, run_on_sku
 from hostsweep.config.machine import cpu_flags, cpu_model_name, cpuinfo
 from hostsweep.model.host_calibration import calibrate_host
 from hostsweep.record.provenance import driver_tags, git_sha, package_version
@@ -87,4 +87,4 @@ def test_host_calibration_needs_two_batch_sizes():
 def test_roofs_on_the_cpu_are_positive_and_run_in_process_without_an_address():
     roofs = run_on_sku(measure_roofs, None, 0, None, False, 256, 8)
     assert roofs["measured_tflops"] > 0 and roofs["measured_bandwidth_gbps"] > 0
-    assert roofs["gemm_dtype"] == "float32" and roofs["device"] == "cpu"
+    assert roofs["gemm_dtype"] == roofs["dtype"] == roof_dtype(False) and roofs["device"] == "cpu"
