@@ -55,12 +55,28 @@ def record_thread_states(pid: int, seconds: float, workload: Callable[[], None])
     background, which on a loaded machine took the whole window (the view then held the
     worker and not its engine). A py-spy of one process samples `seconds` from the moment
     it is attached, so the workload runs until every one has its window, however long the
-    attaching takes."""
+    attaching takes. A process whose py-spy failed and is still alive gets one more window
+    (on a loaded machine a clean-clone CI run once came back without the engine's view)."""
     binary = pyspy_binary()
     if binary is None:
         log.info("py-spy is not installed: skipping the thread-state view")
         return None
     tree = process_tree(pid)
+    recorded = _record(binary, tree, seconds, workload)
+    retry = [(proc, name) for proc, name in tree if proc not in recorded and psutil.pid_exists(proc)]
+    if retry:
+        recorded |= _record(binary, retry, seconds, workload, final=True)
+    if pid not in recorded:
+        return None
+    views = {idle: "".join(label_process(recorded[proc][idle], proc, name) for proc, name in tree if proc in recorded)
+             for idle in (True, False)}
+    return thread_states(views[True], views[False])
+
+
+def _record(binary: str, tree: list[tuple[int, str]], seconds: float, workload: Callable[[], None],
+            final: bool = False) -> dict[int, dict[bool, str]]:
+    """Both views (idle included or not) of each process of `tree` that py-spy recorded; a
+    failure is logged, at WARNING on the last try."""
     with tempfile.TemporaryDirectory() as folder:
         outputs = {(proc, idle): Path(folder) / f"{proc}-{idle}.txt" for proc, _ in tree for idle in (True, False)}
         recorders = {(proc, idle): _recorder(binary, proc, seconds, output, idle)
@@ -70,17 +86,14 @@ def record_thread_states(pid: int, seconds: float, workload: Callable[[], None])
             workload()
             if time.monotonic() > deadline + ATTACH_GRACE_S:
                 break
-        views: dict[bool, list[str]] = {True: [], False: []}
+        level = logging.WARNING if final else logging.INFO
+        recorded = {}
         for proc, name in tree:
-            level = logging.WARNING if proc == pid else logging.INFO
-            texts = {idle: _finish(recorders[(proc, idle)], outputs[(proc, idle)], proc, level) for idle in views}
-            if None in texts.values():
-                if proc == pid:
-                    return None
-                continue  # a child that is not Python, or exited: the rest of the tree still tells
-            for idle, text in texts.items():
-                views[idle].append(label_process(text, proc, name))
-        return thread_states("".join(views[True]), "".join(views[False]))
+            texts = {idle: _finish(recorders[(proc, idle)], outputs[(proc, idle)], proc, name, level)
+                     for idle in (True, False)}
+            if None not in texts.values():  # else not Python, or exited: the rest of the tree still tells
+                recorded[proc] = texts
+        return recorded
 
 
 # How long past its window a py-spy may take to attach and finish before it is stopped
@@ -88,7 +101,7 @@ def record_thread_states(pid: int, seconds: float, workload: Callable[[], None])
 ATTACH_GRACE_S = 30.0
 
 
-def _finish(recorder: subprocess.Popen, output: Path, pid: int, level: int) -> Optional[str]:
+def _finish(recorder: subprocess.Popen, output: Path, pid: int, name: str, level: int) -> Optional[str]:
     """What one py-spy recorded, or None (logged) if it failed."""
     if recorder.poll() is None:
         recorder.send_signal(signal.SIGINT)
@@ -98,6 +111,7 @@ def _finish(recorder: subprocess.Popen, output: Path, pid: int, level: int) -> O
         recorder.kill()
         _, err = recorder.communicate()
     if recorder.returncode != 0 or not output.is_file():
-        log.log(level, "py-spy of process %s failed (%s): %s", pid, recorder.returncode, (err or "").strip()[-500:])
+        log.log(level, "py-spy of process %s (%s) failed (%s): %s", pid, name, recorder.returncode,
+                (err or "").strip()[-500:])
         return None
     return output.read_text()

@@ -73,3 +73,25 @@ def test_a_child_py_spy_cannot_record_is_left_out_and_the_rest_kept(stand_in, mo
         child.wait()
     assert states is not None  # pytest's other children (earlier tests' servers) may be in it too
     assert str(os.getpid()) in set(states["pid"]) and str(child.pid) not in set(states["pid"])
+
+
+def test_a_child_whose_first_py_spy_fails_gets_one_more_window(stand_in, monkeypatch):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    real, tries = pyspy._recorder, []
+
+    def fail_the_childs_first(binary, pid, seconds, output, idle):
+        if pid == child.pid:
+            tries.append(idle)
+            if len(tries) <= 2:  # both views of the first window
+                return real("/bin/false", pid, seconds, output, idle)
+        return real(binary, pid, seconds, output, idle)
+
+    monkeypatch.setattr(pyspy, "_recorder", fail_the_childs_first)
+    monkeypatch.setenv("SLOW_ATTACH_S", "0")
+    try:
+        states = pyspy.record_thread_states(os.getpid(), 1.0, lambda: time.sleep(0.05))
+    finally:
+        child.kill()
+        child.wait()
+    assert len(tries) == 4
+    assert states.groupby("pid")["samples"].sum().get(str(child.pid)) == 200
