@@ -49,6 +49,22 @@ def run_concurrently(jobs: dict[Hashable, Callable[[], T]]) -> dict[Hashable, T]
         return {key: future.result() for key, future in futures.items()}
 
 
+@pytest.fixture(autouse=True)
+def unit_tests_spawn_no_vllm_ranks(request, monkeypatch):
+    """The engine-path all-reduce spawns vLLM ranks (tens of seconds, and its outcome is the
+    machine's): only an integration test may reach it. A unit test that does fails at once,
+    naming the fix."""
+    if request.node.get_closest_marker("integration"):
+        return
+    import hostsweep.calibrate.engine_allreduce as engine_allreduce
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a unit test reached the real engine-path all-reduce: give its calibration an "
+                             "all-reduce entry with path: engine, or mark the test integration")
+
+    monkeypatch.setattr(engine_allreduce, "run_engine_allreduce", refuse)
+
+
 @pytest.fixture(scope="session")
 def empty_store_file(tmp_path_factory) -> Path:
     """An empty MLflow sqlite store, created once: MLflow creates and migrates a new one in

@@ -212,11 +212,16 @@ def run_engine_allreduce(ranks: int, sizes: np.ndarray, reps: int, dtype: str = 
     if not ranks <= len(os.sched_getaffinity(0)):
         raise ValueError(f"{ranks} ranks need at least {ranks} CPU cores, this process has "
                          f"{len(os.sched_getaffinity(0))}")
+    from hostsweep.run.hygiene import scratch_for_vllm
+
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
-    mp.start_processes(_rank_main, args=(ranks, _free_port(), [int(s) for s in sizes], reps, dtype,
-                                         disable_custom_all_reduce, queue),
-                       nprocs=ranks, join=True, start_method="spawn")
+    # the ranks' vLLM message queues bind IPC sockets: in a folder of this call's own, as an
+    # engine's are (run/hygiene.py), never one a closed engine left named in the environment
+    with scratch_for_vllm():
+        mp.start_processes(_rank_main, args=(ranks, _free_port(), [int(s) for s in sizes], reps, dtype,
+                                             disable_custom_all_reduce, queue),
+                           nprocs=ranks, join=True, start_method="spawn")
     rows, communicator = queue.get()
     frame = pd.DataFrame(rows)
     frame["communicator"], frame["ranks"], frame["dtype"] = communicator, ranks, dtype

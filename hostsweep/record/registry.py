@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import warnings
 from typing import Any, Callable, Mapping
 
@@ -36,6 +37,13 @@ class TPLatencyPyfunc(mlflow.pyfunc.PythonModel):
         return self.predict_rows(self.spec, model_input)[["step_ms"]]
 
 
+def mlflow_key(name: str) -> str:
+    """`name` as a key MLflow accepts (letters, digits and _ - . /): each run of anything else
+    becomes one underscore, so a term named for a reader ("allreduce (standalone, beside)")
+    still logs: 'allreduce (standalone, beside)_source.cpu' -> 'allreduce_standalone_beside_source.cpu'."""
+    return re.sub(r"_+", "_", re.sub(r"[^\w.\-/]+", "_", name)).strip("_") or "unnamed"
+
+
 def log_model_fit(tracking_uri: str, experiment: str, run_name: str, params: dict[str, object],
                   metrics: dict[str, float], tables: dict[str, pd.DataFrame], spec: dict,
                   predict_rows: PredictRows, input_columns: tuple[str, ...],
@@ -52,7 +60,7 @@ def log_model_fit(tracking_uri: str, experiment: str, run_name: str, params: dic
         warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer", category=UserWarning)
         signature = infer_signature(example, predict_rows(spec, example)[["step_ms"]])
     with mlflow.start_run(experiment_id=tracker_experiment, run_name=run_name) as run:
-        mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
+        mlflow.log_params({mlflow_key(k): str(v)[:500] for k, v in params.items()})
         mlflow.log_metrics({k: v for k, v in metrics.items() if math.isfinite(v)})
         for name, table in tables.items():
             mlflow.log_text(table.to_csv(index=False), f"{name}.csv")

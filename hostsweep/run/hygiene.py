@@ -149,6 +149,28 @@ def engine_temp_folder(folder: Path, environ: MutableMapping[str, str] = os.envi
             environ["TMPDIR"] = before_env
 
 
+def remove_engine_temp_folder(folder: Path, environ: MutableMapping[str, str] = os.environ) -> None:
+    """Remove an engine's scratch folder, and VLLM_RPC_BASE_PATH with it where it still names
+    that folder: left set, the next vLLM process this one starts (another engine, or the
+    all-reduce calibration's ranks, which inherit the environment) binds its sockets in a
+    folder that no longer exists and fails."""
+    shutil.rmtree(folder, ignore_errors=True)
+    if environ.get(VLLM_IPC_ENV) == str(folder):
+        environ.pop(VLLM_IPC_ENV)
+
+
+@contextmanager
+def scratch_for_vllm() -> Iterator[Path]:
+    """A scratch folder that vLLM processes started inside the block put their IPC sockets
+    and rendezvous files in (engine_temp_folder), removed with VLLM_RPC_BASE_PATH after."""
+    folder = new_scratch_folder()
+    try:
+        with engine_temp_folder(folder):
+            yield folder
+    finally:
+        remove_engine_temp_folder(folder)
+
+
 def _running(pid: int) -> bool:
     """Alive and not a zombie (a killed worker whose parent died too may stay one a while)."""
     try:

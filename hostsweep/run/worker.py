@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import sys
 import time
 import traceback
@@ -40,7 +39,8 @@ from hostsweep.run.rounds import RoundJournal, round_journal
 from hostsweep.run.faults import EngineDied
 from hostsweep.run.hygiene import (
     descendant_pids, engine_temp_folder, freeze_long_lived, new_scratch_folder, release_ray_thread_limits,
-    release_shared_memory, remove_stale_scratch, restore_affinity, restore_priority, restore_scheduler,
+    release_shared_memory, remove_engine_temp_folder, remove_stale_scratch, restore_affinity, restore_priority,
+    restore_scheduler,
 )
 from hostsweep.run.liveness import EngineWatch, engine_processes
 from hostsweep.run.placement import hand_gpus_to_ranks
@@ -193,7 +193,7 @@ class SweepWorker(SplitProfiling):
             log.warning("the engine's shared memory may be left in /dev/shm (the resource tracker did not stop)")
 
     def _remove_scratch(self) -> None:
-        shutil.rmtree(self.scratch, ignore_errors=True)
+        remove_engine_temp_folder(self.scratch)
 
     def _timed_generate(self, prompts: list[list[int]], spec_log: Optional[list[list[dict]]] = None,
                         engine: Optional[Engine] = None):

@@ -104,7 +104,7 @@ def test_the_fit_stage_reads_its_cells_back_through_the_server(pg_server, tmp_pa
 
     monkeypatch.chdir(tmp_path)
     calibration = tmp_path / "calibration.yaml"  # the CPU's terms given, so nothing is microbenchmarked
-    calibration.write_text(yaml.safe_dump({"allreduce": {"cpu": {"latency_us": 40.0, "bandwidth_gbps": 5.0}},
+    calibration.write_text(yaml.safe_dump({"allreduce": {"cpu": {"latency_us": 40.0, "bandwidth_gbps": 5.0, "path": "engine"}},
                                            "roofs": {"cpu": {"measured_tflops": 0.5, "measured_bandwidth_gbps": 20.0}},
                                            "host": {"s0_ms": 0.5, "s1_ms": 0.0}}))
     study = [f"tracking.uri={server.uri}", "study=pg-fit", "tp=[1,2]", "batch=[1,2]", "ctx=[16]", "+sku=cpu",

@@ -36,7 +36,7 @@ def server(tmp_path_factory, new_store):
 def stage_all(server, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("secret-all")
     calibration = root / "calibration.yaml"  # the CPU's roofs and all-reduce, so nothing is microbenchmarked
-    calibration.write_text(yaml.safe_dump({"allreduce": {"cpu": {"latency_us": 40.0, "bandwidth_gbps": 5.0}},
+    calibration.write_text(yaml.safe_dump({"allreduce": {"cpu": {"latency_us": 40.0, "bandwidth_gbps": 5.0, "path": "engine"}},
                                            "roofs": {"cpu": {"measured_tflops": 0.5,
                                                              "measured_bandwidth_gbps": 20.0}}}))
     host = server.uri.split("://", 1)[1]

@@ -210,3 +210,18 @@ def test_a_roof_recorded_in_another_dtype_is_not_used_for_the_cells():
                                     host=HostCalibration(1.0, 0.0))
     with pytest.raises(ConfigError, match="sku cpu needs measured roofs in bfloat16"):
         fixed_terms(cells, "cpu", calibration, FitConfig(calibrate=False, roofs="measured"), "unused", None)
+
+
+@pytest.mark.parametrize("name,key", [
+    ("allreduce (standalone, beside)_source.cpu", "allreduce_standalone_beside_source.cpu"),
+    ("allreduce_path.h100", "allreduce_path.h100"),
+    ("fit.allreduce", "fit.allreduce"),
+    ("roofs/bf16 (oneDNN)", "roofs/bf16_oneDNN"),
+])
+def test_a_term_named_for_a_reader_logs_under_a_key_mlflow_accepts(name, key):
+    from mlflow.utils.validation import _validate_param_name
+
+    from hostsweep.record.registry import mlflow_key
+
+    assert mlflow_key(name) == key
+    _validate_param_name(mlflow_key(name))

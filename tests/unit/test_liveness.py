@@ -233,3 +233,28 @@ def test_an_engine_started_in_its_temp_folder_names_its_sockets_and_rendezvous_t
                 assert pool.apply(tempfile.gettempdir) == str(tmp_path), method
     assert tempfile.gettempdir() == before and "TMPDIR" not in os.environ
     assert os.environ[VLLM_IPC_ENV] == str(tmp_path)  # vLLM reads it each time it opens a socket
+
+
+def test_removing_an_engines_scratch_folder_unsets_the_ipc_path_that_names_it(tmp_path, monkeypatch):
+    """A closed engine's folder must not stay named in VLLM_RPC_BASE_PATH: the next vLLM
+    process this one starts (the all-reduce calibration's ranks) would bind its sockets in a
+    folder that is gone. A path set to another folder is left alone."""
+    from hostsweep.run.hygiene import remove_engine_temp_folder, scratch_for_vllm
+
+    monkeypatch.delenv(VLLM_IPC_ENV, raising=False)
+    folder = tmp_path / "engine"
+    folder.mkdir()
+    with engine_temp_folder(folder):
+        pass
+    remove_engine_temp_folder(folder)
+    assert not folder.exists() and VLLM_IPC_ENV not in os.environ
+    monkeypatch.setenv(VLLM_IPC_ENV, str(tmp_path / "someone-elses"))
+    folder.mkdir()
+    remove_engine_temp_folder(folder)
+    assert os.environ[VLLM_IPC_ENV] == str(tmp_path / "someone-elses")
+    monkeypatch.delenv(VLLM_IPC_ENV)
+    with scratch_for_vllm() as scratch:
+        assert scratch.is_dir() and os.environ[VLLM_IPC_ENV] == str(scratch)
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            assert pool.apply(os.getenv, (VLLM_IPC_ENV,)) == str(scratch)
+    assert not scratch.exists() and VLLM_IPC_ENV not in os.environ

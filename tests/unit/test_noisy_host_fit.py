@@ -312,7 +312,7 @@ def test_the_compare_stage_leaves_unstable_cells_out_and_bounds_h_of_n(tmp_path,
     log_study(uri, "hostsweep-generalize-cpu")
     calibration = tmp_path / "calibration.yaml"
     calibration.write_text(yaml.safe_dump({"roofs": {"cpu": {"measured_tflops": 1.0, "measured_bandwidth_gbps": 20.0}},
-                                           "allreduce": {"cpu": {"latency_us": 50.0, "bandwidth_gbps": 5.0}}}))
+                                           "allreduce": {"cpu": {"latency_us": 50.0, "bandwidth_gbps": 5.0, "path": "engine"}}}))
     study = compose_typed(["+experiment=generalize-cpu", "+sku=cpu", f"tracking.uri={uri}", "fit.resamples=200",
                            f"fit.calibration_file={calibration}"])
     assert compare_study(study, tmp_path / "run") == 0
