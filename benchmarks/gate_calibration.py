@@ -19,7 +19,8 @@ the truth is the mixture's median); outlier1 (gauss, exactly one pair per start 
 slower: the truth stays 1).
 
 The diff stage's gate (family-wise false-alarm rate, power) adds its own section below
-the marked place; main() runs every section named in SECTIONS.
+the marked place, and `realistic` the same under this VM's noise (gate_realistic.py); main()
+runs every section named in SECTIONS.
 
     .venv/bin/python benchmarks/gate_calibration.py [--seeds 2000] [--part median ...]
 """
@@ -308,6 +309,15 @@ def replay_section(seeds: int, level: float, scale: float) -> None:
     replay_studies(level, 5.0)
 
 
+def realistic_section(seeds: int, level: float, scale: float) -> None:
+    """The diff under this VM's noise (gate_noise.py: a shared AR(1) machine, engine instances, a
+    switch cost, skewed / t3 / replayed pairs), the old rules beside the new on the same seeds
+    (gate_realistic.py); `seeds` simulated studies a row, its own level 0.95 and noise."""
+    from gate_realistic import realistic
+
+    realistic(seeds)
+
+
 SECTIONS: dict[str, Callable[[int, float, float], None]] = {
     "median": median_section,
     "starts": between_starts_section,
@@ -317,6 +327,8 @@ SECTIONS: dict[str, Callable[[int, float, float], None]] = {
     # against planted regressions; then this machine's real pairs replayed.
     "gate": gate_section,
     "replay": replay_section,
+    # The same gate under realistic noise, old rules and new side by side.
+    "realistic": realistic_section,
 }
 
 
