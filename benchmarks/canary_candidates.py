@@ -30,15 +30,12 @@ from typing import Callable
 
 import numpy as np
 import torch
-from hydra import compose, initialize_config_module
 
-from hostsweep.config.grid import build_cells
-from hostsweep.config.resolve import resolve
-from hostsweep.config.schema import register_configs
 from hostsweep.measure.canary_tracking import tracking
 from hostsweep.measure.protocol import time_pair
-from hostsweep.run.canary import Canary, _python_part
+from hostsweep.run.canary import Canary, python_loop
 from hostsweep.run.worker import SweepWorker
+from studies import composed_study
 
 COPY_BYTES = 64 * 1024 * 1024
 GEMM_REPEATS = 20
@@ -65,11 +62,11 @@ def candidates(hidden: int, intermediate: int, dtype: torch.dtype) -> dict[str, 
         dst.copy_(src)
 
     def mixed() -> None:
-        _python_part()
+        python_loop()
         gemm_2t()
         copy()
 
-    return {"current": current.time_ms, "python": _python_part, "gemm-2t": gemm_2t, "copy": copy, "mixed": mixed}
+    return {"current": current.time_ms, "python": python_loop, "gemm-2t": gemm_2t, "copy": copy, "mixed": mixed}
 
 
 def timed_ms(run: Callable[[], object]) -> float:
@@ -82,11 +79,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=80, help="rounds of the two cells, each followed by every candidate")
     args, overrides = parser.parse_known_args()
-    register_configs()
-    with initialize_config_module("hostsweep.conf", version_base="1.3"):
-        study = resolve(compose("config", overrides=["+sku=cpu", "batch=[1,4]", "ctx=[128,512]",
-                                                     "split.enabled=false", *overrides]))
-    cells = [c for c in build_cells(study) if (c.batch, c.ctx) in ((1, 128), (4, 512))]
+    study, cells = composed_study(["+sku=cpu", "batch=[1,4]", "ctx=[128,512]", "split.enabled=false", *overrides])
+    cells = [c for c in cells if (c.batch, c.ctx) in ((1, 128), (4, 512))]
     shape = study.models[0].shape
     started = time.perf_counter()
     worker = SweepWorker(cells[0].engine)

@@ -27,14 +27,11 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import numpy as np
-from hydra import compose, initialize_config_module
 
-from hostsweep.config.resolve import resolve
-from hostsweep.config.schema import register_configs
-from hostsweep.config.grid import build_cells
 from hostsweep.measure.protocol import bootstrap_median_ci
 from hostsweep.measure.results import MeasureOptions
 from hostsweep.run.worker import SweepWorker
+from studies import composed_study
 
 TARGET = 0.03
 RESAMPLES = 4000
@@ -88,11 +85,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30, help="rounds of A, B and C")
     parser.add_argument("--bracket", type=int, default=5, help="no-Ray rounds before Ray starts and after it stops")
     args, overrides = parser.parse_known_args()
-    register_configs()
-    with initialize_config_module("hostsweep.conf", version_base="1.3"):
-        study = resolve(compose("config", overrides=["+sku=cpu", "batch=[1]", "ctx=[128]",
-                                                     "split.enabled=false", *overrides]))
-    cell = build_cells(study)[0]
+    study, cells = composed_study(["+sku=cpu", "batch=[1]", "ctx=[128]", "split.enabled=false", *overrides])
+    cell = cells[0]
     options = MeasureOptions.of(study.config)
     started_at = time.perf_counter()
 

@@ -22,14 +22,11 @@ from typing import Callable, Optional
 
 import numpy as np
 import psutil
-from hydra import compose, initialize_config_module
 
-from hostsweep.config.grid import build_cells
-from hostsweep.config.resolve import resolve
-from hostsweep.config.schema import register_configs
 from hostsweep.measure.intervals import median_ci
 from hostsweep.measure.protocol import time_pair
 from hostsweep.run.worker import SweepWorker
+from studies import composed_study
 
 
 def tree(pids: set[int]) -> list[psutil.Process]:
@@ -78,11 +75,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=40, help="timed pairs of A per phase")
     args, overrides = parser.parse_known_args()
-    register_configs()
-    with initialize_config_module("hostsweep.conf", version_base="1.3"):
-        study = resolve(compose("config", overrides=["+sku=cpu", "batch=[1]", "ctx=[128]", "split.enabled=false",
-                                                     *overrides]))
-    cell = build_cells(study)[0]
+    study, cells = composed_study(["+sku=cpu", "batch=[1]", "ctx=[128]", "split.enabled=false", *overrides])
+    cell = cells[0]
     started = time.perf_counter()
     before = descendants()
     a = SweepWorker(cell.engine)

@@ -16,28 +16,23 @@ import argparse
 import statistics
 
 import numpy as np
-from hydra import compose, initialize_config_module
 
-from hostsweep.config.grid import build_cells
-from hostsweep.config.resolve import resolve
-from hostsweep.config.schema import register_configs
 from hostsweep.measure.protocol import bootstrap_median_ci
 from hostsweep.measure.results import MeasureOptions
 from hostsweep.run.worker import SweepWorker
+from studies import composed_study
 
 
 def study_cell(phases: bool, overrides: list[str]):
-    with initialize_config_module("hostsweep.conf", version_base="1.3"):
-        study = resolve(compose("config", overrides=["+sku=cpu", "batch=[1]", "ctx=[128]",
-                                                     f"split.phases={str(phases).lower()}", *overrides]))
-    return build_cells(study)[0], MeasureOptions.of(study.config)
+    study, cells = composed_study(["+sku=cpu", "batch=[1]", "ctx=[128]", f"split.phases={str(phases).lower()}",
+                                   *overrides])
+    return cells[0], MeasureOptions.of(study.config)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=8, help="split phases per engine, alternating")
     args, overrides = parser.parse_known_args()
-    register_configs()
     sides = {"A phases on": study_cell(True, overrides), "B phases off": study_cell(False, overrides)}
     workers = {name: SweepWorker(cell.engine) for name, (cell, _) in sides.items()}  # A first: its env
     try:

@@ -21,14 +21,11 @@ import argparse
 import statistics
 
 import numpy as np
-from hydra import compose, initialize_config_module
 
-from hostsweep.config.grid import build_cells
-from hostsweep.config.resolve import resolve
-from hostsweep.config.schema import register_configs
 from hostsweep.measure.protocol import bootstrap_median_ci
 from hostsweep.measure.results import MeasureOptions
 from hostsweep.run.worker import SweepWorker
+from studies import composed_study
 
 RESAMPLES = 2000
 
@@ -36,9 +33,8 @@ RESAMPLES = 2000
 def measure(phase: str, delay_ms: float, pairs: int, overrides: list[str]) -> dict[str, object]:
     """The cell's step (median, CI) and, over `pairs` profiled pairs, every phase's host ms."""
     debug = [f"debug.delay_phase={phase}", f"debug.delay_ms={delay_ms}"] if delay_ms > 0 else []
-    with initialize_config_module("hostsweep.conf", version_base="1.3"):
-        study = resolve(compose("config", overrides=["+sku=cpu", "batch=[1]", "ctx=[128]", *debug, *overrides]))
-    cell = build_cells(study)[0]
+    study, cells = composed_study(["+sku=cpu", "batch=[1]", "ctx=[128]", *debug, *overrides])
+    cell = cells[0]
     options = MeasureOptions.of(study.config)
     worker = SweepWorker(cell.engine)
     try:
@@ -73,7 +69,6 @@ def main() -> None:
     parser.add_argument("--delays", type=float, nargs="+", default=[0.0, 2.0], help="delays in ms; 0 is the baseline")
     parser.add_argument("--pairs", type=int, default=5, help="profiled T=1/T pairs per delay (the phases' CI)")
     args, overrides = parser.parse_known_args()
-    register_configs()
     delays = [0.0] + [d for d in args.delays if d > 0]
     runs = {d: measure(args.phase, d, args.pairs, overrides) for d in delays}
     base = runs[0.0]

@@ -1,6 +1,8 @@
-"""One `python -m hostsweep` study in a fresh folder of its own, for benchmarks that compare
-whole runs (noisy_neighbour.py, split_repro.py): its own MLflow store, pending folder and
-run directory, its console kept beside them. Not a benchmark by itself."""
+"""Studies for benchmarks, not a benchmark by itself: one `python -m hostsweep` study in a
+fresh folder of its own, for benchmarks that compare whole runs (noisy_neighbour.py,
+split_repro.py: its own MLflow store, pending folder and run directory, its console kept
+beside them); and a study composed in-process with its cells, for benchmarks that drive a
+worker directly (phase_cost.py, idle_partner.py, ...)."""
 from __future__ import annotations
 
 import subprocess
@@ -8,6 +10,21 @@ import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional
+
+from hostsweep.config.grid import Cell, build_cells
+from hostsweep.config.resolve import Study, resolve
+from hostsweep.config.schema import register_configs
+
+
+def composed_study(overrides: list[str]) -> tuple[Study, list[Cell]]:
+    """The study the shipped config tree composes with `overrides` (one grammar: Hydra's),
+    resolved and validated, and its cells."""
+    from hydra import compose, initialize_config_module
+
+    register_configs()
+    with initialize_config_module("hostsweep.conf", version_base="1.3"):
+        study = resolve(compose("config", overrides=overrides))
+    return study, build_cells(study)
 
 
 def run_study(folder: Path, study: str, overrides: list[str],

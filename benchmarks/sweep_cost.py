@@ -186,17 +186,11 @@ def report_hostsweep(started: float, wall: float, run_dir: Path, store: Path) ->
 
 def engine_flags(overrides: list[str], root: Path) -> tuple[list[tuple[int, int]], list[str], int, int, int]:
     """The grid's cells, vLLM CLI flags for the engine hostsweep starts, T, warm-ups, reps."""
-    from hydra import compose, initialize_config_module
+    from studies import composed_study
 
-    from hostsweep.config.grid import build_cells
-    from hostsweep.config.resolve import resolve
-    from hostsweep.config.schema import register_configs
     from hostsweep.engines.vllm_engine import materialize_model
 
-    register_configs()
-    with initialize_config_module("hostsweep.conf", version_base="1.3"):
-        study = resolve(compose("config", overrides=[*GRID, *overrides]))
-    cells = build_cells(study)
+    study, cells = composed_study([*GRID, *overrides])
     spec, m = cells[0].engine, study.config.measure
     args = spec.engine_args
     flags = ["--model", materialize_model(spec, root), "--load-format", str(args["load_format"]),

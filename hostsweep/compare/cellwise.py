@@ -67,6 +67,7 @@ from hostsweep.compare.sequential import Between, between_component, sequential_
 from hostsweep.compare.start_pairs import paired_noise_floor, paired_starts, start_pairs_compared
 from hostsweep.compare.summary import comparison_design, summarize_quantities
 from hostsweep.compare.verdicts import judge_cells
+from hostsweep.config.grid import engine_label
 from hostsweep.measure.canary_tracking import TRACKS_EXPLAINED_PCT
 from hostsweep.measure.intervals import few_starts_warning
 
@@ -123,7 +124,7 @@ def _cell_rows(pairs: list[tuple[dict, dict]], raw: Mapping[str, RawPairs], labe
                          "test": c.test, "ci_low": math.exp(c.log_ci[0]), "ci_high": math.exp(c.log_ci[1]),
                          "ci_coverage": c.coverage, "p_slower": c.p[0], "p_faster": c.p[1], "p_same": c.p[2],
                          "rounds": c.rounds, "d_rounds": " ".join(f"{k}={x:.6f}" for k, x in c.d_rounds),
-                         "note": c.note, "between_var": c.between_var,
+                         "note": c.note, "between_var": c.between_var, "engine": engine_label(b),
                          **{d: b.get(d) for d in label_dims}})
     return rows
 
@@ -132,7 +133,7 @@ COLUMNS = ["cell", "quantity", "base", "head", "ratio", "ci_low", "ci_high", "ve
            "p_faster", "p_faster_holm", "p_same", "mde_pct", "d", "se", "df", "ci_source", "design", "between",
            "starts_base",
            "starts_head", "unstable", "unstable_reasons", "stable_flag", "base_run", "head_run", "d_starts",
-           "test", "ci_coverage", "rounds", "d_rounds", "note", "between_var"]
+           "test", "ci_coverage", "rounds", "d_rounds", "note", "between_var", "engine"]
 
 
 def diff(base: pd.DataFrame, head: pd.DataFrame, raw: Mapping[str, RawPairs], options: DiffOptions,

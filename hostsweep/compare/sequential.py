@@ -64,9 +64,8 @@ def within_start_spread(cells: pd.DataFrame) -> Optional[float]:
     it shows none."""
     variances, dfs = [], []
     if "period_var" in cells and "period_df" in cells:
-        rows = cells.assign(_group=[engine_label(r) for r in cells.to_dict("records")])
-        per_group = rows.groupby("_group", sort=False).agg(var=("period_var", "mean"), df=("period_df", "max"))
-        v, d = S.pooled(per_group["var"].tolist(), per_group["df"].tolist())
+        v, d = S.pooled_per_group([engine_label(r) for r in cells.to_dict("records")],
+                                  cells["period_var"].tolist(), cells["period_df"].tolist())
         variances, dfs = variances + [v], dfs + [d]
     if "replicate_step_ms" in cells and GATED in cells:
         v, d = S.replicate_component(cells[GATED].tolist(), cells["replicate_step_ms"].tolist())

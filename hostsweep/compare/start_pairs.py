@@ -86,10 +86,9 @@ def paired_noise_floor(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any
     through); None when none is. Cells judged by paired rounds (base run ids in by_rounds)
     have each side started once: no spread between starts to state. Degrees of freedom are
     counted per engine group, not per cell."""
-    # per engine group and side: the cells' start-median spreads, and the starts' k - 1 df once,
-    # since the cells of a group share their engine starts (one machine move each), so a
-    # group's cells are not independent evidence of the spread
-    spreads: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    # per engine group and side: the cells' start-median spreads, the starts' k - 1 df counted
+    # once (S.pooled_per_group)
+    keys, variances, dfs = [], [], []
     cells = 0
     for b, h in pairs:
         if str(b.get("run_id")) in by_rounds:
@@ -100,10 +99,10 @@ def paired_noise_floor(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any
         cells += 1
         for i, side in enumerate(groups):
             var, df = S.start_spread(np.array([np.median(g) for g in side]))  # type: ignore[union-attr]
-            spreads.setdefault((engine_label(b), i), []).append((float(var), float(df)))
-    variances = [float(np.mean([v for v, _ in group])) for group in spreads.values()]
-    dfs = [max(d for _, d in group) for group in spreads.values()]
-    var, df = S.pooled(variances, dfs)
+            keys.append((engine_label(b), i))
+            variances.append(float(var))
+            dfs.append(float(df))
+    var, df = S.pooled_per_group(keys, variances, dfs)
     return NoiseFloor(var, df, cells) if df else None
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Hashable, Optional, Sequence
 
 import numpy as np
 from scipy import stats
@@ -172,6 +172,18 @@ def pooled(variances: Sequence[float], dfs: Sequence[float]) -> tuple[float, flo
     parts = [(v, d) for v, d in zip(variances, dfs) if d > 0 and math.isfinite(v)]
     total = sum(d for _, d in parts)
     return (sum(v * d for v, d in parts) / total, total) if total else (math.nan, 0.0)
+
+
+def pooled_per_group(keys: Sequence[Hashable], variances: Sequence[float], dfs: Sequence[float]) -> tuple[float, float]:
+    """Variance estimates pooled with one entry per group (its cells' mean variance, its
+    largest df): the cells of an engine group share its starts and periods, one machine move
+    each, so they are one observation of the spread, not one per cell."""
+    groups: dict[Hashable, list[tuple[float, float]]] = {}
+    for key, v, d in zip(keys, variances, dfs):
+        if math.isfinite(v) and math.isfinite(d):  # a cell that shows none does not speak for its group
+            groups.setdefault(key, []).append((float(v), float(d)))
+    return pooled([float(np.mean([v for v, _ in g])) for g in groups.values()],
+                  [max(d for _, d in g) for g in groups.values()])
 
 
 def replicate_component(step_ms: Sequence[float], replicate_step_ms: Sequence[float]) -> tuple[float, float]:

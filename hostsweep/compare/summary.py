@@ -92,13 +92,17 @@ def geometric_mean(d: np.ndarray, se: np.ndarray, df: np.ndarray, level: float,
     return point, float(low), float(high)
 
 
-def widened_by_instances(mean: tuple[float, float, float, float], options: DiffOptions
-                         ) -> tuple[float, float, float, float]:
+def widened_by_instances(mean: tuple[float, float, float, float], options: DiffOptions,
+                         engines: Optional[Sequence[str]] = None) -> tuple[float, float, float, float]:
     """A rounds geometric mean (ratio, low, high, coverage) with the instance floor added once
-    (rounds.widened): every cell of a side ran on that side's one instance, so averaging over
-    cells leaves the instance effect whole."""
+    per engine group (rounds.widened): every cell of a group ran on its side's one instance,
+    so averaging over the group's cells leaves that instance effect whole, while the groups'
+    instances are independent: the mean carries instance_var × Σ (share of the cells in
+    group g)², the whole floor for one group. `engines`: each cell's engine group (none: one)."""
     ratio, low, high, _ = mean
-    log_low, log_high = widened(math.log(ratio), (math.log(low), math.log(high)), options.instance_var, options.level)
+    shares = pd.Series(list(engines)).value_counts(normalize=True) if engines is not None and len(engines) else None
+    var = options.instance_var * (float((shares ** 2).sum()) if shares is not None else 1.0)
+    log_low, log_high = widened(math.log(ratio), (math.log(low), math.log(high)), var, options.level)
     return ratio, math.exp(log_low), math.exp(log_high), options.level
 
 
@@ -112,7 +116,8 @@ def summarize_quantities(rows: pd.DataFrame, options: DiffOptions) -> dict[str, 
         tested = stable[stable["verdict"].notna()]
         by_rounds = rounds_geometric_mean(tested, options.level)
         if by_rounds and options.instance_var > 0:
-            by_rounds = widened_by_instances(by_rounds, options)
+            by_rounds = widened_by_instances(by_rounds, options,
+                                             tested["engine"].tolist() if "engine" in tested else None)
         gm, low, high = by_rounds[:3] if by_rounds else paired_geometric_mean(tested, options.level) or \
             geometric_mean(*(tested[c].to_numpy(float) for c in ("d", "se", "df")), options.level,
                            tested["between_var"].to_numpy(float) if "between_var" in tested else None)

@@ -462,3 +462,27 @@ def test_a_paired_aa_by_rounds_states_the_instance_effect_it_saw():
     line = result.instance_line()
     assert line is not None and line.startswith("instance effect this paired A/A shows: ")
     assert "diff.instance_floor_pct" in line
+
+
+def test_the_geometric_means_instance_floor_counts_each_engine_group_once():
+    """Each engine group runs on its own instance per side: over G equal groups the mean's
+    instance effect has variance floor²/G, the whole floor for one group. Simulated means of 4
+    groups whose instances are 2.5 % apart cover 1.00 95 % of the time with the per-group
+    floor, narrower than the one-group widening."""
+    from hostsweep.compare.summary import widened_by_instances
+
+    options = DiffOptions(instance_floor_pct=2.5)
+    rng, sd_within, covered, widths = np.random.default_rng(63), 0.004, [], []
+    engines = [f"cpu/m{g}/eager/tp1" for g in range(4) for _ in range(4)]
+    z = 1.959963984540054
+    for _ in range(2000):
+        log_mean = rng.normal(0, 0.025, 4).mean() + rng.normal(0, sd_within)
+        mean = (math.exp(log_mean), math.exp(log_mean - z * sd_within), math.exp(log_mean + z * sd_within), 0.95)
+        ratio, low, high, _ = widened_by_instances(mean, options, engines)
+        covered.append(low <= 1.0 <= high)
+        widths.append(math.log(high / low))
+    one_group = widened_by_instances((1.0, math.exp(-z * sd_within), math.exp(z * sd_within), 0.95), options)
+    # exact 95 % by construction: within 3 standard errors of 2000 draws
+    assert abs(np.mean(covered) - 0.95) < 3 * math.sqrt(0.95 * 0.05 / 2000), np.mean(covered)
+    assert np.mean(widths) == pytest.approx(2 * z * math.hypot(sd_within, 0.0125), rel=0.02)
+    assert math.log(one_group[2] / one_group[1]) == pytest.approx(2 * z * math.hypot(sd_within, 0.025), rel=0.02)
