@@ -21,6 +21,9 @@ from scipy.stats import binom
 from hostsweep.model.hostforms import FORM_CLASSES
 
 FAMILIES = ("k-invariant", "k-scaling")
+# A bootstrap over fewer cells has no interval to speak of: one cell resamples to itself (a
+# zero-width "CI" that clears any margin), two to three values.
+MIN_CELLS_FOR_A_FAMILY = 3
 
 
 def resampled_mapes(ape: Mapping[str, np.ndarray], resamples: int, seed: int,
@@ -64,9 +67,13 @@ def host_family_verdict(ape: Mapping[str, np.ndarray], discriminating: bool, res
     best = {name: min(forms, key=point.get) for name, forms in family.items()}
     spread = _interval(point[best["k-scaling"]] - point[best["k-invariant"]],
                        _best(draws, family["k-scaling"]) - _best(draws, family["k-invariant"]))
-    verdict = _decide(spread, margin) if discriminating else "inconclusive"
+    cells = len(next(iter(ape.values())))
+    verdict = _decide(spread, margin) if discriminating and cells >= MIN_CELLS_FOR_A_FAMILY else "inconclusive"
     if not discriminating:
         reason = "a training TP degree: every host family predicts the same term here"
+    elif cells < MIN_CELLS_FOR_A_FAMILY:
+        reason = (f"{cells} in-regime cell(s): a bootstrap over fewer than {MIN_CELLS_FOR_A_FAMILY} cells gives no "
+                  f"interval (MAPE(k-scaling) − MAPE(k-invariant) = {spread['diff']:.2f} points, untested)")
     elif verdict == "inconclusive":
         reason = f"CI of MAPE(k-scaling) − MAPE(k-invariant) [{spread['ci_low']:.2f}, {spread['ci_high']:.2f}] " \
                  f"does not clear ±{margin:g} points"

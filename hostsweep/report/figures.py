@@ -86,16 +86,18 @@ def _label(row: pd.Series, keys: Sequence[str]) -> str:
 def step_composition(pred: pd.DataFrame) -> Figure:
     """Per (SKU, model): the measured step at each TP degree split into g·T_cmp/k,
     T_ar and the rest (step − both: what the additive host term must explain), at the
-    smallest batch and longest context measured at every degree (the TP study [2]: N=1, ctx 2048)."""
+    smallest batch and longest context measured at every degree (the TP study [2]: N=1, ctx 2048),
+    or at the most degrees any (batch, ctx) has."""
     groups = list(pred.groupby(["sku", "model"]))
     if not groups:
         return empty("no cells")
     fig, axes = panels(len(groups), 4.2, 3.8)
     for ax, ((sku, model), cells) in zip(axes, groups):
+        # the point with every degree; where none has (unstable cells left out), the most any has
         shared = cells.groupby(["batch", "ctx"])["tp"].nunique()
-        full = shared[shared == cells["tp"].nunique()].index
-        batch = min(b for b, _ in full)
-        ctx = max(c for b, c in full if b == batch)
+        most = shared[shared == shared.max()].index
+        batch = min(b for b, _ in most)
+        ctx = max(c for b, c in most if b == batch)
         chosen = cells[(cells["batch"] == batch) & (cells["ctx"] == ctx)].groupby("tp").mean(numeric_only=True)
         x = np.arange(len(chosen))
         measured = "device_ms" in chosen and bool(chosen["device_ms"].notna().any())

@@ -41,8 +41,10 @@ ENGINE_FAST = AllReduceCalibration(8.0, 150.0, "engine", "vllm get_tp_group().al
 @pytest.mark.integration
 def test_engine_path_allreduce_on_the_cpu_build_runs_vllms_shared_memory_op():
     from hostsweep.calibrate.engine_allreduce import run_engine_allreduce
+    from hostsweep.config.machine import cpu_flags, default_dtype
 
-    frame = run_engine_allreduce(2, np.array([4096, 262144]), 7, "bfloat16")
+    # in the dtype this machine's engine runs (bfloat16 only where the CPU computes it)
+    frame = run_engine_allreduce(2, np.array([4096, 262144]), 7, default_dtype(False, cpu_flags()))
     # path comes from the torch profiler's names of each size's all-reduce: only
     # `_C::shm_allreduce` names it cpu_shm (gloo's op would name it gloo)
     assert list(frame["path"]) == [CPU_SHM, CPU_SHM], frame

@@ -16,7 +16,7 @@ from hostsweep.config.options import load_calibration, load_model_shape, load_sk
 from hostsweep.model.fit import AllReduceFit, allreduce_s
 from hostsweep.model.study_fit import CalibrationTerms, FitOptions, calibration_terms, fit_study
 from hostsweep.model.synthetic import clean_step_s, grid, host_truth_s, measure, push_below_bound
-from hostsweep.model.term_checks import (ALLREDUCE_MISMATCH, ENGINE, STANDALONE, allreduce_check, allreduce_path,
+from hostsweep.model.term_checks import (ALLREDUCE_BEYOND, ALLREDUCE_MISMATCH, ENGINE, STANDALONE, allreduce_check, allreduce_path,
                                          decomposition_table, driving_term, path_of)
 from hostsweep.report.fit_tables import heldout_groups
 
@@ -89,6 +89,38 @@ def test_right_terms_and_cells_truly_below_the_bound_are_still_falsified(seed):
     loud = group(fit_study(cells, TRUE, FitOptions("h100")), "h200", 4)
     assert loud["verdict"] == "falsified" and loud["terms_off_engine_path"] == ["H"]
     assert "NOT ON THE ENGINE'S PATH: H measured standalone" in loud["reason"]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_an_engine_that_pays_more_than_the_calibration_is_judged_and_the_excess_named(seed):
+    """The engine's all-reduce ops hold 8x the calibrated transfer (a rank waiting in them for its
+    peer, as on a 2-core VM whose ranks share cores with the engine's other processes): the
+    bound H + T_ar is then below what the engine pays, so the group is judged, not set aside;
+    cells truly below the bound are still falsified, and the verdict names the excess."""
+    clean = clean_step_s(BOTH, TRUE_G, TRUE.allreduce, host_truth_s("invariant", BOTH, TRUE.host))
+    cells = measure(BOTH, clean, 0.015, seed)
+    h200_tp4 = ((cells["sku"] == "h200") & (cells["tp"] == 4)).to_numpy()
+    cells = push_below_bound(cells, h200_tp4, TRUE.allreduce, TRUE.host, 0.75)
+    waited = dataclasses.replace(TRUE, allreduce={s: AllReduceFit(f.latency_s * 8, f.bandwidth_Bps / 8)
+                                                  for s, f in TRUE.allreduce.items()})
+    cells = with_insitu(cells, waited, seed)
+    report = fit_study(cells, dataclasses.replace(TRUE, host_path=ENGINE), FitOptions("h100"))
+    for sku, tp in (("h100", 4), ("h200", 2), ("h200", 4)):
+        g = group(report, sku, tp)
+        assert g["allreduce_check"]["status"] == ALLREDUCE_BEYOND and g["verdict"] != ALLREDUCE_MISMATCH, (seed, sku)
+        assert g["allreduce_check"]["beyond_ms"] > 0 and "beyond the calibrated T_ar" in g["reason"]
+    falsified = group(report, "h200", 4)
+    assert falsified["verdict"] == "falsified" and falsified["terms_on_engine_path"]
+    assert report.falsification["allreduce_mismatch_groups"] == []
+
+
+def test_the_check_is_one_sided_about_what_it_sets_aside():
+    one = {"allreduce_insitu_ms": [0.40], "allreduce_insitu_ci_low_ms": [0.38], "allreduce_insitu_ci_high_ms": [0.43],
+           "allreduce_insitu_rank_min_ms": [0.40], "allreduce_insitu_rank_max_ms": [0.44]}
+    assert allreduce_check(pd.DataFrame({"allreduce_ms": [0.41], **one}))["status"] == "match"
+    assert allreduce_check(pd.DataFrame({"allreduce_ms": [0.60], **one}))["status"] == ALLREDUCE_MISMATCH
+    below = allreduce_check(pd.DataFrame({"allreduce_ms": [0.05], **one}))
+    assert below["status"] == ALLREDUCE_BEYOND and below["beyond_ms"] == pytest.approx(0.35)
 
 
 def test_without_an_in_situ_all_reduce_a_standalone_t_ar_is_named_off_the_engines_path():

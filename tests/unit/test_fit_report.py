@@ -162,6 +162,19 @@ def test_every_figure_is_written_and_not_empty(fitted, tmp_path):
         assert pixels.std() > 10  # something is drawn, not a blank canvas
 
 
+def test_the_step_composition_draws_a_model_no_batch_and_ctx_has_at_every_degree(fitted, tmp_path):
+    """With unstable cells left out, a model may have no (batch, ctx) measured at every TP
+    degree: the figure takes the point with the most degrees instead of failing the report."""
+    _, fit = fitted
+    pred = fit_tables.predictions(fit)
+    smallest = (pred["batch"] == pred["batch"].min()).to_numpy()
+    lowest_tp = (pred["tp"] == pred["tp"].min()).to_numpy()
+    apart = pred[smallest == lowest_tp]  # the lowest degree only at the smallest batch, the others elsewhere
+    assert (apart.groupby(["sku", "model", "batch", "ctx"])["tp"].nunique() == 1).all()
+    path = F.save(F.step_composition(apart), tmp_path / "composition.png")
+    assert path.stat().st_size > 10_000
+
+
 def test_figures_for_nothing_say_so_instead_of_failing(tmp_path):
     for fig in (F.regime_map(fit_tables.regime_table(pd.DataFrame(columns=["sku", "mode", "model", "tp", "batch", "ctx"]))),
                 F.heldout_mape(pd.DataFrame()), F.step_times(pd.DataFrame())):
@@ -202,3 +215,20 @@ def test_the_overall_verdict_says_when_every_untrained_group_was_falsified_rathe
     assert overall_verdict([])["reason"] == "no held-out group at an untrained TP degree is left to compare"
     kept = [{"sku": "h200", "tp": 4, "verdict": "k-invariant"}]
     assert overall_verdict(kept, [("cpu", 2)])["verdict"] == "k-invariant"  # a kept group still decides
+
+
+@pytest.mark.parametrize("cells, expected", [(1, "inconclusive"), (2, "inconclusive"), (3, "k-scaling"),
+                                             (8, "k-scaling")])
+def test_a_family_verdict_needs_cells_enough_for_a_bootstrap_interval(cells, expected):
+    """One held-out cell resamples to itself: a zero-width 'CI' that clears any margin. Below 3
+    cells the group is inconclusive and says why, however far apart the families' MAPEs are."""
+    from hostsweep.model.verdict import MIN_CELLS_FOR_A_FAMILY, host_family_verdict
+
+    rng = np.random.default_rng(cells)
+    invariant, scaling = 30 + rng.normal(0, 1, cells), 8 + rng.normal(0, 1, cells)
+    ape = {"fixed_microbench": invariant, "free_constant": invariant + 1, "c_times_k": scaling,
+           "c_over_k": scaling + 20, "baseline": invariant + 40}
+    verdict = host_family_verdict(ape, discriminating=True, resamples=500)
+    assert verdict["verdict"] == expected
+    if cells < MIN_CELLS_FOR_A_FAMILY:
+        assert f"{cells} in-regime cell(s)" in verdict["reason"] and "untested" in verdict["reason"]
