@@ -484,5 +484,7 @@ def test_the_geometric_means_instance_floor_counts_each_engine_group_once():
     one_group = widened_by_instances((1.0, math.exp(-z * sd_within), math.exp(z * sd_within), 0.95), options)
     # exact 95 % by construction: within 3 standard errors of 2000 draws
     assert abs(np.mean(covered) - 0.95) < 3 * math.sqrt(0.95 * 0.05 / 2000), np.mean(covered)
-    assert np.mean(widths) == pytest.approx(2 * z * math.hypot(sd_within, 0.0125), rel=0.02)
-    assert math.log(one_group[2] / one_group[1]) == pytest.approx(2 * z * math.hypot(sd_within, 0.025), rel=0.02)
+    # the floor's variance on log scale (options.instance_var), a quarter of it over 4 equal groups
+    assert np.mean(widths) == pytest.approx(2 * z * math.sqrt(sd_within ** 2 + options.instance_var / 4), rel=1e-6)
+    assert math.log(one_group[2] / one_group[1]) == pytest.approx(
+        2 * z * math.sqrt(sd_within ** 2 + options.instance_var), rel=1e-6)
