@@ -18,6 +18,8 @@ from typing import Iterable, Iterator, MutableMapping
 
 import psutil
 
+from hostsweep.run.liveness import process_title
+
 log = logging.getLogger(__name__)
 
 # Ray exports OMP_NUM_THREADS=<num_cpus> into actors it schedules. The engine's compute
@@ -71,7 +73,7 @@ def restore_scheduler() -> str:
 
 def process_name(pid: int) -> str:
     try:
-        return psutil.Process(pid).name()
+        return process_title(psutil.Process(pid))
     except psutil.Error:
         return ""
 

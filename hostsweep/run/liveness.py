@@ -28,9 +28,25 @@ ENGINE_PROCESS_PREFIXES = ("VLLM::",)
 NOT_ENGINE = ("multiprocessing.resource_tracker",)
 
 
+def process_title(proc: psutil.Process) -> str:
+    """The name a process gave itself: vLLM's title (VLLM::EngineCore, set by setproctitle)
+    from its kernel name or its command line, whichever shows it, else psutil's name. Each
+    alone has missed it in clean-clone CI runs: the command line still the interpreter's
+    path, or the kernel's name still `python`. Raises psutil.Error for a process gone."""
+    name = proc.name()
+    if name.startswith(ENGINE_PROCESS_PREFIXES):
+        return name
+    try:
+        command = proc.cmdline()
+    except psutil.Error:
+        return name
+    first = command[0].strip() if command else ""
+    return first if first.startswith(ENGINE_PROCESS_PREFIXES) else name
+
+
 def _label(proc: psutil.Process) -> str:
     try:
-        return proc.name()
+        return process_title(proc)
     except psutil.Error:
         return "?"
 

@@ -16,6 +16,7 @@ import psutil
 
 from hostsweep.measure.threadstates import label_process, thread_states
 from hostsweep.run.hygiene import descendant_pids
+from hostsweep.run.liveness import process_title
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +36,12 @@ def _recorder(binary: str, pid: int, seconds: float, output: Path, idle: bool) -
 
 
 def process_tree(pid: int) -> list[tuple[int, str]]:
-    """(pid, name) of `pid` and every live process below it. The name is psutil's: the title
-    a process gave itself (VLLM::EngineCore), cut to the kernel's 15 characters when the
-    command line does not show it (it did not for vLLM's spawned processes in one CI run)."""
+    """(pid, name) of `pid` and every live process below it, each named by the title it gave
+    itself where its kernel name or command line shows one (liveness.process_title)."""
     tree = []
     for member in [pid, *descendant_pids(pid)]:
         try:
-            tree.append((member, psutil.Process(member).name()))
+            tree.append((member, process_title(psutil.Process(member))))
         except psutil.Error:  # gone since it was listed
             continue
     return tree

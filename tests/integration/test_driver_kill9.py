@@ -24,6 +24,7 @@ import pytest
 
 from hostsweep.record.journal import JOURNAL_FILE, read_entries
 from hostsweep.run.leftovers import RAY_TEMP, SEGMENT_MIN_AGE_S, SESSION_MARK, mapped_segments
+from hostsweep.run.liveness import process_title
 from hostsweep.run.reaper import environ_marker, read_ledgers
 from tests.conftest import run_hostsweep
 
@@ -57,7 +58,7 @@ def names(procs) -> list[str]:
     found = []
     for proc in procs:
         try:
-            found.append(f"{proc.name()} ({proc.pid})")
+            found.append(f"{process_title(proc)} ({proc.pid})")
         except psutil.Error:
             pass
     return found

@@ -24,6 +24,8 @@ import mlflow
 import psutil
 import pytest
 
+from hostsweep.run.liveness import process_title
+
 
 pytestmark = pytest.mark.integration
 
@@ -39,7 +41,7 @@ def named(procs: list[psutil.Process], prefix: str) -> list[psutil.Process]:
     found = []
     for proc in procs:
         try:
-            if proc.name().startswith(prefix):
+            if process_title(proc).startswith(prefix):
                 found.append(proc)
         except psutil.Error:
             pass

@@ -258,3 +258,21 @@ def test_removing_an_engines_scratch_folder_unsets_the_ipc_path_that_names_it(tm
         with multiprocessing.get_context("spawn").Pool(1) as pool:
             assert pool.apply(os.getenv, (VLLM_IPC_ENV,)) == str(scratch)
     assert not scratch.exists() and VLLM_IPC_ENV not in os.environ
+
+
+@pytest.mark.parametrize("kernel_name, command, title", [
+    ("python", ["VLLM::EngineCore", "", ""], "VLLM::EngineCore"),  # the kernel's name not yet the title
+    ("VLLM::EngineCor", ["/usr/bin/python3", "-c", "x"], "VLLM::EngineCor"),  # the command line not rewritten
+    ("python", ["/usr/bin/python3", "-m", "hostsweep"], "python"),
+])
+def test_a_process_is_named_by_its_vllm_title_wherever_it_shows(kernel_name, command, title):
+    from hostsweep.run.liveness import process_title
+
+    class Seen:
+        def name(self) -> str:
+            return kernel_name
+
+        def cmdline(self) -> list[str]:
+            return command
+
+    assert process_title(Seen()) == title
