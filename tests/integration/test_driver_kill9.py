@@ -94,7 +94,13 @@ def wait_for(predicate, driver: subprocess.Popen, timeout_s: float) -> None:
             return
         time.sleep(0.2)
     ended = "timed out" if driver.poll() is None else f"the driver exited {driver.poll()} first"
-    raise AssertionError(f"not reached in {timeout_s} s ({ended}; processes seen below it: {sorted(seen)}): "
+    try:
+        tree = psutil.Process(driver.pid).children(recursive=True)
+    except psutil.Error:
+        tree = []
+    now = [(names([p]), command_line(p)[:100]) for p in tree]
+    raise AssertionError(f"not reached in {timeout_s} s ({ended}; processes seen below it: {sorted(seen)}; "
+                         f"below it now: {now}; /dev/shm they map: {sorted(map(str, mapped_segments(p.pid for p in tree)))}): "
                          f"{(driver.stderr.read() if driver.poll() is not None else '')[-2000:]}")
 
 
@@ -244,14 +250,19 @@ def reclaimed_by_the_next_sweep(sweep: Sweep, tmp_path: Path, segment: Path, pla
 
 
 def engine_up(driver: subprocess.Popen, _run_dir: Path) -> bool:
+    """Known by what the engine does, not by its title: the shared-memory message queues
+    its EngineCore and workers map (/dev/shm/psm_*; nothing else of a sweep makes them).
+    vLLM's VLLM:: titles are left out on purpose: setproctitle has been seen not to take in
+    clean-clone CI runs, where the engine's processes were named `python` (the sweep finds its
+    engine without them: liveness.engine_processes)."""
     procs = psutil.Process(driver.pid).children(recursive=True)
-    return any(n.startswith("VLLM::Worker") for n in names(procs)) and \
-        any(str(s).startswith("/dev/shm/psm_") for s in mapped_segments(p.pid for p in procs))
+    return any(str(s).startswith("/dev/shm/psm_") for s in mapped_segments(p.pid for p in procs))
 
 
 def test_kill_9_of_the_driver_stops_vllm_and_frees_its_shared_memory(tmp_path):
-    """The real vLLM CPU engine: its EngineCore and VLLM::Worker and the /dev/shm segments
-    of its message queues go with the driver."""
+    """The real vLLM CPU engine: its EngineCore and VLLM::Worker (every process below the
+    driver, whatever its title) and the /dev/shm segments of its message queues go with the
+    driver."""
     pytest.importorskip("vllm")
     args = ["+sku=cpu", "batch=[1,2,3]", "ctx=[32]", "measure.T=49", "measure.reps=12", "measure.warmups=1",
             "split.enabled=false", "ray.exclusive=false", "measure.remeasure_unstable=0"]
