@@ -20,11 +20,15 @@ off), each run in a fresh folder with its own MLflow store:
     seq-paired         the paired runs' sides read as studies measured apart (stage=diff of
                        aa-1's side a against aa-2's, aa-2's side b against ab's): the same
                        measurements, judged sequentially, to show what pairing buys.
+    seq1               (by --runs, after a start-pairs A/A: --design starts --runs aa-s,seq1)
+                       seq1-a1, seq1-a2, seq1-b: one engine start each, diffed with the
+                       between-start spread that A/A measured (diff.noise_floor_pct).
     seq-a1, seq-a2,    the same as separately measured studies (unpaired, the same number of
     seq-b              engine starts per study as one side of a paired run), one after another,
                        then `stage=diff` between them: seq-a1 vs seq-a2 (A/A) and seq-a1 vs
-                       seq-b (the planted delay), widened by the noise floor the first paired
-                       A/A measured (diff.noise_floor_pct), as docs/diff.md says to.
+                       seq-b (the planted delay), on the spread between their own starts
+                       (measure.replicates=--starts); also widened by the noise floor where a
+                       paired A/A by start pairs ran before them in the same invocation.
 
 It prints per run the gate's result, the verdict counts, how many planted ratios lie inside
 their cell's CI, and the wall time; the targets: every paired A/A passes with no cell slower
@@ -95,6 +99,15 @@ def judged(name: str, rows: pd.DataFrame, rc: int, seconds: float, planted: bool
     else:
         out |= {"ratio": f"{rows['ratio'].min():.3f}-{rows['ratio'].max():.3f}"}
     return out
+
+
+def geomean(run_dir: Path) -> dict:
+    """The step's geometric mean ratio over the cells with its CI (diff.json): for a paired
+    A/A by rounds, one draw of the ratio between two engine instances."""
+    s = json.loads((run_dir / "diff" / "diff.json").read_text())["summary"].get("step_ms", {})
+    if s.get("geomean_ratio") is None:
+        return {}
+    return {"geomean": f"{s['geomean_ratio']:.4f} [{s['ci_low']:.4f}, {s['ci_high']:.4f}]"}
 
 
 def noise_floor(run_dir: Path) -> Optional[float]:
@@ -204,7 +217,7 @@ def main() -> None:
             if diff_rc != rc:
                 print(f"{name}: the sweep exited {rc}, its stage=diff {diff_rc}", flush=True)
             rows = diff_rows(again / "run")
-            results.append(judged(name, rows, diff_rc, seconds, planted=name == "ab"))
+            results.append(judged(name, rows, diff_rc, seconds, planted=name == "ab") | geomean(again / "run"))
             if floor is None and name.startswith("aa"):
                 floor = noise_floor(again / "run")
             print(json.dumps(results[-1]), flush=True)
@@ -243,7 +256,27 @@ def main() -> None:
                                                     *floor_arg])
                 rows = diff_rows(folder / "run")
                 results.append(judged(f"sequential seq-a1 vs {head}", rows, rc,
-                                      spent["seq-a1"] + spent[head], planted))
+                                      spent["seq-a1"] + spent[head], planted) | geomean(folder / "run"))
+                print(json.dumps(results[-1]), flush=True)
+        elif name == "seq1":
+            # One engine start per study, diffed with the between-start spread the first
+            # paired A/A of this invocation measured (run one by start pairs before it:
+            # --design starts --runs aa-s,seq1): the floor docs/diff.md tells a user to pass.
+            if floor is None:
+                print("seq1: no noise floor (run a start-pairs A/A first in the same invocation)", flush=True)
+                continue
+            spent = {}
+            for study, extra in (("seq1-a1", []), ("seq1-a2", []), ("seq1-b", PLANT)):
+                rc, spent[study], _ = hostsweep(root / study, [f"study={study}", *grid, *extra])
+                if rc != 0:
+                    print(f"{study}: exit {rc} (see {root / study / 'console.txt'})", flush=True)
+            for head, planted in (("seq1-a2", False), ("seq1-b", True)):
+                folder = root / f"diff-{head}"
+                rc, seconds, _ = hostsweep(folder, ["stage=diff", "diff.base=seq1-a1", f"diff.head={head}", *GATE,
+                                                    f"diff.noise_floor_pct={floor:.2f}"])
+                rows = diff_rows(folder / "run")
+                results.append(judged(f"sequential seq1-a1 vs {head}, floor {floor:.2f} %", rows, rc,
+                                      spent["seq1-a1"] + spent[head], planted) | geomean(folder / "run"))
                 print(json.dumps(results[-1]), flush=True)
     for name in [n for n in args.runs.split(",") if n.startswith(("aa-", "ab"))]:
         if args.design == "rounds":

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from hostsweep.compare.options import GATED, MIN_ROUNDS
+from hostsweep.compare.options import GATED, MIN_ROUNDS, by_rounds
 from hostsweep.compare.rounds import MatchedRounds
 from hostsweep.compare.stats import ci, paired_log_ratio, rounds_log_ratio
 
@@ -156,7 +156,7 @@ def paired_canary_ratios(cells: pd.DataFrame, raw_canary: Mapping[str, list[np.n
     cells = cells.copy()
     for i in cells.index[(cells["quantity"] == GATED) & (cells["design"] == "paired")]:
         matched = rounds.get(str(cells.at[i, "base_run"]))
-        if cells.at[i, "test"] == "sign" and matched is not None:
+        if by_rounds(cells.loc[[i]]).iloc[0] and matched is not None:
             cells.loc[i, list(CANARY_COLUMNS)] = rounds_canary_ratio(
                 matched.base, matched.base_canary, matched.head, matched.head_canary, level, MIN_ROUNDS)
             continue

@@ -38,7 +38,7 @@ The rules, in one place (the statistics in compare/stats.py):
   1 + t; `faster` the mirror; `same` when the equivalence test (TOST) at ±t rejects at
   alpha; else `inconclusive`. No resampling: no seed decides a verdict.
 - The gate (fail_on): fails on every step_ms cell judged slower, stable or not; on an
-  unstable cell whose ratio lies above 1 + t (its CI vouches for nothing); on base cells the
+  unstable cell slower on its own one-sided test at alpha, without Holm; on base cells the
   head lacks or whose head run FAILED. `split_impossible` alone never makes step_ms unstable.
 
 The package, one module per job: match (which cells pair up), sequential (two studies measured
@@ -58,8 +58,8 @@ from hostsweep.compare.canary import (machine_line, paired_canary_ratios, side_c
                                       with_canary_ratios)
 from hostsweep.compare.match import (cell_label, dimensions, match_cells, text, with_failed_reasons,
                                      with_replicates)
-from hostsweep.compare.options import (GATED, MIN_ROUNDS, DiffOptions, RawPairs, RawRounds, finite_value, stable_flag,
-                                       step_unstable)
+from hostsweep.compare.options import (GATED, MIN_ROUNDS, DiffOptions, RawPairs, RawRounds, by_rounds, finite_value,
+                                       stable_flag, step_unstable)
 from hostsweep.compare.quantity import Compared, paired_sides
 from hostsweep.compare.result import DiffResult
 from hostsweep.compare.rounds import MatchedRounds, match_rounds, rounds_compared, rounds_warnings
@@ -163,7 +163,7 @@ def diff(base: pd.DataFrame, head: pd.DataFrame, raw: Mapping[str, RawPairs], op
     if not pairs:
         warnings.append("no cell of one side matches a cell of the other on " + (", ".join(matched_on) or "anything"))
     warnings += rounds_warnings(pairs, rounds, cells, label_dims, options.level)
-    two = cells[(cells["quantity"] == GATED) & (cells["test"] != "sign")
+    two = cells[(cells["quantity"] == GATED) & ~by_rounds(cells)
                 & ((cells["starts_base"] == 2) | (cells["starts_head"] == 2))]
     if len(two):
         warnings.append(f"{len(two)} cell(s): {few_starts_warning(2)}")
@@ -180,7 +180,7 @@ def diff(base: pd.DataFrame, head: pd.DataFrame, raw: Mapping[str, RawPairs], op
         cells = with_canary_ratios(cells, GATED, options.level, *canaries)
         cells = paired_canary_ratios(cells, raw_canary or {}, options.level, rounds)
     sources = {"base": between[0].source, "head": between[1].source}
-    floor = paired_noise_floor(pairs, raw, set(cells.loc[cells["test"] == "sign", "base_run"].astype(str)))
+    floor = paired_noise_floor(pairs, raw, set(cells.loc[by_rounds(cells), "base_run"].astype(str)))
     result = DiffResult(options, matched_on, differs, shared, label_dims, cells, unmatched, warnings=warnings,
                         between=sources, machine="; ".join(filter(None, (machine_line(*canaries),
                                                                          tracking_line(*tracked)))) or None,

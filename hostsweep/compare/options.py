@@ -106,6 +106,14 @@ def stable_flag(value: Any) -> Optional[bool]:
     return None
 
 
+def by_rounds(cells: pd.DataFrame) -> pd.Series:
+    """The rows judged over paired rounds: those with matched rounds, whether by the sign test
+    or, widened by diff.instance_floor_pct, by the normal of their widened CI (test "t")."""
+    if "rounds" not in cells:
+        return pd.Series(False, index=cells.index)
+    return pd.to_numeric(cells["rounds"], errors="coerce").fillna(0) > 0
+
+
 def finite_value(row: Mapping[str, Any], name: str) -> Optional[float]:
     try:
         value = float(row.get(name))  # type: ignore[arg-type]

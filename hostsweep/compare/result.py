@@ -69,15 +69,22 @@ class DiffResult:
 
     def failing(self) -> pd.DataFrame:
         """The GATED rows fail_on fails on. slower: every cell judged slower, and every
-        unstable cell whose ratio lies above 1 + t. inconclusive: every cell not shown
-        stable and same or faster."""
+        unstable cell slower on its own test (_slower_alone). inconclusive: every cell not
+        shown stable and same or faster."""
         rows = self._gated()
         if self.options.fail_on is None or rows.empty:
             return rows.iloc[0:0]
         if self.options.fail_on == "slower":
-            beyond = rows["ratio"] > 1 + self.options.threshold_pct / 100
-            return rows[(rows["verdict"] == "slower") | (rows["unstable"] & beyond)]
+            return rows[(rows["verdict"] == "slower") | self._slower_alone(rows)]
         return rows[rows["unstable"] | ~rows["verdict"].isin(("same", "faster"))]
+
+    def _slower_alone(self, rows: pd.DataFrame) -> pd.Series:
+        """Unstable rows whose own one-sided test puts them beyond 1 + threshold at alpha, without
+        Holm: a regression that also made its cell noisy is not let through by the family's
+        protection, and an unchanged noisy cell fails no more often than alpha (a point ratio past
+        the threshold, which an A/A's wide CIs cross by chance, is no evidence)."""
+        p = pd.to_numeric(rows.get("p_slower", pd.Series(math.nan, index=rows.index)), errors="coerce")
+        return rows["unstable"].astype(bool) & (p < self.options.alpha) & (rows["verdict"] != "slower")
 
     def refusal(self) -> Optional[str]:
         """Why the gate cannot judge at all (one line, what to run), or None."""
@@ -105,8 +112,12 @@ class DiffResult:
         level = f"{s.get('judged', 0)} cell(s) judged at family-wise alpha {self.options.alpha:g} (Holm)"
         why = []
         if len(failing):
-            named = [c + (f" (unstable: {r or 'reason not recorded'})" if u else "")
-                     for c, u, r in zip(failing["cell"], failing["unstable"], failing["unstable_reasons"])]
+            alone = self._slower_alone(failing)
+            named = [c + (f" (unstable: {r or 'reason not recorded'}"
+                          + (f"; slower on its own test, p {p:.3g} < {self.options.alpha:g} without Holm" if a else "")
+                          + ")" if u else "")
+                     for c, u, r, a, p in zip(failing["cell"], failing["unstable"], failing["unstable_reasons"],
+                                              alone, failing["p_slower"])]
             why.append(f"{len(failing)} cell(s) {self.options.fail_on} (±{t:g}%): {', '.join(named)}")
         if len(missing):
             why.append(f"{len(missing)} base cell(s) missing from head: "

@@ -14,7 +14,7 @@ from scipy import stats
 from hostsweep.compare import stats as S
 from hostsweep.compare.match import cell_label, text
 from hostsweep.compare.options import GATED, MIN_ROUNDS, PAIRED_ROUNDS, PAIRED_ROUNDS_HOST, POINT, DiffOptions, RawRounds
-from hostsweep.compare.options import finite_value
+from hostsweep.compare.options import by_rounds, finite_value
 from hostsweep.compare.quantity import Compared, paired_sides
 from hostsweep.measure.intervals import median_ci
 
@@ -171,7 +171,7 @@ def rounds_warnings(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]]
         out.append(f"{len(short)} cell(s) timed in paired rounds have fewer than {MIN_ROUNDS} rounds matched with "
                    f"their partner's ({', '.join(short)}): judged by start pairs where each side has 2 or more engine "
                    "starts, else sequentially")
-    used = {r for r in cells.loc[cells["test"] == "sign", "base_run"].astype(str)}
+    used = {r for r in cells.loc[by_rounds(cells), "base_run"].astype(str)}
     dropped = {run: m.dropped for run, m in rounds.items() if run in used and m is not None and m.dropped}
     if dropped:
         out.append(f"{sum(dropped.values())} round(s) of {len(dropped)} cell(s) paired by rounds left out: a step "

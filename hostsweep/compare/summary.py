@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from hostsweep.compare import stats as S
-from hostsweep.compare.options import GATED, NO_BETWEEN, POINT, VERDICTS, DiffOptions
+from hostsweep.compare.options import GATED, NO_BETWEEN, POINT, VERDICTS, DiffOptions, by_rounds
 from hostsweep.compare.rounds import rounds_geometric_mean, widened
 from hostsweep.compare.start_pairs import paired_geometric_mean
 
@@ -39,8 +39,8 @@ def comparison_design(cells: pd.DataFrame, between: Mapping[str, str]) -> str:
     rows = cells[cells["quantity"] == GATED] if len(cells) else cells
     if rows.empty:
         return "no matched cell"
-    by_rounds = (rows["test"] == "sign") if "test" in rows else pd.Series(False, index=rows.index)
-    rounds, paired = rows[by_rounds], rows[(rows["design"] == "paired") & ~by_rounds]
+    timed_in_rounds = by_rounds(rows)
+    rounds, paired = rows[timed_in_rounds], rows[(rows["design"] == "paired") & ~timed_in_rounds]
     sequential = rows[rows["design"] != "paired"]
     rounds_text = f"{_counts_text(rounds['rounds'])} rounds per cell, sides timed back to back in each round " \
         "(paired rounds)" if len(rounds) else ""

@@ -395,8 +395,9 @@ class DiffConfig:
     # widens one-start sides; null: their replicate-first re-measures (docs/diff.md)
     noise_floor_pct: Optional[float] = None
     # The ratio's SD (%) between two engine instances of one configuration, from repeated
-    # paired A/As by rounds: widens paired-rounds CIs, whose sides are one instance each
-    instance_floor_pct: Optional[float] = None
+    # paired A/As by rounds: widens paired-rounds CIs, whose sides are one instance each.
+    # The default is the RMS of three such A/As' instance effects on the CPU build (docs/diff.md)
+    instance_floor_pct: Optional[float] = 1.5
     # canary: each step ratio also shown divided by the sides' speed-canary ratio, beside the
     # raw one, which keeps the verdicts (compare/canary.py); null: raw ratios only
     normalize: Optional[str] = None

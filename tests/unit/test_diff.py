@@ -180,6 +180,31 @@ def test_an_unstable_cell_that_measured_slower_fails_the_gate_with_its_reason():
     assert "b4-ctx128" in strict.failing()["cell"].tolist()  # unstable is inconclusive there
 
 
+def test_unstable_noisy_cells_of_an_aa_fail_the_gate_at_most_alpha_not_by_their_point_ratios():
+    """An A/A whose every cell is unstable and noisy (pairs 12 % apart): their point ratios
+    cross +5 % by chance in most studies, which failed the gate when it read them; judged on
+    each cell's own one-sided test (no Holm), over 200 studies of 6 cells the gate fails in no
+    more than alpha of them. A noisy unstable cell truly 40 % slower, short of Holm, still fails
+    it, named with its own test."""
+    point, gated = [], []
+    for seed in range(200):
+        base, raw_b = side("a", {}, seed, sigma=0.12, outliers=False)
+        head, raw_h = side("b", {}, seed, sigma=0.12, outliers=False)
+        head["stable"], head["unstable_reasons"] = "false", "ci_width"
+        result = diff(base, head, {**raw_b, **raw_h}, DiffOptions(fail_on="slower", noise_floor_pct=FLOOR))
+        rows = result.cells[result.cells["quantity"] == GATED]
+        point.append(bool((rows["ratio"] > 1.05).any()))
+        gated.append(result.gate()[0])
+    assert np.mean(point) > 0.5 and np.mean(gated) <= 0.05, (np.mean(point), np.mean(gated))
+    base, raw_b = side("a", {}, 7, sigma=0.12, outliers=False)
+    head, raw_h = side("b", {(4, 128): 1.40}, 7, sigma=0.12, outliers=False)
+    head["stable"], head["unstable_reasons"] = "false", "ci_width"
+    result = diff(base, head, {**raw_b, **raw_h}, DiffOptions(fail_on="slower", noise_floor_pct=FLOOR))
+    failed, why = result.gate()
+    assert failed and result.failing()["cell"].tolist() == ["b4-ctx128"]
+    assert "b4-ctx128 (unstable: ci_width; slower on its own test, p " in why and "without Holm" in why
+
+
 def test_split_impossible_alone_never_exempts_the_step():
     base, raw_b = side("a", {}, 2)
     head, raw_h = side("b", {(4, 128): 1.40}, 2)

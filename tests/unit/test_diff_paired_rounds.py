@@ -13,7 +13,6 @@ import contextlib
 import io
 import json
 import math
-from pathlib import Path
 
 import mlflow
 import numpy as np
@@ -352,6 +351,27 @@ def test_the_design_line_says_rounds_per_cell_and_how_many_cells_of_each_design(
     assert both.noise_floor_pct == pytest.approx(alone.noise_floor_pct) and both.noise_floor_df == alone.noise_floor_df
 
 
+def test_rounds_cells_widened_by_an_instance_floor_are_still_told_and_kept_apart_as_rounds_cells():
+    """With diff.instance_floor_pct a rounds cell is judged by the normal of its widened CI
+    (test t), not the sign test: it must still read as paired by rounds in the design line, and
+    stay out of the start pairs' noise floor (one instance a side: no starts to spread)."""
+    base, head = (x[0] for x in rounds_study(np.random.default_rng(44), 1, 4, 24, 1.0))
+    b, h, raw, by_round, _ = round_frames(base, head)
+    floored = diff(b, h, raw, DiffOptions(instance_floor_pct=1.5), raw_rounds=by_round)
+    assert set(steps_of(floored)["test"]) == {"t"}
+    assert floored.design == "paired: 24 rounds per cell, sides timed back to back in each round (paired rounds)"
+    sb, sh = paired_sweeps(np.random.default_rng(45), 1, cells=2)
+    fb, fh, fraw = frames(sb[0], sh[0])
+    fb, fh = fb.assign(batch=["10", "11"], run_id=fb["run_id"] + "s"), fh.assign(batch=["10", "11"],
+                                                                                 run_id=fh["run_id"] + "s")
+    fraw = {f"{k}s": v for k, v in fraw.items()}
+    both = diff(pd.concat([b, fb.assign(pair_design="rounds")]), pd.concat([h, fh.assign(pair_design="rounds")]),
+                {**raw, **fraw}, DiffOptions(instance_floor_pct=1.5), raw_rounds=by_round)
+    alone = diff(fb, fh, fraw, DiffOptions(instance_floor_pct=1.5))
+    assert both.design.startswith("mixed: 4 cell(s) paired by rounds (24 rounds per cell")
+    assert both.noise_floor_pct == pytest.approx(alone.noise_floor_pct) and both.noise_floor_df == alone.noise_floor_df
+
+
 def test_normalize_canary_divides_each_rounds_pair_by_its_canary_beside_the_raw_ratio():
     """Spells of +50 % that hit single pairs (shorter than a round: one side only) widen the raw
     rounds CI; dividing each pair by the canary timed beside it takes them out where they
@@ -371,6 +391,9 @@ def test_normalize_canary_divides_each_rounds_pair_by_its_canary_beside_the_raw_
     assert np.log(rows["ci_high_canary"] / rows["ci_low_canary"]).sum() < raw_width.sum() / 3
     plain = steps_of(diff(b, h, raw, DiffOptions(), raw_rounds=by_round))
     assert list(plain["verdict"]) == list(rows["verdict"]) and list(plain["ratio"]) == list(rows["ratio"])
+    # widened by an instance floor (test t), the cells are still normalized round by round
+    floored = steps_of(diff(b, h, raw, DiffOptions(normalize="canary", instance_floor_pct=1.5), raw_rounds=by_round))
+    assert floored["ratio_canary"].to_numpy() == pytest.approx(rows["ratio_canary"].to_numpy())
 
 
 def test_a_ci_level_the_rounds_cannot_reach_is_reported():
