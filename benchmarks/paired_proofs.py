@@ -188,6 +188,27 @@ def machine_against_pairing(root: Path, study: str) -> str:
             f"median {ratio.median():.3f}")
 
 
+def sequential_studies(root: Path, prefix: str, study_args: list[str], floor: Optional[float]) -> list[dict]:
+    """PREFIX-a1, PREFIX-a2 and PREFIX-b (the planted delay) measured one after another as
+    separate studies, then `stage=diff` of a1 against a2 (an A/A) and against b, widened by
+    the noise floor where one was measured: each comparison's judged() row, printed too."""
+    spent, results = {}, []
+    for study, extra in ((f"{prefix}-a1", []), (f"{prefix}-a2", []), (f"{prefix}-b", PLANT)):
+        rc, spent[study], _ = hostsweep(root / study, [f"study={study}", *study_args, *extra])
+        if rc != 0:
+            print(f"{study}: exit {rc} (see {root / study / 'console.txt'})", flush=True)
+    floor_arg = [f"diff.noise_floor_pct={floor:.2f}"] if floor is not None else []
+    base = f"{prefix}-a1"
+    for head, planted in ((f"{prefix}-a2", False), (f"{prefix}-b", True)):
+        folder = root / f"diff-{head}"
+        rc, _, _ = hostsweep(folder, ["stage=diff", f"diff.base={base}", f"diff.head={head}", *GATE, *floor_arg])
+        label = f"sequential {base} vs {head}" + (f", floor {floor:.2f} %" if floor is not None else "")
+        results.append(judged(label, diff_rows(folder / "run"), rc, spent[base] + spent[head], planted)
+                       | geomean(folder / "run"))
+        print(json.dumps(results[-1]), flush=True)
+    return results
+
+
 def main() -> None:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -243,21 +264,7 @@ def main() -> None:
                                       planted))
                 print(json.dumps(results[-1]), flush=True)
         elif name == "seq":
-            spent = {}
-            for study, extra in (("seq-a1", []), ("seq-a2", []), ("seq-b", PLANT)):
-                rc, spent[study], _ = hostsweep(root / study, [f"study={study}", *grid, *extra,
-                                                               f"measure.replicates={args.starts}"])
-                if rc != 0:
-                    print(f"{study}: exit {rc} (see {root / study / 'console.txt'})", flush=True)
-            floor_arg = [f"diff.noise_floor_pct={floor:.2f}"] if floor is not None else []
-            for head, planted in (("seq-a2", False), ("seq-b", True)):
-                folder = root / f"diff-{head}"
-                rc, seconds, _ = hostsweep(folder, ["stage=diff", "diff.base=seq-a1", f"diff.head={head}", *GATE,
-                                                    *floor_arg])
-                rows = diff_rows(folder / "run")
-                results.append(judged(f"sequential seq-a1 vs {head}", rows, rc,
-                                      spent["seq-a1"] + spent[head], planted) | geomean(folder / "run"))
-                print(json.dumps(results[-1]), flush=True)
+            results += sequential_studies(root, "seq", [*grid, f"measure.replicates={args.starts}"], floor)
         elif name == "seq1":
             # One engine start per study, diffed with the between-start spread the first
             # paired A/A of this invocation measured (run one by start pairs before it:
@@ -265,19 +272,7 @@ def main() -> None:
             if floor is None:
                 print("seq1: no noise floor (run a start-pairs A/A first in the same invocation)", flush=True)
                 continue
-            spent = {}
-            for study, extra in (("seq1-a1", []), ("seq1-a2", []), ("seq1-b", PLANT)):
-                rc, spent[study], _ = hostsweep(root / study, [f"study={study}", *grid, *extra])
-                if rc != 0:
-                    print(f"{study}: exit {rc} (see {root / study / 'console.txt'})", flush=True)
-            for head, planted in (("seq1-a2", False), ("seq1-b", True)):
-                folder = root / f"diff-{head}"
-                rc, seconds, _ = hostsweep(folder, ["stage=diff", "diff.base=seq1-a1", f"diff.head={head}", *GATE,
-                                                    f"diff.noise_floor_pct={floor:.2f}"])
-                rows = diff_rows(folder / "run")
-                results.append(judged(f"sequential seq1-a1 vs {head}, floor {floor:.2f} %", rows, rc,
-                                      spent["seq1-a1"] + spent[head], planted) | geomean(folder / "run"))
-                print(json.dumps(results[-1]), flush=True)
+            results += sequential_studies(root, "seq1", grid, floor)
     for name in [n for n in args.runs.split(",") if n.startswith(("aa-", "ab"))]:
         if args.design == "rounds":
             print(f"\n{name}: {machine_against_pairing(root, name)}")

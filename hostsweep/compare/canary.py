@@ -154,9 +154,10 @@ def paired_canary_ratios(cells: pd.DataFrame, raw_canary: Mapping[str, list[np.n
     pair (compare/canary.paired_canary_ratio) where both runs have them, round by round
     (rounds_canary_ratio) for a cell judged by paired rounds."""
     cells = cells.copy()
+    timed_in_rounds = by_rounds(cells)
     for i in cells.index[(cells["quantity"] == GATED) & (cells["design"] == "paired")]:
         matched = rounds.get(str(cells.at[i, "base_run"]))
-        if by_rounds(cells.loc[[i]]).iloc[0] and matched is not None:
+        if timed_in_rounds[i] and matched is not None:
             cells.loc[i, list(CANARY_COLUMNS)] = rounds_canary_ratio(
                 matched.base, matched.base_canary, matched.head, matched.head_canary, level, MIN_ROUNDS)
             continue

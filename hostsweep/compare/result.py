@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 
 from hostsweep.compare.match import Difference, unmatched_label
-from hostsweep.compare.options import GATED, DiffOptions
+from hostsweep.compare.options import GATED, DiffOptions, by_rounds
 from hostsweep.compare.start_pairs import floor_text
 
 @dataclass
@@ -47,7 +47,7 @@ class DiffResult:
         ratio between two instances of one configuration; the SD over repeated A/As is what
         diff.instance_floor_pct takes."""
         rows = self._gated()
-        if self.against or rows.empty or not (rows["rounds"] > 0).all() or \
+        if self.against or rows.empty or not by_rounds(rows).all() or \
                 {d.name for d in self.differs} - {"side"}:
             return None
         logs = np.log(rows["ratio"].to_numpy(float))

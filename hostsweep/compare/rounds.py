@@ -141,7 +141,7 @@ def rounds_geometric_mean(rows: pd.DataFrame, level: float) -> Optional[tuple[fl
     would change what a round averages). None unless every row is paired by rounds with its
     shared rounds recorded and at least MIN_ROUNDS of them common to all. Rows widened by an
     instance floor (test "t", between_var > 0) count too: the caller widens the mean once."""
-    if rows.empty or not (rows["rounds"] > 0).all() or not rows["test"].isin(("sign", "t")).all():
+    if rows.empty or not by_rounds(rows).all() or not rows["test"].isin(("sign", "t")).all():
         return None
     per_cell: list[dict[str, float]] = []
     for text_ in rows["d_rounds"]:
