@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import pandas as pd
@@ -138,6 +140,28 @@ def _timed_sizes(group: Any, device: RankDevice, sizes: list[int], reps: int, dt
     return per_size
 
 
+@contextmanager
+def native_output_silenced() -> Iterator[None]:
+    """fds 1 and 2 on /dev/null while the block runs: the profiler's native library writes a
+    line to them at each start and stop ('USDT: ... profiler_start'), and a rank's fds are the
+    user's console. Python errors still travel: the rank's exception goes to its parent."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, copy in zip((1, 2), saved):
+            os.dup2(copy, fd)
+            os.close(copy)
+        os.close(null)
+
+
 def _profiled_paths(group: Any, device: RankDevice, sizes: list[int], dtype: Any) -> list[str]:
     """Per size, the path one all-reduce took, read from the torch profiler's names."""
     import torch
@@ -148,7 +172,7 @@ def _profiled_paths(group: Any, device: RankDevice, sizes: list[int], dtype: Any
     for nbytes in sizes:
         tensor = torch.zeros(max(1, nbytes // torch.tensor([], dtype=dtype).element_size()), dtype=dtype,
                              device=device.device)
-        with profile(activities=activities) as prof:
+        with native_output_silenced(), profile(activities=activities) as prof:
             group.all_reduce(tensor)
             device.synchronize()()
         paths.append(path_from_op_names(event.name for event in prof.events()))

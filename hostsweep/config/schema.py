@@ -368,6 +368,10 @@ class FitConfig:
     # Leave the cells the sweep flagged unstable (tag stable=false) out of the fit, H(N) and
     # the comparison, and say how many and why; cells without the tag count as stable.
     exclude_unstable: bool = True
+    # SD (%) of the step between engine starts on the measuring machine: the held-out groups
+    # were measured in other starts than the training ones, so a verdict's interval must hold
+    # it (model/verdict.StartShift). conf/config.yaml takes diff.noise_floor_pct, the same fact.
+    start_floor_pct: Optional[float] = None
 
 
 @dataclass

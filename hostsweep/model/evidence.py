@@ -23,14 +23,26 @@ def measured_ci_high_ms(cells: pd.DataFrame) -> np.ndarray:
     return pd.to_numeric(cells[CI_COLUMNS[1]], errors="coerce").to_numpy(float)
 
 
-def falsifying(cells: pd.DataFrame, bound_ms: np.ndarray, candidates: np.ndarray) -> pd.DataFrame:
+# The two-sided 95% normal quantile: the cells' CI columns are 95% intervals.
+Z95 = 1.959963984540054
+
+
+def falsifying(cells: pd.DataFrame, bound_ms: np.ndarray, candidates: np.ndarray,
+               shift_sd: float = 0.0) -> pd.DataFrame:
     """Per cell: the bound H + T_ar, the margin (measured − bound), what was judged and
     whether it falsifies. A cell falsifies only if its whole 95% CI lies below the bound;
-    a cell without a CI is judged on its point value (`judged_on` says which)."""
+    a cell without a CI is judged on its point value (`judged_on` says which). `shift_sd`
+    (log SD of a held-out engine start's speed against the training starts', verdict.
+    StartShift.relative_sd) widens the upper end in quadrature: a slower machine in the
+    training starts than in the held-out one lowers every held-out cell together."""
     step = cells["step_ms"].to_numpy(float)
     high = measured_ci_high_ms(cells)
     has_ci = np.isfinite(high)
     judged = np.where(has_ci, high, step)
+    if shift_sd > 0:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            own = np.where(has_ci, np.log(np.maximum(judged, step) / step), 0.0)
+        judged = step * np.exp(np.hypot(own, Z95 * shift_sd))
     out = pd.DataFrame({"bound_ms": bound_ms, "margin_ms": step - bound_ms,
                         "judged_on": np.where(has_ci, "ci_high", "point")}, index=cells.index)
     out["falsifies"] = np.asarray(candidates, bool) & (judged < bound_ms)

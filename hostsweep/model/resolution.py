@@ -11,6 +11,10 @@ outcome of these cells can show a larger |d| than the forms' predictions differ 
 mean |pred_A − pred_B| / step (the separation: the triangle inequality bounds each
 cell's APE difference by it).
 
+With a between-start floor (fit.start_floor_pct, verdict.StartShift) each draw also moves
+every engine start's cells together by a drawn shift: the machine's speed between starts is
+measurement noise too, and the one a group's cells share.
+
 So an inconclusive verdict is explained: the observed |d| is above the detectable
 difference (the noise could have resolved it: the error differs from cell to cell, and
 that leaves the CI across the margin), or below it, where the forms' separation says
@@ -18,11 +22,13 @@ whether any CIs could (`limited_by`).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import math
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
 from hostsweep.model.hostforms import FORM_CLASSES
+from hostsweep.model.verdict import StartShift
 
 Z95 = 1.959964
 
@@ -34,9 +40,10 @@ def _best_mape(predicted: Mapping[str, np.ndarray], forms: Sequence[str], step: 
 
 def noise_resolution(predicted_ms: Mapping[str, np.ndarray], step_ms: np.ndarray, ci_low_ms: np.ndarray,
                      ci_high_ms: np.ndarray, minuend: Sequence[str], subtrahend: Sequence[str], observed: float,
-                     margin: float, label: str, resamples: int = 2000, seed: int = 0) -> dict[str, Any]:
-    """What the cells' CIs let d = MAPE(best of minuend) − MAPE(best of subtrahend) resolve,
-    against the observed d; `label` names d in the sentence."""
+                     margin: float, label: str, resamples: int = 2000, seed: int = 0,
+                     shift: Optional[StartShift] = None) -> dict[str, Any]:
+    """What the cells' CIs (and a between-start `shift`) let d = MAPE(best of minuend) −
+    MAPE(best of subtrahend) resolve, against the observed d; `label` names d in the sentence."""
     step = np.asarray(step_ms, float)
     half = (np.asarray(ci_high_ms, float) - np.asarray(ci_low_ms, float)) / 2 / step
     has_ci = np.isfinite(half)
@@ -54,6 +61,11 @@ def noise_resolution(predicted_ms: Mapping[str, np.ndarray], step_ms: np.ndarray
     rng = np.random.default_rng(seed)
     sd = np.where(has_ci, half, 0.0) / Z95
     drawn = step * (1.0 + rng.standard_normal((resamples, step.size)) * sd)
+    if shift is not None and shift.sd > 0:
+        own = rng.normal(0.0, shift.sd, size=(resamples, int(shift.start.max()) + 1))[:, shift.start]
+        trained = rng.normal(0.0, shift.sd / math.sqrt(max(1, shift.training_starts)), size=(resamples, 1))
+        drawn = drawn * np.exp(own - trained)
+        out["start_shift_pct"] = 100 * math.expm1(shift.relative_sd)
     drawn = np.maximum(drawn, step * 1e-3)  # a step is positive; keeps a huge CI from dividing by ~0
     diffs = _best_mape(predicted, minuend, drawn) - _best_mape(predicted, subtrahend, drawn)
     low, high = np.percentile(diffs, [2.5, 97.5])
@@ -80,6 +92,8 @@ def limited_by(r: Mapping[str, Any]) -> str:
 
 def _sentence(r: Mapping[str, Any], label: str) -> str:
     ci, d = f"the cells' CIs (±{r['median_ci_half_width_pct']:.1f} % median)", abs(r["observed_points"])
+    if r.get("start_shift_pct"):
+        ci += f" with the machine's speed between engine starts ({r['start_shift_pct']:.1f} % SD)"
     noise = (f"their noise alone moves {label} by ±{r['noise_half_width_points']:.2f} points; with the "
              f"±{r['margin_points']:g}-point margin a difference above {r['detectable_points']:.2f} points resolves")
     reason = r["limited_by"]
@@ -103,7 +117,7 @@ def family_forms(family: str) -> list[str]:
 
 def inconclusive_noise(evidence: Mapping[str, Any], predicted_ms: Mapping[str, np.ndarray], step_ms: np.ndarray,
                        ci_low_ms: np.ndarray, ci_high_ms: np.ndarray, margin: float, resamples: int = 2000,
-                       seed: int = 0) -> dict[str, Any] | None:
+                       seed: int = 0, shift: Optional[StartShift] = None) -> dict[str, Any] | None:
     """The noise statement for a group's inconclusive question (verdict.host_family_verdict's
     evidence): the families when they are not told apart, or the baseline when a
     k-invariant winner does not beat it; None for a conclusive or non-discriminating group."""
@@ -118,7 +132,7 @@ def inconclusive_noise(evidence: Mapping[str, Any], predicted_ms: Mapping[str, n
     else:
         return None
     return noise_resolution(predicted_ms, step_ms, ci_low_ms, ci_high_ms, *sides, observed["diff"], margin, label,
-                            resamples, seed)
+                            resamples, seed, shift)
 
 
 def overall_noise(groups: list[dict[str, Any]]) -> dict[str, Any] | None:

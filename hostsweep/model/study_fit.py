@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import pandas as pd
@@ -28,7 +28,8 @@ from hostsweep.model.inputs import in_regime
 from hostsweep.model.resolution import inconclusive_noise, overall_noise
 from hostsweep.model.term_checks import (ALLREDUCE_MISMATCH, INSITU_COLUMNS, SPLIT_COLUMNS, STANDALONE,
                                          allreduce_path, guard_group, host_path, path_of)
-from hostsweep.model.verdict import falsifying_threshold, host_family_verdict, overall_verdict
+from hostsweep.model.verdict import (StartShift, falsifying_threshold, host_family_verdict, overall_verdict,
+                                     start_shift_sd)
 
 SCHEMA = "hostsweep.fit/1"
 G_MODES = ("pinned", "joint")
@@ -94,6 +95,9 @@ class FitOptions:
     resamples: int = 2000
     seed: int = 0
     margin_pct: float = 1.0  # MAPE points a CI must clear for a verdict (about what 1.5% noise alone gives)
+    # SD (%) of the step between engine starts on the measuring machine (fit.start_floor_pct,
+    # verdict.StartShift); None: the verdicts' intervals hold the cells' spread only
+    start_floor_pct: Optional[float] = None
     condition_warning: float = 30.0  # joint fits with a worse condition number are flagged
 
     def check(self) -> None:
@@ -183,6 +187,24 @@ def _scale(pinned: ScaleFit, terms: Terms, step_ms: np.ndarray, roles: np.ndarra
 TRACE_COLUMNS = ("mode", "run_id", "cell_key", "parent_run_id")
 
 
+# What makes two cells one engine start: the engine's identity within one sweep (its parent run).
+START_COLUMNS = ("sku", "model", "mode", "tp", "parent_run_id")
+
+
+def engine_starts(cells: pd.DataFrame) -> np.ndarray:
+    """Each cell's engine start as an index 0 .. k-1: cells of one engine in one sweep met
+    one machine speed together (the columns of START_COLUMNS the cells carry)."""
+    columns = [c for c in START_COLUMNS if c in cells]
+    keys = cells[columns].astype(str).agg("|".join, axis=1) if columns else pd.Series("", index=cells.index)
+    return pd.factorize(keys)[0].astype(int)
+
+
+def training_start_count(cells: pd.DataFrame, roles: np.ndarray) -> int:
+    """How many engine starts the fit's training cells came from (the in-regime ones)."""
+    train = (roles == "train") & cells["in_regime"].to_numpy(bool)
+    return max(1, len(np.unique(engine_starts(cells)[train])))
+
+
 def _predictions(cells: pd.DataFrame, predicted: dict[str, np.ndarray], roles: np.ndarray,
                  bound_ms: np.ndarray, terms: Terms, g: float, options: FitOptions) -> pd.DataFrame:
     keep = [c for c in ("sku", "model", "tp", "batch", "ctx", "step_ms", *CI_COLUMNS, *TRACE_COLUMNS, *SPLIT_COLUMNS,
@@ -195,7 +217,9 @@ def _predictions(cells: pd.DataFrame, predicted: dict[str, np.ndarray], roles: n
     # the model's pieces per cell: g·T_cmp/k with the global g, T_ar and S(N)
     columns |= {"compute_ms": g * terms.compute_s * 1e3, "allreduce_ms": terms.allreduce_s * 1e3,
                 "microbench_ms": terms.microbench_s * 1e3}
-    verdicts = falsifying(cells, bound_ms, (roles == "held-out") & regime)
+    sd = start_shift_sd(options.start_floor_pct)
+    relative = sd * math.sqrt(1.0 + 1.0 / training_start_count(cells, roles)) if sd > 0 else 0.0
+    verdicts = falsifying(cells, bound_ms, (roles == "held-out") & regime, relative)
     return pd.DataFrame(columns).join(verdicts.reset_index(drop=True))
 
 
@@ -208,6 +232,16 @@ def _bound_ms(terms: Terms, forms: dict[str, FittedForm], options: FitOptions) -
     return np.min(np.vstack(hosts), axis=0) * 1e3
 
 
+def _shift(table: pd.DataFrame, inside: np.ndarray, predicted: dict[str, np.ndarray], step: np.ndarray,
+           options: FitOptions, training_starts: int) -> Optional[StartShift]:
+    """The held-out group's shared start shift (verdict.StartShift), None without a floor."""
+    sd = start_shift_sd(options.start_floor_pct)
+    if sd <= 0:
+        return None
+    starts = pd.factorize(engine_starts(table)[inside])[0].astype(int)
+    return StartShift({f: v[inside] for f, v in predicted.items()}, step[inside], starts, sd, training_starts)
+
+
 def _groups(table: pd.DataFrame, options: FitOptions, terms: CalibrationTerms) -> tuple[list[dict], list[dict]]:
     """Per (sku, tp, role): counts, falsification, each form's MAPE and the group verdict,
     a held-out one guarded by its own terms (model/term_checks.guard_group)."""
@@ -218,6 +252,7 @@ def _groups(table: pd.DataFrame, options: FitOptions, terms: CalibrationTerms) -
     predicted = {form: table[f"{form}_ms"].to_numpy(float) for form in FORMS}
     errors = {form: ape(values, step) for form, values in predicted.items()}
     low, high = (table[c].to_numpy(float) if c in table else np.full(len(table), np.nan) for c in CI_COLUMNS)
+    training_starts = training_start_count(table, table["role"].to_numpy())
     for (sku, tp, role), index in sorted(table.groupby(["sku", "tp", "role"]).indices.items()):
         inside = index[regime[index]]
         below = int(falsifies[index].sum())
@@ -229,11 +264,13 @@ def _groups(table: pd.DataFrame, options: FitOptions, terms: CalibrationTerms) -
         scores += [{"form": form, "sku": sku, "tp": int(tp), "role": role, **_summary(errors[form][inside])}
                    for form in FORMS]
         if role == "held-out" and len(inside):
+            shift = _shift(table, inside, predicted, step, options, training_starts)
             evidence = host_family_verdict({form: e[inside] for form, e in errors.items()}, int(tp) not in options.train_tp,
-                                     options.resamples, options.seed, options.margin_pct)
+                                           options.resamples, options.seed, options.margin_pct, shift)
             # an inconclusive question: could the cells' own CIs have resolved it at all?
             noise = inconclusive_noise(evidence, {f: v[inside] for f, v in predicted.items()}, step[inside],
-                                       low[inside], high[inside], options.margin_pct, options.resamples, options.seed)
+                                       low[inside], high[inside], options.margin_pct, options.resamples, options.seed,
+                                       shift)
             if noise:
                 evidence["noise"] = noise
             row.update(evidence if not falsified else {

@@ -13,11 +13,14 @@ same function there) and is reported as inconclusive for that reason.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 from scipy.stats import binom
 
+from hostsweep.model.fit import ape as percentage_errors
 from hostsweep.model.hostforms import FORM_CLASSES
 
 FAMILIES = ("k-invariant", "k-scaling")
@@ -26,18 +29,55 @@ FAMILIES = ("k-invariant", "k-scaling")
 MIN_CELLS_FOR_A_FAMILY = 3
 
 
+@dataclass(frozen=True)
+class StartShift:
+    """The machine's speed between engine starts, which a group's cells share and resampling
+    its cells cannot show. The held-out cells were measured in other engine starts, at other
+    times, than the training cells their predictions come from: each held-out start's cells
+    move together by e^d, d ~ N(0, sd²), against the training starts' mean shift e^t,
+    t ~ N(0, sd² / training_starts), which every held-out start shares. `sd` is the log of
+    1 + fit.start_floor_pct / 100 (the SD between engine starts a paired A/A states)."""
+
+    predicted: Mapping[str, np.ndarray]  # per form, the group's cells, ms
+    measured: np.ndarray  # step_ms of the same cells
+    start: np.ndarray  # each cell's engine start, 0 .. starts - 1
+    sd: float
+    training_starts: int
+
+    @property
+    def relative_sd(self) -> float:
+        """SD of one held-out start's log shift against the training starts' mean."""
+        return self.sd * math.sqrt(1.0 + 1.0 / max(1, self.training_starts))
+
+
+def start_shift_sd(floor_pct: Optional[float]) -> float:
+    """fit.start_floor_pct (SD in %, null: none) as the SD of the log step."""
+    return math.log1p(floor_pct / 100.0) if floor_pct else 0.0
+
+
 def resampled_mapes(ape: Mapping[str, np.ndarray], resamples: int, seed: int,
-                    max_draws: int = 4_000_000) -> dict[str, np.ndarray]:
+                    max_draws: int = 4_000_000, shift: Optional[StartShift] = None) -> dict[str, np.ndarray]:
     """Each form's mean APE over the same bootstrap resamples of the group's cells (paired),
-    drawn in chunks of at most `max_draws` indices so a large group stays in memory."""
+    drawn in chunks of at most `max_draws` indices so a large group stays in memory. With a
+    `shift`, every resample also moves each engine start's measured steps by its own drawn
+    shift (StartShift) and scores each form's predictions against them."""
     n = len(next(iter(ape.values())))
     rng = np.random.default_rng(seed)
     chunk = max(1, max_draws // n)
     parts: dict[str, list[np.ndarray]] = {form: [] for form in ape}
     for start in range(0, resamples, chunk):
-        index = rng.integers(0, n, size=(min(chunk, resamples - start), n))
-        for form, errors in ape.items():
-            parts[form].append(np.asarray(errors, float)[index].mean(axis=1))
+        size = min(chunk, resamples - start)
+        index = rng.integers(0, n, size=(size, n))
+        if shift is None:
+            for form, errors in ape.items():
+                parts[form].append(np.asarray(errors, float)[index].mean(axis=1))
+            continue
+        starts = int(shift.start.max()) + 1
+        own = rng.normal(0.0, shift.sd, size=(size, starts))
+        trained = rng.normal(0.0, shift.sd / math.sqrt(max(1, shift.training_starts)), size=(size, 1))
+        moved = shift.measured[index] * np.exp(np.take_along_axis(own, shift.start[index], axis=1) - trained)
+        for form in ape:
+            parts[form].append(percentage_errors(np.asarray(shift.predicted[form], float)[index], moved).mean(axis=1))
     return {form: np.concatenate(chunks) for form, chunks in parts.items()}
 
 
@@ -59,10 +99,12 @@ def _decide(evidence: dict[str, float], margin: float) -> str:
 
 
 def host_family_verdict(ape: Mapping[str, np.ndarray], discriminating: bool, resamples: int = 2000,
-                  seed: int = 0, margin: float = 1.0) -> dict[str, Any]:
-    """The verdict on one held-out group from each form's per-cell APE (percent)."""
+                        seed: int = 0, margin: float = 1.0, shift: Optional[StartShift] = None) -> dict[str, Any]:
+    """The verdict on one held-out group from each form's per-cell APE (percent); with a
+    `shift`, its interval also holds the machine's speed between engine starts."""
     point = {form: float(np.mean(errors)) for form, errors in ape.items()}
-    draws = resampled_mapes(ape, resamples, seed)
+    shift = shift if shift is not None and shift.sd > 0 else None
+    draws = resampled_mapes(ape, resamples, seed, shift=shift)
     family = {name: [f for f in ape if FORM_CLASSES[f] == name] for name in FAMILIES}
     best = {name: min(forms, key=point.get) for name, forms in family.items()}
     spread = _interval(point[best["k-scaling"]] - point[best["k-invariant"]],
@@ -80,6 +122,13 @@ def host_family_verdict(ape: Mapping[str, np.ndarray], discriminating: bool, res
     else:
         reason = f"CI of MAPE(k-scaling) − MAPE(k-invariant) [{spread['ci_low']:.2f}, {spread['ci_high']:.2f}] " \
                  f"clears ±{margin:g} points"
+    # What the interval holds: the cells' spread only, or also the speed between engine starts.
+    between = (f"{100 * math.expm1(shift.relative_sd):.1f} % between the held-out and the training engine starts "
+               "(fit.start_floor_pct)" if shift is not None else None)
+    if discriminating and cells >= MIN_CELLS_FOR_A_FAMILY:
+        reason += (f"; the interval holds the cells' spread and the machine's speed, {between}" if between else
+                   "; the interval holds the cells' spread only, not the machine's speed between engine starts "
+                   "(fit.start_floor_pct: null)")
     pool = family[verdict] if verdict in FAMILIES else family["k-invariant"] + family["k-scaling"]
     winner = min(pool, key=point.get)
     versus = _interval(point["baseline"] - point[winner], draws["baseline"] - _best(draws, pool))
@@ -88,6 +137,7 @@ def host_family_verdict(ape: Mapping[str, np.ndarray], discriminating: bool, res
         "best_k_invariant": best["k-invariant"], "best_k_scaling": best["k-scaling"],
         "scaling_minus_invariant": spread, "winner": winner,
         "baseline_minus_winner": versus, "beats_baseline": versus["ci_low"] > margin,
+        "start_shift_pct": None if shift is None else 100 * math.expm1(shift.relative_sd),
     }
 
 

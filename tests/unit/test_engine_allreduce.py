@@ -39,7 +39,7 @@ ENGINE_FAST = AllReduceCalibration(8.0, 150.0, "engine", "vllm get_tp_group().al
 # ---- the engine path, measured on the CPU build -------------------------------------------
 
 @pytest.mark.integration
-def test_engine_path_allreduce_on_the_cpu_build_runs_vllms_shared_memory_op():
+def test_engine_path_allreduce_on_the_cpu_build_runs_vllms_shared_memory_op(capfd):
     from hostsweep.calibrate.engine_allreduce import run_engine_allreduce
     from hostsweep.config.machine import cpu_flags, default_dtype
 
@@ -51,6 +51,9 @@ def test_engine_path_allreduce_on_the_cpu_build_runs_vllms_shared_memory_op():
     assert set(frame["communicator"]) == {"CpuCommunicator"}
     assert (frame["ci_low_s"] <= frame["seconds"]).all() and (frame["seconds"] <= frame["ci_high_s"]).all()
     assert (frame["seconds"] > 0).all() and frame["seconds"].iloc[1] > frame["seconds"].iloc[0]
+    # the profiler's native start/stop lines stay off the console the ranks share with the user
+    out, err = capfd.readouterr()
+    assert "profiler_start" not in out + err and "profiler_stop" not in out + err
 
 
 # ---- the path's logic, with fakes for what cannot run here (GPUs) -------------------------
