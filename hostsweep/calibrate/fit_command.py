@@ -89,7 +89,9 @@ def _params(report: FitReport, roofs: str) -> dict[str, object]:
             "s0_ms": report.calibration["host"]["s0_ms"], "s1_ms": report.calibration["host"]["s1_ms"],
             **{f"lambda_us.{s}": v["latency_us"] for s, v in report.calibration["allreduce"].items()},
             **{f"beta_gbps.{s}": v["bandwidth_gbps"] for s, v in report.calibration["allreduce"].items()},
-            "roofs": roofs, "utilization": options.utilization, "verdict": report.verdict["verdict"]}
+            "roofs": roofs, "utilization": options.utilization, "verdict": report.verdict["verdict"],
+            # the between-start SD the verdicts' intervals hold; "none": the cells' spread only
+            "start_floor_pct": "none" if options.start_floor_pct is None else options.start_floor_pct}
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,8 @@ def fit_command(args: argparse.Namespace) -> int:
     terms = calibration_terms(load_calibration(args.calibration))
     skus = _sku_specs(measured["sku"].unique(), terms, args.roofs)
     options = FitOptions(args.train_sku, tuple(args.train_tp), args.form, args.g_mode, args.bound,
-                         args.utilization, args.resamples, args.seed, args.margin)
+                         args.utilization, args.resamples, args.seed, args.margin,
+                         start_floor_pct=args.start_floor_pct)
     outcome = fit_and_log(measured, terms, skus, options, _json_path(args), args.tracking_uri,
                           args.models_experiment, args.roofs, args.tokens, exclusion=exclusion)
     print(render(outcome.data))
@@ -194,6 +197,9 @@ def fit_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bound", choices=BOUNDS, default="microbench",
                         help="falsification bound H: the microbenchmark S(N), or the lowest k-invariant fit")
     parser.add_argument("--margin", type=float, default=1.0, help="MAPE points a verdict's CI must clear")
+    parser.add_argument("--start-floor-pct", type=float, default=None,
+                        help="the step's SD (%%) between engine starts (fit.start_floor_pct): the held-out verdicts' "
+                             "intervals hold it; default none")
     parser.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples per held-out group")
     parser.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     parser.add_argument("--tokens", type=int, default=None, help="T of cells that carry no T column")

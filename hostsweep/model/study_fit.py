@@ -107,6 +107,8 @@ class FitOptions:
             raise ValueError(f"g_mode {self.g_mode!r} is not one of {', '.join(G_MODES)}")
         if self.bound not in BOUNDS:
             raise ValueError(f"bound {self.bound!r} is not one of {', '.join(BOUNDS)}")
+        if self.start_floor_pct is not None and not 0 <= self.start_floor_pct < 100:
+            raise ValueError(f"start_floor_pct must be a percentage in [0, 100) or null, got {self.start_floor_pct}")
 
 
 @dataclass

@@ -42,8 +42,6 @@ def fit_options(study: Study, train_sku: str, train_tp: tuple[int, ...]) -> FitO
     """The fit section as FitOptions, checked (a bad value is a one-line ConfigError)."""
     fit = study.config.fit
     check_fit_sources(fit)
-    if fit.start_floor_pct is not None and not 0 <= fit.start_floor_pct < 100:
-        raise ConfigError(f"fit.start_floor_pct must be a percentage in [0, 100) or null, got {fit.start_floor_pct}")
     options = FitOptions(train_sku, train_tp, fit.form, fit.g_mode, fit.bound, fit.utilization, fit.resamples,
                          fit.seed, fit.margin, start_floor_pct=fit.start_floor_pct)
     try:

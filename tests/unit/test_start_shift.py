@@ -111,3 +111,15 @@ def test_the_floor_is_the_diffs_between_start_spread_and_a_bad_one_is_refused_be
     assert compose_typed(["+experiment=generalize-cpu"]).config.fit.start_floor_pct == FLOOR_PCT
     with pytest.raises(ConfigError, match=r"fit.start_floor_pct must be a percentage in \[0, 100\)"):
         fit_options(compose_typed(["+sku=cpu", "fit.start_floor_pct=-3"]), "cpu", (1,))
+
+
+def test_the_command_line_fit_takes_the_floor_and_refuses_a_bad_one():
+    from hostsweep.calibrate.fit_command import _params
+
+    with pytest.raises(ValueError, match=r"start_floor_pct must be a percentage in \[0, 100\) or null, got 120"):
+        FitOptions("h100", start_floor_pct=120.0).check()
+    cells = shifted_study("invariant", HOST_MS, 0.0, 0)
+    terms = replace(TP_STUDY, host=HostFit(HOST_MS * 1e-3, 0.0))
+    for floor, logged in ((None, "none"), (FLOOR_PCT, FLOOR_PCT)):
+        report = fit_study(cells, terms, FitOptions("h100", resamples=300, start_floor_pct=floor))
+        assert _params(report, "datasheet")["start_floor_pct"] == logged
