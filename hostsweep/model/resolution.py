@@ -28,7 +28,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from hostsweep.model.hostforms import FORM_CLASSES
-from hostsweep.model.verdict import StartShift
+from hostsweep.model.verdict import StartShift, drawn_start_shifts
 
 Z95 = 1.959964
 
@@ -62,9 +62,7 @@ def noise_resolution(predicted_ms: Mapping[str, np.ndarray], step_ms: np.ndarray
     sd = np.where(has_ci, half, 0.0) / Z95
     drawn = step * (1.0 + rng.standard_normal((resamples, step.size)) * sd)
     if shift is not None and shift.sd > 0:
-        own = rng.normal(0.0, shift.sd, size=(resamples, int(shift.start.max()) + 1))[:, shift.start]
-        trained = rng.normal(0.0, shift.sd / math.sqrt(max(1, shift.training_starts)), size=(resamples, 1))
-        drawn = drawn * np.exp(own - trained)
+        drawn = drawn * np.exp(drawn_start_shifts(rng, shift, resamples)[:, shift.start])
         out["start_shift_pct"] = 100 * math.expm1(shift.relative_sd)
     drawn = np.maximum(drawn, step * 1e-3)  # a step is positive; keeps a huge CI from dividing by ~0
     diffs = _best_mape(predicted, minuend, drawn) - _best_mape(predicted, subtrahend, drawn)

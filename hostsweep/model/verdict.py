@@ -50,6 +50,13 @@ class StartShift:
         return self.sd * math.sqrt(1.0 + 1.0 / max(1, self.training_starts))
 
 
+def drawn_start_shifts(rng: np.random.Generator, shift: StartShift, draws: int) -> np.ndarray:
+    """(draws × starts) log shifts of the held-out engine starts against the training starts'
+    mean: each start its own, less the training mean every start shares."""
+    own = rng.normal(0.0, shift.sd, size=(draws, int(shift.start.max()) + 1))
+    return own - rng.normal(0.0, shift.sd / math.sqrt(max(1, shift.training_starts)), size=(draws, 1))
+
+
 def start_shift_sd(floor_pct: Optional[float]) -> float:
     """fit.start_floor_pct (SD in %, null: none) as the SD of the log step."""
     return math.log1p(floor_pct / 100.0) if floor_pct else 0.0
@@ -72,10 +79,8 @@ def resampled_mapes(ape: Mapping[str, np.ndarray], resamples: int, seed: int,
             for form, errors in ape.items():
                 parts[form].append(np.asarray(errors, float)[index].mean(axis=1))
             continue
-        starts = int(shift.start.max()) + 1
-        own = rng.normal(0.0, shift.sd, size=(size, starts))
-        trained = rng.normal(0.0, shift.sd / math.sqrt(max(1, shift.training_starts)), size=(size, 1))
-        moved = shift.measured[index] * np.exp(np.take_along_axis(own, shift.start[index], axis=1) - trained)
+        moved = shift.measured[index] * np.exp(np.take_along_axis(drawn_start_shifts(rng, shift, size),
+                                                                   shift.start[index], axis=1))
         for form in ape:
             parts[form].append(percentage_errors(np.asarray(shift.predicted[form], float)[index], moved).mean(axis=1))
     return {form: np.concatenate(chunks) for form, chunks in parts.items()}
