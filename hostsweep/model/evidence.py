@@ -23,7 +23,8 @@ def measured_ci_high_ms(cells: pd.DataFrame) -> np.ndarray:
     return pd.to_numeric(cells[CI_COLUMNS[1]], errors="coerce").to_numpy(float)
 
 
-# The two-sided 95% normal quantile: the cells' CI columns are 95% intervals.
+# The two-sided 95% normal quantile: the cells' CI columns are 95% intervals (resolution.py
+# reads the same).
 Z95 = 1.959963984540054
 
 

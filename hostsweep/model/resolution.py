@@ -27,10 +27,9 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
+from hostsweep.model.evidence import Z95
 from hostsweep.model.hostforms import FORM_CLASSES
 from hostsweep.model.verdict import StartShift, drawn_start_shifts
-
-Z95 = 1.959964
 
 
 def _best_mape(predicted: Mapping[str, np.ndarray], forms: Sequence[str], step: np.ndarray) -> np.ndarray:

@@ -29,7 +29,7 @@ from hostsweep.model.resolution import inconclusive_noise, overall_noise
 from hostsweep.model.term_checks import (ALLREDUCE_MISMATCH, INSITU_COLUMNS, SPLIT_COLUMNS, STANDALONE,
                                          allreduce_path, guard_group, host_path, path_of)
 from hostsweep.model.verdict import (StartShift, falsifying_threshold, host_family_verdict, overall_verdict,
-                                     start_shift_sd)
+                                     relative_shift_sd, start_shift_sd)
 
 SCHEMA = "hostsweep.fit/1"
 G_MODES = ("pinned", "joint")
@@ -208,7 +208,8 @@ def training_start_count(cells: pd.DataFrame, roles: np.ndarray) -> int:
 
 
 def _predictions(cells: pd.DataFrame, predicted: dict[str, np.ndarray], roles: np.ndarray,
-                 bound_ms: np.ndarray, terms: Terms, g: float, options: FitOptions) -> pd.DataFrame:
+                 bound_ms: np.ndarray, terms: Terms, g: float, options: FitOptions,
+                 training_starts: int) -> pd.DataFrame:
     keep = [c for c in ("sku", "model", "tp", "batch", "ctx", "step_ms", *CI_COLUMNS, *TRACE_COLUMNS, *SPLIT_COLUMNS,
                         *INSITU_COLUMNS) if c in cells]
     regime = cells["in_regime"].to_numpy(bool)
@@ -219,8 +220,7 @@ def _predictions(cells: pd.DataFrame, predicted: dict[str, np.ndarray], roles: n
     # the model's pieces per cell: g·T_cmp/k with the global g, T_ar and S(N)
     columns |= {"compute_ms": g * terms.compute_s * 1e3, "allreduce_ms": terms.allreduce_s * 1e3,
                 "microbench_ms": terms.microbench_s * 1e3}
-    sd = start_shift_sd(options.start_floor_pct)
-    relative = sd * math.sqrt(1.0 + 1.0 / training_start_count(cells, roles)) if sd > 0 else 0.0
+    relative = relative_shift_sd(start_shift_sd(options.start_floor_pct), training_starts)
     verdicts = falsifying(cells, bound_ms, (roles == "held-out") & regime, relative)
     return pd.DataFrame(columns).join(verdicts.reset_index(drop=True))
 
@@ -234,17 +234,18 @@ def _bound_ms(terms: Terms, forms: dict[str, FittedForm], options: FitOptions) -
     return np.min(np.vstack(hosts), axis=0) * 1e3
 
 
-def _shift(table: pd.DataFrame, inside: np.ndarray, predicted: dict[str, np.ndarray], step: np.ndarray,
-           options: FitOptions, training_starts: int) -> Optional[StartShift]:
-    """The held-out group's shared start shift (verdict.StartShift), None without a floor."""
-    sd = start_shift_sd(options.start_floor_pct)
+def _shift(starts: np.ndarray, inside: np.ndarray, predicted: dict[str, np.ndarray], step: np.ndarray,
+           sd: float, training_starts: int) -> Optional[StartShift]:
+    """The held-out group's shared start shift (verdict.StartShift) over its `inside` cells,
+    `starts` being every cell's engine start; None without a floor (sd 0)."""
     if sd <= 0:
         return None
-    starts = pd.factorize(engine_starts(table)[inside])[0].astype(int)
-    return StartShift({f: v[inside] for f, v in predicted.items()}, step[inside], starts, sd, training_starts)
+    own = pd.factorize(starts[inside])[0].astype(int)
+    return StartShift({f: v[inside] for f, v in predicted.items()}, step[inside], own, sd, training_starts)
 
 
-def _groups(table: pd.DataFrame, options: FitOptions, terms: CalibrationTerms) -> tuple[list[dict], list[dict]]:
+def _groups(table: pd.DataFrame, options: FitOptions, terms: CalibrationTerms,
+            training_starts: int) -> tuple[list[dict], list[dict]]:
     """Per (sku, tp, role): counts, falsification, each form's MAPE and the group verdict,
     a held-out one guarded by its own terms (model/term_checks.guard_group)."""
     groups, scores = [], []
@@ -254,7 +255,7 @@ def _groups(table: pd.DataFrame, options: FitOptions, terms: CalibrationTerms) -
     predicted = {form: table[f"{form}_ms"].to_numpy(float) for form in FORMS}
     errors = {form: ape(values, step) for form, values in predicted.items()}
     low, high = (table[c].to_numpy(float) if c in table else np.full(len(table), np.nan) for c in CI_COLUMNS)
-    training_starts = training_start_count(table, table["role"].to_numpy())
+    starts, sd = engine_starts(table), start_shift_sd(options.start_floor_pct)
     for (sku, tp, role), index in sorted(table.groupby(["sku", "tp", "role"]).indices.items()):
         inside = index[regime[index]]
         below = int(falsifies[index].sum())
@@ -266,7 +267,7 @@ def _groups(table: pd.DataFrame, options: FitOptions, terms: CalibrationTerms) -
         scores += [{"form": form, "sku": sku, "tp": int(tp), "role": role, **_summary(errors[form][inside])}
                    for form in FORMS]
         if role == "held-out" and len(inside):
-            shift = _shift(table, inside, predicted, step, options, training_starts)
+            shift = _shift(starts, inside, predicted, step, sd, training_starts)
             evidence = host_family_verdict({form: e[inside] for form, e in errors.items()}, int(tp) not in options.train_tp,
                                            options.resamples, options.seed, options.margin_pct, shift)
             # an inconclusive question: could the cells' own CIs have resolved it at all?
@@ -333,9 +334,10 @@ def fit_study(cells: pd.DataFrame, terms: CalibrationTerms, options: FitOptions)
     forms = fit_all_forms(all_terms.take(train), step_ms[train], None if options.g_mode == "joint" else pinned.g)
     scale = _scale(pinned, all_terms, step_ms, roles, forms, options, warnings)
     predicted = {name: predict_terms_s(f, all_terms) * 1e3 for name, f in forms.items()}
+    training_starts = training_start_count(cells, roles)
     table = _predictions(cells, predicted, roles, _bound_ms(all_terms, forms, options), all_terms, pinned.g,
-                         options)
-    groups, scores = _groups(table, options, terms)
+                         options, training_starts)
+    groups, scores = _groups(table, options, terms, training_starts)
     compared = [g for g in groups if g["role"] == "held-out" and "verdict" in g
                 and g["verdict"] not in ("falsified", ALLREDUCE_MISMATCH)]
     falsification = _falsification(table, groups, options, warnings)

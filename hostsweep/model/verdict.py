@@ -46,8 +46,13 @@ class StartShift:
 
     @property
     def relative_sd(self) -> float:
-        """SD of one held-out start's log shift against the training starts' mean."""
-        return self.sd * math.sqrt(1.0 + 1.0 / max(1, self.training_starts))
+        return relative_shift_sd(self.sd, self.training_starts)
+
+
+def relative_shift_sd(sd: float, training_starts: int) -> float:
+    """SD of one held-out start's log shift against the training starts' mean: its own, and
+    the mean of `training_starts` others."""
+    return sd * math.sqrt(1.0 + 1.0 / max(1, training_starts))
 
 
 def drawn_start_shifts(rng: np.random.Generator, shift: StartShift, draws: int) -> np.ndarray:

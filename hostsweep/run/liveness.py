@@ -44,7 +44,8 @@ def process_title(proc: psutil.Process) -> str:
     return first if first.startswith(ENGINE_PROCESS_PREFIXES) else name
 
 
-def _label(proc: psutil.Process) -> str:
+def process_label(proc: psutil.Process) -> str:
+    """process_title, or "?" for a process already gone."""
     try:
         return process_title(proc)
     except psutil.Error:
@@ -66,7 +67,7 @@ def engine_processes(worker_pid: int, before: Iterable[int]) -> list[psutil.Proc
         new = [p for p in psutil.Process(worker_pid).children(recursive=True) if p.pid not in known]
     except psutil.Error:
         return []
-    named = [p for p in new if _label(p).startswith(ENGINE_PROCESS_PREFIXES)]
+    named = [p for p in new if process_label(p).startswith(ENGINE_PROCESS_PREFIXES)]
     if named:
         return named
     return [p for p in new if p.ppid() == worker_pid and not any(n in _cmdline(p) for n in NOT_ENGINE)]
@@ -87,7 +88,7 @@ class EngineWatch:
     """The engine's processes, and why the first of them that died is gone."""
 
     def __init__(self, processes: list[psutil.Process]) -> None:
-        self.processes = {p.pid: (p, _label(p)) for p in processes}
+        self.processes = {p.pid: (p, process_label(p)) for p in processes}
         self.exits: dict[int, str] = {}
         # The handles multiprocessing keeps of the children it started (vLLM's EngineCore):
         # their exitcode survives the reaping that races the waiters below.

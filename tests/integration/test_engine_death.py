@@ -24,7 +24,7 @@ import mlflow
 import psutil
 import pytest
 
-from hostsweep.run.liveness import engine_processes, process_title
+from hostsweep.run.liveness import engine_processes, process_label
 
 
 pytestmark = pytest.mark.integration
@@ -52,13 +52,6 @@ def engine_cores(procs: list[psutil.Process]) -> list[psutil.Process]:
     for worker in sweep_workers(procs):
         cores += [p for p in engine_processes(worker.pid, ()) if p.ppid() == worker.pid]
     return cores
-
-
-def title(proc: psutil.Process) -> str:
-    try:
-        return process_title(proc)
-    except psutil.Error:
-        return "?"
 
 
 def alive(proc: psutil.Process) -> bool:
@@ -100,9 +93,9 @@ def test_a_killed_engine_core_is_detected_its_cell_retried_and_every_cell_measur
         cores = engine_cores(tree)
         assert len(cores) == 1, (f"EngineCore processes found: {len(cores)}; driver exit {driver.poll()}; "
                                  f"pairs saved {saved_pairs(pending)}; below the driver: "
-                                 f"{[(p.pid, title(p)) for p in tree]}")
+                                 f"{[(p.pid, process_label(p)) for p in tree]}")
         (core,) = cores
-        core_title = title(core)
+        core_title = process_label(core)
         before = saved_pairs(pending)
         workers = sweep_workers(tree)
         core.send_signal(signal.SIGKILL)
