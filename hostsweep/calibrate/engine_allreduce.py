@@ -4,7 +4,8 @@ size.
 
 Why not a standalone torch.distributed all-reduce (allreduce_bench.py, the TP study's [2]
 method): the engine never runs it. vLLM's CPU build reduces through shared memory
-(`CpuCommunicator` -> `torch.ops._C.shm_allreduce`), and on GPUs vLLM picks its custom
+(`CpuCommunicator` -> `torch.ops._C.shm_allreduce`) where its kernels for this CPU carry that
+op (AVX-512), else through gloo on the TP group (cpu_engine_path), and on GPUs vLLM picks its custom
 all-reduce kernels for small messages where P2P allows, else NCCL (or symmetric memory).
 A bound built from another path's latency can falsify the model by construction.
 
@@ -25,6 +26,7 @@ import os
 import socket
 import sys
 import time
+import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
@@ -59,6 +61,22 @@ def path_from_op_names(names: Iterable[str]) -> str:
         elif any(part in name for part in ALLREDUCE_CUDA_KERNELS):
             found.append(next((path for part, path in _KERNEL_PATHS if part in name), UNKNOWN))
     return "+".join(sorted(set(found))) or UNKNOWN
+
+
+def cpu_engine_path() -> str:
+    """The all-reduce path vLLM's CPU build takes on this machine, by vLLM's own selection
+    (CpuCommunicator): its shared-memory op where the kernels vLLM loads for this CPU carry it,
+    else torch.distributed's gloo. vLLM loads `_C` (AVX-512 with BF16), `_C_AVX512` or
+    `_C_AVX2` (vllm/platforms/cpu.py import_kernels); the AVX2 build has no shm_allreduce, so
+    on a CPU without AVX-512 the engine's ranks reduce through gloo."""
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import CpuArchEnum
+
+    current_platform.import_kernels()
+    shm_arch = current_platform.get_cpu_architecture() in (CpuArchEnum.X86, CpuArchEnum.ARM, CpuArchEnum.POWERPC,
+                                                           CpuArchEnum.S390X)
+    return CPU_SHM if shm_arch and hasattr(torch.ops._C, "init_shm_manager") else GLOO
 
 
 @dataclass(frozen=True)
@@ -102,17 +120,31 @@ def summarize_samples(nbytes: int, samples: np.ndarray) -> dict[str, Any]:
             "ci_coverage": ci.coverage, "reps": int(per_sample.size)}
 
 
-def _bind_cpu_rank(rank: int, world: int) -> None:
-    """Each rank on its own block of cores with as many threads, as the engine binds its TP
-    ranks (VLLM_CPU_OMP_THREADS_BIND, engines/vllm_engine.cpu_thread_binding): the shared-
-    memory all-reduce's speed depends on the threads each rank reduces with."""
-    import torch
+@contextmanager
+def rank_environment(world: int) -> Iterator[Callable[[int], Any]]:
+    """Start each rank as vLLM's multiprocessing executor starts an engine's TP workers:
+    VLLM_CPU_OMP_THREADS_BIND as the engine gets it (engines/vllm_engine.cpu_thread_binding)
+    and, around each rank's start, vLLM's own OMPProcessManager environment (OMP_NUM_THREADS,
+    OMP_PLACES, OMP_PROC_BIND), which binds the rank's OpenMP threads and nothing else. gloo's
+    threads stay free to run on any core, as the engine's do: binding the whole rank process
+    to its core (as this calibration once did) put gloo's threads on the caller's core and
+    timed the all-reduce at twice what the engine paid. Yields `rank_env(rank)`, a context
+    around that rank's start; on GPUs vLLM's manager sets nothing."""
+    from vllm.config import ParallelConfig, VllmConfig
+    from vllm.platforms import current_platform
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
 
     from hostsweep.engines.vllm_engine import cpu_thread_binding
 
-    cores = [int(c) for c in cpu_thread_binding(sorted(os.sched_getaffinity(0)), world).split("|")[rank].split(",")]
-    os.sched_setaffinity(0, cores)
-    torch.set_num_threads(len(cores))
+    saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    if current_platform.is_cpu() and saved is None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(sorted(os.sched_getaffinity(0)), world)
+    try:
+        manager = OMPProcessManager(VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=world)))
+        yield lambda rank: manager.configure_omp_envs(rank, rank)
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
 
 
 def _timed_sizes(group: Any, device: RankDevice, sizes: list[int], reps: int, dtype: Any) -> list[list[float]]:
@@ -194,7 +226,6 @@ def _rank_main(rank: int, world: int, port: int, sizes: list[int], reps: int, dt
     if device.gpu:
         torch.cuda.set_device(rank)
     else:
-        _bind_cpu_rank(rank, world)
         # the CPU worker names the shared-memory group after its init method (vllm
         # v1/worker/cpu_worker.py): CpuCommunicator falls back to gloo without it
         os.environ["VLLM_DIST_IDENT"] = init_method.split(":")[-1]
@@ -218,6 +249,15 @@ def _rank_main(rank: int, world: int, port: int, sizes: list[int], reps: int, dt
         destroy_distributed_environment()
 
 
+def _rank_entry(rank: int, failures: Any, *args: Any) -> None:
+    """A rank's process: its error travels to the parent, whose console the user reads."""
+    try:
+        _rank_main(rank, *args)
+    except BaseException:
+        failures.put((rank, traceback.format_exc()))
+        raise
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -229,7 +269,7 @@ def run_engine_allreduce(ranks: int, sizes: np.ndarray, reps: int, dtype: str = 
     """Per message size (bytes of `dtype`), the median seconds of one all-reduce through
     vLLM's tensor-parallel group of `ranks` local ranks, its CI, and the path it took
     (`path`; `communicator` names vLLM's communicator class)."""
-    import torch.multiprocessing as mp
+    import multiprocessing as mp
 
     if ranks < 2:
         raise ValueError(f"an all-reduce needs at least 2 ranks, got {ranks}")
@@ -239,13 +279,25 @@ def run_engine_allreduce(ranks: int, sizes: np.ndarray, reps: int, dtype: str = 
     from hostsweep.run.hygiene import scratch_for_vllm
 
     context = mp.get_context("spawn")
-    queue = context.SimpleQueue()
+    queue, failures = context.SimpleQueue(), context.SimpleQueue()
+    args = (ranks, _free_port(), [int(s) for s in sizes], reps, dtype, disable_custom_all_reduce, queue)
     # the ranks' vLLM message queues bind IPC sockets: in a folder of this call's own, as an
     # engine's are (run/hygiene.py), never one a closed engine left named in the environment
-    with scratch_for_vllm():
-        mp.start_processes(_rank_main, args=(ranks, _free_port(), [int(s) for s in sizes], reps, dtype,
-                                             disable_custom_all_reduce, queue),
-                           nprocs=ranks, join=True, start_method="spawn")
+    with scratch_for_vllm(), rank_environment(ranks) as rank_env:
+        processes = []
+        for rank in range(ranks):
+            with rank_env(rank):  # read by the rank's OpenMP runtime when it loads: set before the start
+                process = context.Process(target=_rank_entry, args=(rank, failures, *args), daemon=True)
+                process.start()
+            processes.append(process)
+        for process in processes:
+            process.join()
+    if not failures.empty():
+        rank, text = failures.get()
+        raise RuntimeError(f"all-reduce calibration rank {rank} failed:\n{text}")
+    if any(process.exitcode != 0 for process in processes):
+        raise RuntimeError("all-reduce calibration: a rank exited with "
+                           f"{[process.exitcode for process in processes]} and said nothing")
     rows, communicator = queue.get()
     frame = pd.DataFrame(rows)
     frame["communicator"], frame["ranks"], frame["dtype"] = communicator, ranks, dtype

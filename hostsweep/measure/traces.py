@@ -23,7 +23,11 @@ vLLM's custom all-reduce), device time like any other; the CPU build's all-reduc
 reduction on the rank's own cores, so they count as its compute ops too. Either way the
 all-reduce is a part of the kernel sum, never beside it: device compute = kernels −
 all-reduce. The host ops around it (`vllm::all_reduce`, and on a GPU `c10d::allreduce_`, whose
-CPU time is the enqueue, not the reduction) are not the all-reduce's time.
+CPU time is the enqueue, not the reduction) are not the all-reduce's time. Where the CPU build
+reduces through gloo (its kernels built without the shared-memory op: a CPU without AVX-512),
+`c10d::allreduce_` is the enqueue too, and the reduction runs on gloo's thread while the caller
+waits outside any op: the all-reduce is counted from the op's start to the end of its
+`gloo:all_reduce` run (gloo_completions_us), what the caller paid.
 """
 from __future__ import annotations
 
@@ -50,6 +54,10 @@ CPU_WRAPPER_PREFIXES = ("vllm::",)
 # The CPU build's all-reduce ops: vLLM's shared-memory all-reduce (CpuCommunicator ->
 # torch.ops._C.shm_allreduce), and torch.distributed's gloo path it falls back to.
 ALLREDUCE_CPU_OPS = frozenset({"_C::shm_allreduce", "shm_allreduce", "c10d::allreduce_", "gloo:all_reduce"})
+# gloo's all-reduce in two events: the caller's op (the enqueue) and the reduction on gloo's
+# thread (a user annotation). The all-reduce the caller pays runs from the one's start to the
+# other's end (gloo_completions_us).
+GLOO_ALLREDUCE_OP, GLOO_ALLREDUCE_RUN = "c10d::allreduce_", "gloo:all_reduce"
 # CUDA all-reduce kernels, by a part of their (templated) names: NCCL's, vLLM's custom
 # all-reduce (csrc/custom_all_reduce.cuh) and torch's symmetric-memory ones.
 ALLREDUCE_CUDA_KERNELS = ("ncclDevKernel_AllReduce", "ncclKernel_AllReduce", "cross_device_reduce_1stage",
@@ -128,12 +136,47 @@ def is_cpu_compute_op(name: str) -> bool:
     return name.startswith("aten::") or name.startswith("_C")
 
 
+def gloo_completions_us(events: Iterable[dict[str, Any]]) -> dict[int, float]:
+    """For each gloo `c10d::allreduce_` op (by its index in `events`), the time its reduction
+    ended. gloo's op only enqueues: the reduction runs on gloo's own thread (a
+    `gloo:all_reduce` annotation) while the caller waits in `work.wait()`, outside any op.
+    Each op is paired with the first annotation of its process that starts after it and
+    before the process's next all-reduce op (the caller blocks, so they come in order)."""
+    ops: dict[Any, list[tuple[float, int]]] = {}
+    runs: dict[Any, list[tuple[float, float]]] = {}
+    for index, e in enumerate(events):
+        if e.get("ph") != "X":
+            continue
+        if e.get("name") == GLOO_ALLREDUCE_OP and e.get("cat") == "cpu_op":
+            ops.setdefault(e.get("pid"), []).append((float(e["ts"]), index))
+        elif e.get("name") == GLOO_ALLREDUCE_RUN:
+            start = float(e["ts"])
+            runs.setdefault(e.get("pid"), []).append((start, start + float(e.get("dur", 0.0))))
+    ends: dict[int, float] = {}
+    for pid, calls in ops.items():
+        calls.sort()
+        pending = sorted(runs.get(pid, []))
+        cursor = 0
+        for k, (start, index) in enumerate(calls):
+            next_start = calls[k + 1][0] if k + 1 < len(calls) else float("inf")
+            while cursor < len(pending) and pending[cursor][0] < start:
+                cursor += 1
+            if cursor < len(pending) and pending[cursor][0] < next_start:
+                ends[index] = pending[cursor][1]
+                cursor += 1
+    return ends
+
+
 def outermost_compute_ops(events: Iterable[dict[str, Any]]) -> list[Interval]:
-    """CPU compute ops not nested inside another compute op of the same thread."""
+    """CPU compute ops not nested inside another compute op of the same thread; a gloo
+    all-reduce op lasts until its reduction ended (gloo_completions_us)."""
+    events = list(events)
+    completions = gloo_completions_us(events)
     by_thread: dict[tuple[Any, Any], list[Interval]] = {}
-    for e in events:
+    for index, e in enumerate(events):
         if e.get("cat") == "cpu_op" and e.get("ph") == "X" and is_cpu_compute_op(e["name"]):
-            iv = Interval(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e["name"])
+            end = float(e["ts"]) + float(e.get("dur", 0.0))
+            iv = Interval(float(e["ts"]), max(end, completions.get(index, end)), e["name"])
             by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(iv)
     kept: list[Interval] = []
     for intervals in by_thread.values():

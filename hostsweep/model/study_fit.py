@@ -13,7 +13,7 @@ fit.json); `hostsweep.model.fit_console` renders the same report for a terminal.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 import numpy as np
@@ -27,7 +27,8 @@ from hostsweep.model.hostforms import (DEFAULT_FORM, FORMS, FittedForm, ScaleFit
 from hostsweep.model.inputs import in_regime
 from hostsweep.model.resolution import inconclusive_noise, overall_noise
 from hostsweep.model.term_checks import (ALLREDUCE_MISMATCH, INSITU_COLUMNS, SPLIT_COLUMNS, STANDALONE,
-                                         allreduce_path, guard_group, host_path, path_of)
+                                         allreduce_path, guard_group, host_path, insitu_fallback, mark_insitu,
+                                         path_of)
 from hostsweep.model.verdict import (StartShift, falsifying_threshold, host_family_verdict, overall_verdict,
                                      relative_shift_sd, start_shift_sd)
 
@@ -309,6 +310,9 @@ def _falsification(table: pd.DataFrame, groups: list[dict], options: FitOptions,
         # groups whose calibrated T_ar misses their in-situ all-reduce: not judged (term_checks)
         "allreduce_mismatch_groups": [{"sku": g["sku"], "tp": g["tp"]} for g in groups
                                       if g.get("verdict") == ALLREDUCE_MISMATCH],
+        # groups judged with T_ar from their own traces, the calibration having missed it
+        "insitu_allreduce_groups": [{"sku": g["sku"], "tp": g["tp"]} for g in groups
+                                    if g.get("allreduce_source") == "insitu"],
         "cells": table[table["falsifies"]].to_dict(orient="records"),
     }
 
@@ -333,11 +337,23 @@ def fit_study(cells: pd.DataFrame, terms: CalibrationTerms, options: FitOptions)
     pinned = fit_scale(all_terms.take(train), step_ms[train])
     forms = fit_all_forms(all_terms.take(train), step_ms[train], None if options.g_mode == "joint" else pinned.g)
     scale = _scale(pinned, all_terms, step_ms, roles, forms, options, warnings)
-    predicted = {name: predict_terms_s(f, all_terms) * 1e3 for name, f in forms.items()}
     training_starts = training_start_count(cells, roles)
-    table = _predictions(cells, predicted, roles, _bound_ms(all_terms, forms, options), all_terms, pinned.g,
-                         options, training_starts)
-    groups, scores = _groups(table, options, terms, training_starts)
+
+    def judged(with_terms: Terms) -> tuple[dict[str, np.ndarray], pd.DataFrame, list[dict], list[dict]]:
+        predicted = {name: predict_terms_s(f, with_terms) * 1e3 for name, f in forms.items()}
+        table = _predictions(cells, predicted, roles, _bound_ms(with_terms, forms, options), with_terms, pinned.g,
+                             options, training_starts)
+        return (predicted, table, *_groups(table, options, terms, training_starts))
+
+    predicted, table, groups, scores = judged(all_terms)
+    if (insitu := insitu_fallback(cells, groups)) is not None:
+        # the calibration missed the all-reduce the engine paid: judge those groups with T_ar from
+        # their own traces instead of not at all (term_checks.insitu_fallback says why)
+        calibrated = {(g["sku"], g["tp"]): g["allreduce_check"] for g in groups if g.get("verdict") == ALLREDUCE_MISMATCH}
+        predicted, table, groups, scores = judged(replace(all_terms, allreduce_s=np.where(
+            np.isfinite(insitu), insitu, all_terms.allreduce_s)))
+        groups = [mark_insitu(g, calibrated[(g["sku"], g["tp"])]) if (g["sku"], g["tp"]) in calibrated
+                  and g["role"] == "held-out" else g for g in groups]
     compared = [g for g in groups if g["role"] == "held-out" and "verdict" in g
                 and g["verdict"] not in ("falsified", ALLREDUCE_MISMATCH)]
     falsification = _falsification(table, groups, options, warnings)

@@ -112,6 +112,39 @@ def allreduce_check(cells: pd.DataFrame) -> dict[str, Any]:
     return check
 
 
+INSITU = "insitu"  # T_ar taken from the group's own traces (insitu_fallback)
+
+
+def insitu_fallback(cells: pd.DataFrame, groups: list[dict[str, Any]]) -> np.ndarray | None:
+    """Per cell, T_ar in seconds from the cell's own traces (its rank 0 in-situ all-reduce) for
+    the cells of the held-out groups whose calibrated T_ar missed it (ALLREDUCE_MISMATCH), NaN
+    elsewhere; None when no such group has in-situ cells.
+
+    Why: a microbenchmark cannot always run what the engine runs. On a CPU whose vLLM kernels
+    lack the shared-memory all-reduce (no AVX-512), the ranks reduce through gloo, each rank's
+    gloo threads sharing its one bound core, and a gloo all-reduce's time then depends on what
+    the rank does between calls: back to back it took 2.2 ms, alone after a barrier 3.3 ms, inside
+    the engine's decode 1.4 ms (docs/tp-model.md). The group is then judged with the all-reduce
+    the engine paid, and says so, rather than not at all."""
+    mismatched = {(g["sku"], int(g["tp"])) for g in groups
+                  if g.get("role") == "held-out" and g.get("verdict") == ALLREDUCE_MISMATCH}
+    if not mismatched:
+        return None
+    keys = list(zip(cells["sku"], cells["tp"].astype(int)))
+    chosen = np.array([key in mismatched for key in keys]) & (cells["tp"].to_numpy(int) > 1)
+    insitu = np.where(chosen, _column(cells, "allreduce_insitu_ms") / 1e3, np.nan)
+    return insitu if np.isfinite(insitu).any() else None
+
+
+def mark_insitu(group: dict[str, Any], calibrated_check: dict[str, Any]) -> dict[str, Any]:
+    """A group judged with its in-situ T_ar (insitu_fallback): the source named in the group
+    and at the head of its reason, the calibration's missed check kept beside."""
+    note = (f"T_ar from the group's own traces (in situ): the calibrated T_ar missed the engine's all-reduce "
+            f"({calibrated_check['sentence']})")
+    return {**group, "allreduce_source": INSITU, "allreduce_check_calibrated": calibrated_check,
+            "reason": f"{note}; {group.get('reason', '')}".rstrip("; ")}
+
+
 def driving_term(cells: pd.DataFrame) -> dict[str, Any]:
     """The term that drives a group's margin (step − bound, bound = H + T_ar), from the
     group's means. Below the bound: the bound's larger term (H or T_ar), and whether it alone

@@ -18,7 +18,8 @@ def allreduce_table(fit: dict[str, Any], pred: pd.DataFrame) -> pd.DataFrame:
     all-reduce calls per step the engine made, and the check's status."""
     rows = []
     for group in (g for g in fit["groups"] if g["role"] == "held-out" and g["tp"] > 1 and "allreduce_check" in g):
-        check = group["allreduce_check"]
+        # the calibration's own check, also where the group was then judged with its in-situ T_ar
+        check = group.get("allreduce_check_calibrated", group["allreduce_check"])
         cells = pred[(pred["sku"] == group["sku"]) & (pred["tp"] == group["tp"]) & (pred["role"] == "held-out")]
         calls = cells["allreduces_per_step"].mean() if "allreduces_per_step" in cells else float("nan")
         path = allreduce_path(fit["calibration"], group["sku"])
@@ -26,7 +27,8 @@ def allreduce_table(fit: dict[str, Any], pred: pd.DataFrame) -> pd.DataFrame:
                      "H_path": host_path(fit["calibration"]), "calibrated_T_ar_ms": check.get("calibrated_ms"),
                      "insitu_ms": check.get("insitu_ms"), "insitu_low_ms": check.get("insitu_low_ms"),
                      "insitu_high_ms": check.get("insitu_high_ms"), "calibrated_over_insitu": check.get("ratio"),
-                     "allreduces_per_step": calls, "cells": check.get("cells", 0), "status": check["status"]})
+                     "allreduces_per_step": calls, "cells": check.get("cells", 0), "status": check["status"],
+                     "T_ar_used": group.get("allreduce_source", "calibrated")})
     return pd.DataFrame(rows)
 
 
@@ -37,6 +39,9 @@ def terms_section(fit: dict[str, Any], pred: pd.DataFrame) -> list:
     held = [g for g in fit["groups"] if g["role"] == "held-out"]
     notes = [f"{g['sku']} TP-{g['tp']}: **{ALLREDUCE_MISMATCH}** — {g['allreduce_check']['sentence']}"
              for g in held if g.get("verdict") == ALLREDUCE_MISMATCH]
+    notes += [f"{g['sku']} TP-{g['tp']}: judged with **T_ar in situ** (its own traces' all-reduce), the "
+              f"calibration having missed it — {g['allreduce_check_calibrated']['sentence']}"
+              for g in held if g.get("allreduce_source") == "insitu"]
     notes += [f"{g['sku']} TP-{g['tp']}: **falsified with terms NOT measured on the engine's path** "
               f"({', '.join(g['terms_off_engine_path'])}): read it as a question about the calibration first"
               for g in held if g.get("falsified") and not g.get("terms_on_engine_path", True)]
@@ -45,7 +50,8 @@ def terms_section(fit: dict[str, Any], pred: pd.DataFrame) -> list:
                          "bytes/β)) is compared with the all-reduce the engine paid in the group's own profiled "
                          "pairs (rank 0's all-reduce ops or kernels per step, its CI widened to the ranks' range). "
                          "A calibration above that interval (the bound inflated by a term the engine does not "
-                         "pay) makes the group `allreduce_mismatch`, not falsified; one below it "
+                         "pay) makes the group `allreduce_mismatch`, not falsified, and the group is then judged with "
+                         "the all-reduce its own traces hold (T_ar_used `insitu`) where it has them; one below it "
                          "(`insitu_beyond_calibration`: the engine's all-reduce ops held more, as when a rank "
                          "waits in them for its peer) keeps the bound a lower bound, so the group is judged and "
                          "its verdict names the excess, which the fitted additive term holds. "

@@ -108,3 +108,33 @@ def test_split_reports_kernels_and_launches_per_step():
     long = TraceTotals("cuda", 1700.0, 1700.0, kernel_count=360, launch_count=56)  # graph replays: 1 launch/step
     split = device_split([short], [long], 17, step_ms=0.2, profiled_step_ms=0.21, host_bound_threshold=0.5)
     assert split.kernels_per_step == 20.0 and split.launches_per_step == 1.0
+
+
+def gloo_run(ts, dur, tid=9):
+    """gloo's reduction on its own thread: a user annotation, not an op."""
+    return {"ph": "X", "cat": "user_annotation", "name": "gloo:all_reduce", "pid": 7, "tid": tid, "ts": ts, "dur": dur}
+
+
+@pytest.mark.parametrize("enqueue_us", [5, 40, 900])
+def test_a_gloo_allreduce_lasts_from_its_enqueue_to_the_end_of_its_reduction(enqueue_us):
+    # two all-reduces of known length (the caller waits in work.wait(), outside any op), a
+    # matmul between them; the enqueue may end before or after gloo's thread starts the run
+    events = [
+        cpu_op("c10d::allreduce_", 0, enqueue_us), gloo_run(20, 1000),
+        cpu_op("aten::mm", 1100, 50),
+        cpu_op("c10d::allreduce_", 2000, enqueue_us), gloo_run(2030, 700, tid=10),
+    ]
+    t = totals({"traceEvents": events})
+    assert t.allreduce_count == 2
+    assert t.allreduce_us == pytest.approx(max(1020, enqueue_us) + max(730, enqueue_us))
+    assert t.kernel_sum_us == pytest.approx(t.allreduce_us + 50)
+
+
+def test_a_gloo_run_is_paired_with_its_own_op_and_never_with_a_later_or_another_processes():
+    events = [
+        cpu_op("c10d::allreduce_", 0, 10),                 # its run is missing from the trace
+        cpu_op("c10d::allreduce_", 500, 10), gloo_run(520, 200),
+        {**gloo_run(100, 5000), "pid": 8},                 # another rank's run: not this process's
+    ]
+    t = totals({"traceEvents": events})
+    assert t.allreduce_us == pytest.approx(10 + 220)
