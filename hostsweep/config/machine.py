@@ -64,11 +64,25 @@ def device_name(gpu: bool) -> str:
     return cpu_model_name()
 
 
+# The CPU flags that say the CPU computes bfloat16 natively, with the name a person knows them by.
+BF16_FLAGS = {"avx512_bf16": "AVX-512 BF16", "amx_bf16": "AMX BF16"}
+
+
 def default_dtype(gpu: bool, flags: set[str]) -> str:
     """bfloat16 where the hardware computes it natively, float32 on other CPUs."""
-    if gpu or flags & {"avx512_bf16", "amx_bf16"}:
+    if gpu or flags & BF16_FLAGS.keys():
         return "bfloat16"
     return "float32"
+
+
+def dtype_reason(gpu: bool, flags: set[str]) -> str:
+    """Why default_dtype chose as it did, in the words a console line quotes after the dtype
+    ('float32: this CPU has no AVX-512 BF16'): the same command gives other steps, other
+    regimes and other cell keys on another CPU, so every summary says which rule applied."""
+    if gpu:
+        return "GPUs compute bfloat16 natively"
+    found = [name for flag, name in BF16_FLAGS.items() if flag in flags]
+    return f"this CPU has {' and '.join(found)}" if found else "this CPU has no AVX-512 BF16"
 
 
 def hostname() -> str:

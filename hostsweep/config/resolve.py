@@ -14,7 +14,7 @@ from typing import Collection, Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from hostsweep.config.machine import cpu_flags, default_dtype, local_sku_name
+from hostsweep.config.machine import cpu_flags, default_dtype, dtype_reason, local_sku_name
 from hostsweep.config.options import check_option, load_mode, load_model, load_sku
 from hostsweep.config.pairing import (
     DEFAULT_STARTS, check_pair, check_side_python, check_sides, choose_design, side_b_raw,
@@ -39,6 +39,10 @@ class Study:
     modes: tuple[ModeConfig, ...] = ()
     # A paired A/B study (pair.against): its side b, resolved on its own (config/pairing.py).
     side_b: Optional["Study"] = None
+    # The engine's dtype and why: 'float32: this CPU has no AVX-512 BF16' (engine.dtype=auto,
+    # config/machine.dtype_reason) or 'bfloat16: engine.dtype was given'. The console, the
+    # figures and summary.json say it: the same command runs another dtype on another CPU.
+    dtype_why: str = ""
 
     @property
     def name(self) -> str:
@@ -112,8 +116,11 @@ def resolve(raw: DictConfig, engine_fields: Collection[str] = ENGINE_ARG_FIELDS)
     if cfg.engine.dtype == "auto":
         any_gpu = any(s.accelerator_type is not None for s in skus)
         cfg.engine.dtype = default_dtype(any_gpu, cpu_flags())
+        dtype_why = f"{cfg.engine.dtype}: {dtype_reason(any_gpu, cpu_flags())}"
+    else:
+        dtype_why = f"{cfg.engine.dtype}: engine.dtype was given"
     models = _models(cfg)
-    study = Study(cfg, skus, models, modes)
+    study = Study(cfg, skus, models, modes, dtype_why=dtype_why)
     validate(cfg, skus, models, modes, study.longest_generate(), engine_fields)
     if not cfg.pair.paired:
         return study

@@ -71,6 +71,16 @@ def empty(message: str) -> Figure:
     return fig
 
 
+def subtitle(fig: Figure, text: str) -> None:
+    """A line under the figure's title (the sweep's: the machine, vLLM and dtype its cells ran
+    on, which move every number drawn), in the title's size; the title itself when it has none."""
+    title = fig._suptitle  # noqa: SLF001 - the Text matplotlib keeps (get_suptitle gives only its string)
+    if title is None or not title.get_text():
+        fig.suptitle(text, fontsize=9)
+    else:
+        fig.suptitle(f"{title.get_text()}\n{text}", fontsize=title.get_fontsize())
+
+
 def save(fig: Figure, path: Path, dpi: int = 110) -> Path:
     """Write a PNG (folders created) and release the figure."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -265,6 +275,8 @@ def step_times(cells: pd.DataFrame) -> Figure:
     return fig
 
 
+# host_fraction_by_batch: the ctx series' spread in x, in doublings of the batch.
+CTX_SPREAD = 0.08
 # The most legend entries or tick labels a panel names; a big grid's panel names none.
 MAX_LABELS = 16
 # The host phases drawn apart in host_phases.png, the largest first; the rest are one band.
@@ -342,15 +354,18 @@ def host_fraction_by_batch(cells: pd.DataFrame, threshold: float = 0.5) -> Figur
     groups = _engines(split)
     fig, axes = panels(len(groups), 5.6, 3.8, columns=2)
     for ax, (key, rows) in zip(axes, groups):
-        palette = colors(sorted(rows["ctx"].unique()))
-        for ctx, line in rows.sort_values("batch").groupby("ctx"):
-            ax.errorbar(line["batch"], line["host_frac"], yerr=_frac_yerr(line), marker="o", color=palette[ctx],
+        contexts = sorted(rows["ctx"].unique())
+        palette = colors(contexts)
+        for i, (ctx, line) in enumerate(rows.sort_values("batch").groupby("ctx")):
+            # each ctx a little apart in x (log scale: a factor), or their CIs and '?' marks overlap
+            x = line["batch"] * 2.0 ** (CTX_SPREAD * (i - (len(contexts) - 1) / 2))
+            ax.errorbar(x, line["host_frac"], yerr=_frac_yerr(line), marker="o", color=palette[ctx],
                         capsize=3, label=f"ctx {ctx}")
-            _hollow_unstable(ax, line["batch"], line["host_frac"], line, palette[ctx])
+            _hollow_unstable(ax, x, line["host_frac"], line, palette[ctx])
             undetermined = (line["regime"] == "undetermined").to_numpy(bool) if "regime" in line else []
             if np.any(undetermined):
-                for b, f in zip(line["batch"][undetermined], line["host_frac"][undetermined]):
-                    ax.annotate("?", (b, f), textcoords="offset points", xytext=(5, 5), fontsize=8, color=palette[ctx])
+                for b, f in zip(x[undetermined], line["host_frac"][undetermined]):
+                    ax.annotate("?", (b, f), textcoords="offset points", xytext=(4, 4), fontsize=8, color=palette[ctx])
         ax.axhline(threshold, color="k", ls="--", lw=1, label=f"host-bound at {threshold:g}")
         batches = sorted(rows["batch"].unique())
         ax.set_xscale("log", base=2)
@@ -360,7 +375,8 @@ def host_fraction_by_batch(cells: pd.DataFrame, threshold: float = 0.5) -> Figur
         ax.set_ylabel("host_frac (host / step)")
         ax.set_title(_engine_title(key), fontsize=10)
         ax.legend(fontsize=7)
-    fig.suptitle("Host fraction against batch with 95% CI, per context length (?: undetermined)", fontsize=11)
+    fig.suptitle("Host fraction against batch with 95% CI, per context length (?: undetermined;\n"
+                 "contexts drawn slightly apart in batch)", fontsize=11)
     return fig
 
 
@@ -404,7 +420,8 @@ def host_phases(cells: pd.DataFrame) -> Figure:
             ax.bar(x, ms, 0.7, bottom=bottom, color=color, label=label)
             bottom, named = bottom + ms, named + ms
         other = (rows["host_ms"].to_numpy(float) - named).clip(min=0)
-        ax.bar(x, other, 0.7, bottom=bottom, color="#dddddd", hatch="..", edgecolor="white", label="other (unnamed)")
+        if np.nanmax(other, initial=0.0) > 0.005 * np.nanmax(bottom, initial=0.0):  # no legend entry for no bar
+            ax.bar(x, other, 0.7, bottom=bottom, color="#dddddd", hatch="..", edgecolor="white", label="other (unnamed)")
         if "step_ms" in rows:
             ax.errorbar(x, rows["step_ms"], yerr=_ci_yerr(rows), fmt="none", ecolor="k", capsize=3, label="step, 95% CI")
         ax.set_xticks(x, [f"b{b}\nctx{c}" for b, c in zip(rows["batch"], rows["ctx"])], fontsize=8)
@@ -413,7 +430,7 @@ def host_phases(cells: pd.DataFrame) -> Figure:
         ax.set_ylim(bottom=0)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=7)
-    fig.suptitle("Decode step = device + host phases (from the profiled pairs, scaled to the timed host time; "
-                 "other: host_ms the phases do not name)", fontsize=10)
+    fig.suptitle("Decode step = device + host phases\n(profiled pairs, scaled to the timed host time; "
+                 "other: host_ms no phase names)", fontsize=10)
     return fig
 

@@ -179,11 +179,8 @@ def host_phase_table(cells: pd.DataFrame) -> pd.DataFrame:
         if {low, high} <= set(rows):
             noise = (rows[column] < 0) & (rows[low] <= 0) & (rows[high] >= 0)
             rows.loc[noise, column] = 0.0
-    shown = {c: c for c in CELL_AXES if c in rows}
-    shown.update({c: c for c in ("step_ms", "device_ms") if c in rows})
-    shown.update({c: c[len("phase_"):-len("_ms")] for c in columns})
-    if FRONTEND_COLUMN in rows:
-        shown[FRONTEND_COLUMN] = "frontend (overlapped)"
-    if "attributed_frac" in rows:
-        shown["attributed_frac"] = "attributed_frac"
-    return rows[list(shown)].rename(columns=shown).reset_index(drop=True)
+    # cells.csv's own column names (phase_<name>_ms, overlapped_<name>_ms): one name per
+    # quantity in every table, so a reader joins host_phases.csv to cells.csv without a map
+    shown = [c for c in (*CELL_AXES, "step_ms", "device_ms", *columns, FRONTEND_COLUMN, "attributed_frac")
+             if c in rows]
+    return rows[shown].reset_index(drop=True)

@@ -190,7 +190,7 @@ def run(raw_cfg: DictConfig, run_dir: Path, backend: Optional[WorkerBackend] = N
     machine_lock = preflight(study, run_dir)  # ConfigError if the world says no, still before Ray
     try:
         grid = build_cells(study)
-        log.info("%d cells on %d engine(s)", len(grid), len(group_by_engine(runnable(grid))))
+        log.info("%d cells on %d engine(s), dtype %s", len(grid), len(group_by_engine(runnable(grid))), study.dtype_why)
         if backend is not None:
             return _sweep(study, grid, run_dir, backend, StudyOpening(study, raw_cfg, grid, run_dir))
         # A local cluster is this machine, whose SKUs preflight has checked: MLflow's side is
@@ -397,7 +397,7 @@ def _measure_and_record(study: Study, grid: list[Cell], run_dir: Path, dispatche
         f"MLflow: not recorded to MLflow ({store} did not answer): {unlogged} measured cell(s) kept in the journal "
         f"{journal.path}" if unlogged else f"MLflow: {store} stopped answering; every measured cell is in MLflow, "
         "but the sweep's runs may be left RUNNING (the next sweep of the study marks them)")
-    print_results(rows, table.resumed_count, tracker, table, summary, unrecorded, study.config.measure.ci_level)
+    print_results(rows, table.resumed_count, tracker, table, summary, unrecorded, study.config.measure.ci_level, study.dtype_why)
     if stop:
         print(f"hostsweep: stopped early: {stop}; {unlogged} measured cell(s) are kept in {journal.path} for MLflow: "
               "rerun the same command to upload them and measure the rest", file=sys.stderr)

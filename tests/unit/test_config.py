@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from hostsweep.config.machine import default_dtype
+from hostsweep.config.machine import default_dtype, dtype_reason
 from hostsweep.config.options import check_group_overrides, group_options
 from hostsweep.config.schema import ConfigError
 from hostsweep.config.grid import build_cells
@@ -54,6 +54,18 @@ def test_without_plus_sku_the_sku_is_the_local_kind(monkeypatch):
 ])
 def test_auto_dtype_uses_bf16_only_where_native(gpu, flags, expected):
     assert default_dtype(gpu, flags) == expected
+
+
+@pytest.mark.parametrize("gpu,flags,why", [
+    (True, set(), "GPUs compute bfloat16 natively"),
+    (False, {"avx2", "avx512_bf16"}, "this CPU has AVX-512 BF16"),
+    (False, {"amx_bf16", "avx512_bf16"}, "this CPU has AVX-512 BF16 and AMX BF16"),
+    (False, {"avx2", "avx512f"}, "this CPU has no AVX-512 BF16"),
+])
+def test_the_dtype_reason_names_the_flag_the_choice_followed(gpu, flags, why):
+    assert dtype_reason(gpu, flags) == why
+    # the reason and the choice agree: a reason naming a bf16 feature goes with bfloat16
+    assert ("no AVX-512" in why) == (default_dtype(gpu, flags) == "float32")
 
 
 @pytest.mark.parametrize("argv,field", [

@@ -136,6 +136,11 @@ def test_cell_keys_of_shipped_configurations_never_change(monkeypatch, cpu_flags
 
 def test_the_cpu_default_dtype_follows_the_cpus_bf16_support(monkeypatch):
     monkeypatch.setattr("hostsweep.config.resolve.cpu_flags", lambda: set())
-    assert {c.engine.dtype for c in build_cells(compose_typed(["+sku=cpu"]))} == {"float32"}
+    study = compose_typed(["+sku=cpu"])
+    assert {c.engine.dtype for c in build_cells(study)} == {"float32"}
+    assert study.dtype_why == "float32: this CPU has no AVX-512 BF16"  # what the console and summary.json say
     monkeypatch.setattr("hostsweep.config.resolve.cpu_flags", lambda: {"avx512_bf16"})
-    assert {c.engine.dtype for c in build_cells(compose_typed(["+sku=cpu"]))} == {"bfloat16"}
+    study = compose_typed(["+sku=cpu"])
+    assert {c.engine.dtype for c in build_cells(study)} == {"bfloat16"}
+    assert study.dtype_why == "bfloat16: this CPU has AVX-512 BF16"
+    assert compose_typed(["+sku=cpu", "engine.dtype=float32"]).dtype_why == "float32: engine.dtype was given"

@@ -35,6 +35,14 @@ def test_the_stacked_figure_has_a_panel_per_engine_and_a_bar_per_cell_and_part()
     assert heights == sorted([2.0, 1.0, 2.0, 0.5, 0.5])  # other = 4.0 - 3.5
 
 
+def test_an_unnamed_rest_too_small_to_see_has_no_bar_and_no_legend_entry():
+    named_all = cells().assign(phase_forward_dispatch_ms=2.5, phase_preprocess_ms=1.0, phase_sample_ms=0.5)
+    legend = [t.get_text() for t in figures.host_phases(named_all).legends[0].texts]
+    assert "other (unnamed)" not in legend and "forward_dispatch" in legend
+    legend = [t.get_text() for t in figures.host_phases(cells()).legends[0].texts]
+    assert "other (unnamed)" in legend  # 0.5 of 4.0 ms host left unnamed: drawn and named
+
+
 def test_no_phases_no_stack():
     frame = cells().drop(columns=["phase_sample_ms", "phase_preprocess_ms", "phase_forward_dispatch_ms",
                                   "phase_sample_ci_low_ms", "phase_sample_ci_high_ms"])
@@ -61,9 +69,11 @@ def test_the_console_line_gives_the_largest_host_phase_as_a_share_of_the_timed_h
 def test_the_phase_table_has_a_row_per_cell_with_phases_in_step_order_and_the_front_end_beside():
     table = host_phase_table(cells())
     assert list(table.columns) == ["sku", "model", "mode", "tp", "batch", "ctx", "step_ms", "device_ms",
-                                   "preprocess", "forward_dispatch", "sample", "frontend (overlapped)",
-                                   "attributed_frac"]
-    assert len(table) == 3 and table.loc[0, "forward_dispatch"] == 2.0 and table.loc[0, "frontend (overlapped)"] == 0.03
+                                   "phase_preprocess_ms", "phase_forward_dispatch_ms", "phase_sample_ms",
+                                   "overlapped_frontend_process_outputs_ms", "attributed_frac"]
+    assert len(table) == 3 and table.loc[0, "phase_forward_dispatch_ms"] == 2.0
+    assert table.loc[0, "overlapped_frontend_process_outputs_ms"] == 0.03
+    assert set(table.columns) <= set(cells().columns)  # cells.csv's names: host_phases.csv joins it as it is
     no_phases = cells().drop(columns=[c for c in cells().columns if c.startswith("phase_")])
     assert host_phase_table(no_phases).empty
 
@@ -84,5 +94,5 @@ def test_a_negative_phase_within_noise_shows_as_zero_and_one_beyond_it_as_measur
     frame.loc[0, ["phase_sample_ms", "phase_sample_ci_low_ms", "phase_sample_ci_high_ms"]] = [-0.006, -0.02, 0.01]
     frame.loc[1, ["phase_sample_ms", "phase_sample_ci_low_ms", "phase_sample_ci_high_ms"]] = [-0.3, -0.4, -0.2]
     table = host_phase_table(frame)
-    assert list(table["sample"][:2]) == [0.0, -0.3]
+    assert list(table["phase_sample_ms"][:2]) == [0.0, -0.3]
     assert frame.loc[0, "phase_sample_ms"] == -0.006  # the cells' own value is left as measured

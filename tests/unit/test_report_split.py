@@ -89,6 +89,21 @@ def test_the_regime_figures_mark_undetermined_cells():
     assert [t.get_text() for ax in fig.axes for t in ax.texts] == ["?"]
 
 
+def test_the_contexts_are_drawn_apart_in_batch_so_their_cis_and_marks_do_not_cover_each_other():
+    frame = cells([(b, c, 0.5, "undetermined") for b in (1, 2, 4) for c in (128, 512)])
+    fig = figures.host_fraction_by_batch(frame.assign(stable="true", mode="eager"))
+    (ax,) = [a for a in fig.axes if a.get_visible()]
+    series = [bars.lines[0].get_xdata() for bars in ax.containers if bars.get_label() in ("ctx 128", "ctx 512")]
+    assert len(series) == 2
+    for x128, x512, batch in zip(*series, (1, 2, 4)):
+        assert x128 < batch < x512 and x512 / x128 < 1.1  # apart, and still read at their batch
+    marks = sorted({t.xy for t in ax.texts})
+    assert len(marks) == 6  # every '?' at a place of its own
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
 def test_a_flagged_splits_device_time_does_not_feed_the_mode_comparison():
     from hostsweep.report.modes import _split_columns, paired
 

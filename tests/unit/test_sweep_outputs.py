@@ -90,6 +90,28 @@ def test_summary_json_round_trips_to_the_printed_table(swept):
     assert cell["phases"]["phase_sample_ms"] > 0 and 0 < cell["phases"]["attributed_frac"]
 
 
+def test_the_machine_the_dtype_and_why_are_said_above_the_table_in_summary_json_and_on_every_figure(swept):
+    from hostsweep.config.machine import cpu_model_name
+    from hostsweep.report.sweep_outputs import sweep_figures
+
+    summary = json.loads((swept["run_dir"] / "summary.json").read_text())
+    machine = summary["machine"]
+    study = compose_typed(swept["args"])
+    dtype = study.config.engine.dtype
+    assert machine["dtype_why"] == study.dtype_why and machine["dtype_why"].startswith(f"{dtype}: ")
+    assert machine["devices"] == [cpu_model_name()] and machine["vllm"] == ["fake"] and machine["dtypes"] == [dtype]
+    assert machine["line"] == f"{cpu_model_name()}, vLLM fake; engine dtype {study.dtype_why}"
+    lines = swept["out"].splitlines()
+    assert f"machine: {machine['line']}" in lines and lines[lines.index(f"machine: {machine['line']}") + 1].startswith("sku ")
+    figs = sweep_figures(study, pd.read_csv(swept["run_dir"] / "cells.csv"))
+    subtitles = [f._suptitle.get_text() for f in figs.values()]
+    import matplotlib.pyplot as plt
+
+    for fig in figs.values():
+        plt.close(fig)
+    assert len(subtitles) == 4 and all(text.endswith(machine["line"]) for text in subtitles)
+
+
 def test_the_run_directory_and_mlflow_agree_cell_for_cell(swept):
     table = pd.read_csv(swept["run_dir"] / "cells.csv")
     runs = runs_of(swept["store"], swept["args"])
