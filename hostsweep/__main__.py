@@ -20,6 +20,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from hostsweep.config.console import console_to_log_file
 from hostsweep.config.keys import check_known_keys
 from hostsweep.config.options import check_group_overrides
 from hostsweep.config.presets import preset_help
@@ -129,14 +130,19 @@ def discard_refused_runs() -> None:
 
 @hydra.main(version_base="1.3", config_path="pkg://hostsweep.conf", config_name="config")
 def _sweep(cfg: DictConfig) -> None:
-    from hostsweep.stages import stage_module
-
     from hostsweep.record.store import retry_chatter_to_log_file
 
     retry_chatter_to_log_file()  # Hydra has just set up the console and file handlers
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     redact_hydra_files(run_dir)
     made = made_for_this_job(run_dir)
+    with console_to_log_file():  # hostsweep.log holds what the console showed, printed lines too
+        _run_stage(cfg, run_dir, made)
+
+
+def _run_stage(cfg: DictConfig, run_dir: Path, made: Optional[set[Path]]) -> None:
+    from hostsweep.stages import stage_module
+
     try:
         _exit_codes.append(stage_module(cfg).run(cfg, run_dir))
     except ConfigError as exc:

@@ -63,7 +63,7 @@ class WorkerBackend(Protocol):
         """Why the worker's engine is dead, or None while it is alive (or not yet known)."""
 
     def phase(self, worker: object) -> Optional[str]:
-        """What a started worker is doing ('rep 3 of 12'), or None while not yet known."""
+        """What a started worker is doing ('rep: round 3 of 12, 6 cell(s)'), or None while not yet known."""
 
     def release(self, worker: object) -> None:
         """Kill the worker and its engine now; free what it holds."""
@@ -370,7 +370,7 @@ class Dispatcher:
                 self._lose(pending, f"timed out after {limit:.0f} s{together} (faults.cell_timeout_s)")
 
     def _current(self) -> dict[str, str]:
-        """Per worker: its cell and what it is doing ('b2 ctx512: rep 3 of 12')."""
+        """Per worker: its cell and what it is doing ('b2 ctx512: rep: round 3 of 12, 6 cell(s)')."""
         current = {}
         for spec, cell, _ in self.inflight.values():
             phase = self.backend.phase(self.workers[spec]) if spec in self.ready_at else "starting engine"

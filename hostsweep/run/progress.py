@@ -5,7 +5,7 @@ otherwise (a file, a pipe, CI) plain lines, printed when a cell ends or a worker
 another cell, and every `interval_s` in between.
 
     [##########..........] 3/6 cells  1m12s elapsed  ETA 0m41s + 1 engine start
-      cpu/tiny-llama/eager/tp1  b2 ctx512: rep 7 of 12
+      cpu/tiny-llama/eager/tp1  b2 ctx512: rep: round 7 of 12, 6 cell(s)
 """
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import logging
 import sys
 import time
 from typing import Optional, TextIO
+
+from hostsweep.config.console import log_file_only, unwrapped
 
 
 def format_duration(seconds: float) -> str:
@@ -44,7 +46,7 @@ def progress_line(done: int, total: int, elapsed_s: float, per_cell_s: Optional[
 
 
 def worker_lines(current: dict[str, str]) -> list[str]:
-    """One line per busy worker: '  cpu/tiny-llama/eager/tp1  b2 ctx512: rep 7 of 12'."""
+    """One line per busy worker: '  cpu/tiny-llama/eager/tp1  b2 ctx512: rep: round 7 of 12, 6 cell(s)'."""
     width = max((len(label) for label in current), default=0)
     return [f"  {label:<{width}}  {doing}" for label, doing in sorted(current.items())]
 
@@ -69,7 +71,8 @@ class ProgressReporter:
         self.eta_inputs: tuple[Optional[float], int, int] = (None, 1, 0)
         self.live = None
         if live if live is not None else _is_terminal(self.stream):
-            self.live = _LiveBlock(self.stream, self.render)
+            # redrawn in place on the console itself: a redraw is not a line of the run's log
+            self.live = _LiveBlock(unwrapped(self.stream), self.render)
 
     def render(self) -> str:
         line = progress_line(self.done, self.total, time.monotonic() - self.started, *self.eta_inputs)
@@ -94,6 +97,7 @@ class ProgressReporter:
             self.current = {}
             self.live.stop()
             self.live = None
+            log_file_only(self.render())  # the state it ended on, as the console keeps it
 
 
 def _is_terminal(stream: TextIO) -> bool:
@@ -117,7 +121,10 @@ class _LiveBlock:
         self.live = Live(get_renderable=lambda: Text(render()), console=Console(file=stream),
                          refresh_per_second=2, transient=False, redirect_stdout=True, redirect_stderr=True)
         self.live.start()
-        proxies = dict(zip(originals, (sys.stdout, sys.stderr)))
+        proxies = {}
+        for original, proxy in zip(originals, (sys.stdout, sys.stderr)):
+            # Hydra's handlers hold the console streams under the run's LoggedStreams
+            proxies[original] = proxies[unwrapped(original)] = proxy
         self.swapped: list[tuple[logging.StreamHandler, TextIO]] = []
         for handler in logging.getLogger().handlers:
             if isinstance(handler, logging.StreamHandler) and handler.stream in proxies:

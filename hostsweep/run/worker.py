@@ -162,7 +162,7 @@ class SweepWorker(SplitProfiling):
         return dict(self.host)
 
     def phase(self) -> str:
-        """What the worker is doing: 'rep 3 of 12', 'profiling 1 of 1'... (read by the
+        """What the worker is doing: 'rep: round 3 of 12, 6 cell(s)', 'profiling 1 of 3'... (read by the
         driver's progress line from the watch thread)."""
         return self._phase
 
