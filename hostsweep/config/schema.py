@@ -104,7 +104,7 @@ class MeasureConfig:
     # Warm-up: the group's cells in untimed interleaved rounds before the first timed one, at
     # least `warmups` rounds, then more while a round ran more than warmup_settle_pct % faster
     # than the one before (the engine still warming), at most warmup_max_rounds in all
-    # (measure/warmup.py; docs/measurement.md#warm-up).
+    # (measure/warmup.py; docs/measurement.md#the-group-warm-up).
     warmups: int = 2
     warmup_settle_pct: float = 3.0
     warmup_max_rounds: int = 6

@@ -52,9 +52,18 @@ def read_declaration(path: Path) -> StageInfo | None:
     return None
 
 
+# The order the stages' data flows in (measure, fit, judge; all three; then two studies
+# compared): how --help and the docs list them. A stage not named here comes after, by name.
+PIPELINE = (DEFAULT_STAGE, "fit", "compare", "all", "diff")
+
+
 def ordered(infos: list[StageInfo]) -> tuple[StageInfo, ...]:
-    """The default stage first, then by name: the order --help and the docs list them in."""
-    return tuple(sorted(infos, key=lambda s: (s.name != DEFAULT_STAGE, s.name)))
+    """The stages in pipeline order (PIPELINE), then any other by name: the order --help
+    and the docs list them in."""
+    def rank(info: StageInfo) -> tuple[int, str]:
+        return (PIPELINE.index(info.name) if info.name in PIPELINE else len(PIPELINE), info.name)
+
+    return tuple(sorted(infos, key=rank))
 
 
 @cache

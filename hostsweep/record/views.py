@@ -101,7 +101,8 @@ def experiment_description(study: str) -> str:
     return (f"**hostsweep study `{study}`**: where the time in one LLM decode step goes. Each parent run is one "
             "sweep (named study: sku/model/mode/tp), with one child run per cell (named for what varies, e.g. "
             "`b4-ctx512`). A cell's step time is the difference of a T=1 and a T-token generate over T−1 steps "
-            "(median of the timed pairs, bootstrap 95% CI), split into device and host time from profiler "
+            "(median of the timed pairs, its CI from order statistics at measure.ci_level, 95% by default), "
+            "split into device and host time from profiler "
             "traces. Metrics are ms per decode step to the microsecond; `host_frac` is host / step.\n\n"
             "Open this view with `?workflowType=machine_learning` on the link (hostsweep prints such links): "
             "MLflow 3 otherwise opens experiments on a GenAI overview (mlflow/mlflow#24498).")
