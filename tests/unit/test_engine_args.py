@@ -179,3 +179,18 @@ def test_random_weights_load_as_a_safetensors_checkpoint_of_the_shape():
     with pytest.raises(ConfigError, match="model.load_format=random draws weights for a shape"):
         compose_typed(["+sku=cpu", "model=checkpoint", "model.path=meta-llama/Llama-3.1-8B",
                        "model.load_format=random"])
+
+
+def test_the_chat_template_warmup_failure_of_a_tokenizerless_engine_is_dropped_and_nothing_else():
+    import logging
+
+    from hostsweep.engines.vllm_engine import drop_tokenizerless_chat_warmup
+
+    def record(message: str, error: Exception | None) -> logging.LogRecord:
+        info = (type(error), error, None) if error else None
+        return logging.LogRecord("vllm.renderers.base", logging.WARNING, __file__, 1, message, None, info)
+
+    tokenizerless = ValueError("Tokenizer not available when `skip_tokenizer_init=True`")
+    assert not drop_tokenizerless_chat_warmup(record("Chat template warmup failed", tokenizerless))
+    assert drop_tokenizerless_chat_warmup(record("Chat template warmup failed", ValueError("bad template")))
+    assert drop_tokenizerless_chat_warmup(record("another warning", tokenizerless))
