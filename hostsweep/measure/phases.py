@@ -31,7 +31,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
-from hostsweep.measure.traces import Interval, kernel_source, outermost_compute_ops
+from hostsweep.measure.traces import GLOO_ALLREDUCE_RUN, Interval, kernel_source, outermost_compute_ops
 
 # Scope-name prefixes that mark a phase; the rest of the name is the phase.
 PHASE_PREFIXES = ("gpu_model_runner: ", "schedule: ", "hostsweep: ")
@@ -125,10 +125,15 @@ def phase_totals(trace: Mapping[str, Any]) -> PhaseTotals:
     ops_by_thread: dict[Any, list[Interval]] = {}
     if kernel_source(events) != "cuda":
         cpu_by_thread: dict[Any, list[dict[str, Any]]] = {}
+        gloo_runs: dict[Any, list[dict[str, Any]]] = {}  # by process: gloo's thread reduces for the caller's
         for e in events:
             if e.get("cat") == "cpu_op":
                 cpu_by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
-        ops_by_thread = {thread: sorted(outermost_compute_ops(ops), key=lambda i: i.start_us)
+            elif e.get("name") == GLOO_ALLREDUCE_RUN:
+                gloo_runs.setdefault(e.get("pid"), []).append(e)
+        # a gloo all-reduce lasts until its run on gloo's thread ends, in the phases as in the totals
+        ops_by_thread = {thread: sorted(outermost_compute_ops(ops + gloo_runs.get(thread[0], [])),
+                                        key=lambda i: i.start_us)
                          for thread, ops in cpu_by_thread.items()}
         out.compute_total_us = sum(op.end_us - op.start_us for ops in ops_by_thread.values() for op in ops)
     ends = {thread: [op.end_us for op in ops] for thread, ops in ops_by_thread.items()}

@@ -61,6 +61,20 @@ def test_cpu_trace_nested_scopes_once_and_compute_inside_subtracted():
     assert t.compute_us["preprocess"] == 0 and "model_runner_output" not in t.scope_us
 
 
+def test_a_gloo_all_reduce_inside_the_forward_is_its_compute_until_gloos_thread_ends_it():
+    # the caller's op only enqueues (20 us); gloo's thread reduces for 250 us while the caller
+    # waits outside any op, inside the forward: its host time is what is left, 700 - 300 - 270
+    events = cpu_steps(1)[:2] + [
+        scope("gpu_model_runner: forward", 1100, 700),
+        cpu_op("aten::linear", 1150, 300),
+        cpu_op("c10d::allreduce_", 1460, 20),
+        scope("gloo:all_reduce", 1470, 260, tid=9),
+    ]
+    t = phase_totals({"traceEvents": events})
+    assert t.compute_us["forward"] == pytest.approx(300 + 270)
+    assert t.scope_us["forward"] - t.compute_us["forward"] == pytest.approx(130)
+
+
 def test_differenced_per_step_phases_known_answers():
     T = 9
     short, long = phase_totals({"traceEvents": cpu_steps(1)}), phase_totals({"traceEvents": cpu_steps(T)})
