@@ -33,17 +33,23 @@ The rules, in one place (the statistics in compare/stats.py):
   matched rounds: judged as before (start pairs, else sequential), with a warning. The
   geometric mean of rounds cells: per shared round (replicate, period, round) the mean of the
   cells' d_r, then the median of those and its order-statistic CI.
-- Verdicts, with t = threshold_pct/100, at alpha: `slower` when the one-sided p-value of
-  head > base, Holm-adjusted over the cells judged, is <= alpha and the ratio lies above
-  1 + t; `faster` the mirror; `same` when the equivalence test (TOST) at ±t rejects at
-  alpha; else `inconclusive`. No resampling: no seed decides a verdict.
+- Verdicts, with t = threshold_pct/100, at alpha, under diff.rule (compare/rules.py): with
+  `significant` (the default) `slower` when the one-sided test of head > base against no change,
+  Holm over the cells judged, rejects at alpha and the ratio lies above 1 + t; with `margin`
+  when the test of ratio <= 1 + t does. Each verdict is read from the row's verdict interval
+  (verdict_low, verdict_high: one-sided bounds at the level Holm tested the cell at), so what is
+  printed says the verdict. `faster` the mirror; `same` when the equivalence test (TOST) at ±t
+  rejects at alpha and the printed CI lies inside the band; else `inconclusive`. No resampling:
+  no seed decides a verdict.
 - The gate (fail_on): fails on every step_ms cell judged slower, stable or not; on an
   unstable cell slower on its own one-sided test at alpha, without Holm; on base cells the
   head lacks or whose head run FAILED. `split_impossible` alone never makes step_ms unstable.
+  slower_overall fails when the geometric mean is slower under the rule. Either refuses (exit
+  2) when a gated cell has no test or an MDE above diff.max_mde_factor x t (result.refusal).
 
 The package, one module per job: match (which cells pair up), sequential (two studies measured
 apart), start_pairs (paired engine starts), rounds (paired rounds), verdicts (p-values, Holm,
-verdicts, MDE), result (the gate), summary (the design line and geometric means), canary (the
+verdicts, MDE), rules (what slower means, the verdict interval), result (the gate), summary (the design line and geometric means), canary (the
 machines compared); stats holds the vectorized statistics the calibration replays.
 """
 from __future__ import annotations
@@ -129,11 +135,15 @@ def _cell_rows(pairs: list[tuple[dict, dict]], raw: Mapping[str, RawPairs], labe
     return rows
 
 
-COLUMNS = ["cell", "quantity", "base", "head", "ratio", "ci_low", "ci_high", "verdict", "p_slower", "p_slower_holm",
+COLUMNS = ["cell", "quantity", "base", "head", "ratio", "ci_low", "ci_high", "verdict_low", "verdict_high", "verdict",
+           "verdict_alpha", "p_slower", "p_slower_holm",
            "p_faster", "p_faster_holm", "p_same", "mde_pct", "d", "se", "df", "ci_source", "design", "between",
            "starts_base",
            "starts_head", "unstable", "unstable_reasons", "stable_flag", "base_run", "head_run", "d_starts",
            "test", "ci_coverage", "rounds", "d_rounds", "note", "between_var", "engine"]
+
+# what judge_cells adds to a row
+JUDGED_COLUMNS = ("verdict", "p_slower_holm", "p_faster_holm", "mde_pct", "verdict_low", "verdict_high", "verdict_alpha")
 
 
 def diff(base: pd.DataFrame, head: pd.DataFrame, raw: Mapping[str, RawPairs], options: DiffOptions,
@@ -156,8 +166,7 @@ def diff(base: pd.DataFrame, head: pd.DataFrame, raw: Mapping[str, RawPairs], op
     rounds = {str(b.get("run_id")): match_rounds(raw_rounds.get(str(b.get("run_id"))),
                                                  raw_rounds.get(str(h.get("run_id")))) for b, h in pairs}
     rows = _cell_rows(pairs, raw, label_dims, options, between, rounds)
-    cells = judge_cells(pd.DataFrame(rows, columns=[c for c in COLUMNS if c not in ("verdict", "p_slower_holm",
-                                                                              "p_faster_holm", "mde_pct")]
+    cells = judge_cells(pd.DataFrame(rows, columns=[c for c in COLUMNS if c not in JUDGED_COLUMNS]
                                + list(label_dims)), options)
     cells = cells[COLUMNS + list(label_dims)]
     if not pairs:

@@ -11,12 +11,13 @@ import numpy as np
 import pandas as pd
 
 from hostsweep.compare.match import text
+from hostsweep.compare.rules import DEFAULT_RULE, RULES, null_pct
 from hostsweep.config.schema import ConfigError, DiffConfig
 from hostsweep.measure.stability import ANNOTATIONS
 
 NORMALIZE = ("canary",)  # diff.normalize's values (None: raw ratios only)
 VERDICTS = ("faster", "slower", "same", "inconclusive")
-FAIL_ON = ("slower", "inconclusive")
+FAIL_ON = ("slower", "slower_overall", "inconclusive")  # slower_overall: the geometric mean judged under the rule
 GATED = "step_ms"  # the quantity fail_on judges: the one with raw pairs on both sides
 RAW, SUMMARY, HOST_FIXED, POINT = ("raw pairs", "summary CIs (approximate: no raw_timings.csv)",
                                    "step pairs minus device_ms, its CI propagated", "point only (no raw pairs)")
@@ -57,6 +58,20 @@ class DiffOptions:
     # A/A by rounds shows as its geometric mean's shift. Each side of paired rounds is one
     # instance, shared by every round and cell, so the rounds CI cannot hold it; it is added.
     instance_floor_pct: Optional[float] = None
+    rule: str = DEFAULT_RULE  # what slower/faster mean (compare/rules.py): significant or margin
+    # A gate refuses (exit 2) when a gated cell's MDE under the rule exceeds this many times the
+    # threshold: it could not have seen the change its line names. None: no bound.
+    max_mde_factor: Optional[float] = 3.0
+
+    @property
+    def null_pct(self) -> float:
+        """Where the slower/faster tests put their null (rules.null_pct)."""
+        return null_pct(self.rule, self.threshold_pct)
+
+    @property
+    def max_mde_pct(self) -> float:
+        """The largest MDE (%) a gated cell may have before the gate refuses (inf: no bound)."""
+        return math.inf if self.max_mde_factor is None else self.max_mde_factor * self.threshold_pct
 
     @property
     def instance_var(self) -> float:
@@ -79,6 +94,10 @@ class DiffOptions:
             raise ValueError("quantities must name at least one metric, e.g. [step_ms]")
         if self.fail_on is not None and self.fail_on not in FAIL_ON:
             raise ValueError(f"fail_on={self.fail_on!r} is not allowed; allowed: null, {', '.join(FAIL_ON)}")
+        if self.rule not in RULES:
+            raise ValueError(f"rule={self.rule!r} is not allowed; allowed: {', '.join(RULES)}")
+        if self.max_mde_factor is not None and not self.max_mde_factor > 0:
+            raise ValueError(f"max_mde_factor must be > 0 or null, got {self.max_mde_factor}")
         if self.normalize is not None and self.normalize not in NORMALIZE:
             raise ValueError(f"normalize={self.normalize!r} is not allowed; allowed: null, {', '.join(NORMALIZE)}")
 
@@ -87,14 +106,22 @@ def diff_options(cfg: DiffConfig) -> DiffOptions:
     """The diff section (config/schema.DiffConfig) as DiffOptions, checked: a bad value is a
     one-line ConfigError naming the key. A sweep checks it before anything starts (its paired
     diff and its gate read it), the diff stage before it reads a run."""
+    noise_floor, instance_floor = floors(cfg)
     options = DiffOptions(float(cfg.threshold_pct), tuple(cfg.quantities), float(cfg.ci_level), float(cfg.alpha),
-                          None if cfg.noise_floor_pct is None else float(cfg.noise_floor_pct), cfg.fail_on,
-                          cfg.normalize, None if cfg.instance_floor_pct is None else float(cfg.instance_floor_pct))
+                          noise_floor, cfg.fail_on, cfg.normalize, instance_floor, str(cfg.rule),
+                          None if cfg.max_mde_factor is None else float(cfg.max_mde_factor))
     try:
         options.check()
     except ValueError as exc:
         raise ConfigError(f"diff.{exc}") from None
     return options
+
+def floors(cfg: DiffConfig) -> tuple[Optional[float], Optional[float]]:
+    """(noise_floor_pct, instance_floor_pct) the diff widens its CIs by: the one place the
+    floors are read, so a floor measured on this machine (a later noise calibration) can be
+    looked up here; today the diff section's values (docs/diff.md says where they came from)."""
+    return tuple(None if v is None else float(v) for v in (cfg.noise_floor_pct, cfg.instance_floor_pct))  # type: ignore[return-value]
+
 
 def stable_flag(value: Any) -> Optional[bool]:
     """A cell's `stable` tag, param or metric as True/False; None when the cell has none."""

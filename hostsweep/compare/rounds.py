@@ -17,6 +17,7 @@ from hostsweep.compare.options import GATED, MIN_ROUNDS, PAIRED_ROUNDS, PAIRED_R
 from hostsweep.compare.options import by_rounds, finite_value
 from hostsweep.compare.quantity import Compared, paired_sides
 from hostsweep.measure.intervals import median_ci
+from hostsweep.config.pairing import ROUND_CYCLE
 
 @dataclass(frozen=True)
 class MatchedRounds:
@@ -66,13 +67,14 @@ def match_rounds(base: Optional[RawRounds], head: Optional[RawRounds]) -> Option
                   int((~good).sum()))
 
 
-def rounds_statistic(base: np.ndarray, head: np.ndarray, level: float, threshold_pct: float
+def rounds_statistic(base: np.ndarray, head: np.ndarray, level: float, threshold_pct: float,
+                     null_pct: Optional[float] = None
                      ) -> tuple[float, tuple[float, float], float, tuple[float, float, float], np.ndarray]:
     """(median d_r, its CI on log scale, the CI's exact coverage, (p_slower, p_faster, p_same),
-    the d_r) of one cell's rounds (stats.rounds_log_ratio, sign_pvalues)."""
+    the d_r) of one cell's rounds (stats.rounds_log_ratio, sign_pvalues with the rule's null)."""
     d = np.log(head) - np.log(base)
     median, low, high, coverage = S.rounds_log_ratio(base, head, level)
-    p = S.sign_pvalues(d, threshold_pct)
+    p = S.sign_pvalues(d, threshold_pct, null_pct)
     return float(median), (float(low), float(high)), float(coverage), tuple(float(x) for x in p), d
 
 
@@ -91,7 +93,8 @@ def rounds_compared(quantity: str, base: Mapping[str, Any], head: Mapping[str, A
             sides = tuple(s - dev if dev is not None else s * math.nan for s, dev in zip(sides, device))
             source = PAIRED_ROUNDS_HOST
         if all(np.isfinite(s).all() and (s > 0).all() for s in sides):
-            median, log_ci, coverage, p, d = rounds_statistic(*sides, options.level, options.threshold_pct)
+            median, log_ci, coverage, p, d = rounds_statistic(*sides, options.level, options.threshold_pct,
+                                                            options.null_pct)
             d_rounds = tuple(zip(rounds.keys, (float(x) for x in d)))
             if options.instance_var > 0:
                 # one instance a side, shared by every round: its variance added to each half of
@@ -102,7 +105,10 @@ def rounds_compared(quantity: str, base: Mapping[str, Any], head: Mapping[str, A
                 return Compared(math.exp(median), source, median, se, math.inf,
                                 f"paired: {rounds.n} rounds{left_out} + instance floor "
                                 f"diff.instance_floor_pct={options.instance_floor_pct:g}", (starts, starts), "paired",
-                                log_ci=log_ci, coverage=options.level, rounds=rounds.n, d_rounds=d_rounds,
+                                # the level, unless the rounds' own order statistics fall below it
+                                # (rounds_warnings says so): the floor widens, it does not make up rounds
+                                log_ci=log_ci, coverage=min(options.level, coverage), rounds=rounds.n,
+                                d_rounds=d_rounds,
                                 between_var=options.instance_var)
             return Compared(math.exp(median), source, median, between=f"paired: {rounds.n} rounds{left_out}",
                             starts=(starts, starts), design="paired", log_ci=log_ci, coverage=coverage, p=p,
@@ -176,9 +182,23 @@ def rounds_warnings(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]]
     if dropped:
         out.append(f"{sum(dropped.values())} round(s) of {len(dropped)} cell(s) paired by rounds left out: a step "
                    "not > 0 on a side")
-    below = cells[(cells["test"] == "sign") & (cells["ci_coverage"] < level - 1e-12)]
+    judged = cells[by_rounds(cells) & cells["test"].isin(("sign", "t"))]
+    below = judged[judged["ci_coverage"] < level - 1e-12]
     if len(below):
         out.append(f"{below['cell'].nunique()} cell(s) paired by rounds have too few rounds for a {level:.0%} CI: "
-                   f"theirs cover {below['ci_coverage'].min():.1%} (order statistics, exact)")
+                   f"theirs cover {below['ci_coverage'].min():.1%} (order statistics, exact"
+                   + ("; an instance floor widens them but does not add rounds)" if (below["test"] == "t").any()
+                      else ")"))
+    odd = judged[judged["quantity"] == GATED]
+    odd = odd[pd.to_numeric(odd["rounds"], errors="coerce").fillna(0).astype(int) % ROUND_CYCLE != 0]
+    if len(odd):
+        out.append(f"{len(odd)} cell(s) paired by rounds have a number of rounds that is not a multiple of "
+                   f"{ROUND_CYCLE} ({_counts(odd['rounds'])}): their side order x T order combinations are "
+                   "unbalanced, so a cost of switching engines is not cancelled exactly")
     return out
+
+
+def _counts(values: pd.Series) -> str:
+    distinct = sorted({int(v) for v in values})
+    return ", ".join(map(str, distinct[:6])) + (", ..." if len(distinct) > 6 else "")
 

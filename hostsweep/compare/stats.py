@@ -39,6 +39,8 @@ from typing import Hashable, Optional, Sequence
 import numpy as np
 from scipy import stats
 
+from hostsweep.compare.rules import (DEFAULT_RULE, judge_family, null_pct, same_shown, sign_bounds,
+                                     t_bounds)
 from hostsweep.measure.intervals import between_starts_ci, median_ci_bounds
 
 INF = math.inf
@@ -109,17 +111,19 @@ def widen(var: np.ndarray, df: np.ndarray, between_var: float, between_df: float
                                             [df, np.full_like(np.asarray(df, float), between_df)])
 
 
-def pvalues(d: np.ndarray, se: np.ndarray, df: np.ndarray, threshold_pct: float
-            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(p_slower, p_faster, p_same) for log-ratios d with standard errors se and df. The nulls
-    are shifted to the threshold t, so a verdict means beyond it at the stated error rate:
-    p_slower tests H0 ratio <= 1 + t, p_faster H0 ratio >= 1 - t, p_same the equivalence test
-    (TOST) of H0 ratio outside [1 - t, 1 + t], the larger of its two one-sided p-values."""
+def pvalues(d: np.ndarray, se: np.ndarray, df: np.ndarray, threshold_pct: float,
+            null_pct: Optional[float] = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(p_slower, p_faster, p_same) for log-ratios d with standard errors se and df. p_slower
+    tests H0 ratio <= 1 + n, p_faster H0 ratio >= 1 - n, n = null_pct/100 (rules.null_pct: 0
+    under the `significant` rule; None: the threshold t, the `margin` rule's shifted null);
+    p_same the equivalence test (TOST) of H0 ratio outside [1 - t, 1 + t], the larger of its
+    two one-sided p-values."""
     d, se, df = (np.asarray(x, dtype=float) for x in (d, se, df))
     safe = np.where(se > 0, se, np.nan)
+    null = threshold_pct if null_pct is None else null_pct
+    p_slower = stats.t.sf((d - math.log1p(null / 100)) / safe, df)
+    p_faster = stats.t.cdf((d - math.log1p(-null / 100)) / safe, df)
     up, down = math.log(1 + threshold_pct / 100), math.log(1 - threshold_pct / 100)
-    p_slower = stats.t.sf((d - up) / safe, df)
-    p_faster = stats.t.cdf((d - down) / safe, df)
     p_same = np.maximum(stats.t.cdf((d - up) / safe, df), stats.t.sf((d - down) / safe, df))
     return p_slower, p_faster, p_same
 
@@ -138,27 +142,6 @@ def holm(p: np.ndarray) -> np.ndarray:
     out = np.empty_like(p)
     np.put_along_axis(out, order, adjusted, axis=-1)
     return np.where(finite, out, np.nan)
-
-
-def verdicts(d: np.ndarray, p_slower_adj: np.ndarray, p_faster_adj: np.ndarray, p_same: np.ndarray,
-             alpha: float, threshold_pct: float, ci_low: Optional[np.ndarray] = None,
-             ci_high: Optional[np.ndarray] = None) -> np.ndarray:
-    """slower: Holm-significant beyond 1 + t (the shifted null of pvalues / sign_pvalues);
-    faster the mirror; same: TOST at alpha (per cell: proving every cell the same is an
-    intersection-union test, which needs no adjustment); else inconclusive. With the printed
-    CI (ratio scale) given, a verdict must also be what that CI says: slower only when it lies
-    wholly above 1 + t, faster wholly below 1 - t, same wholly inside [1 - t, 1 + t]; so no
-    reader meets a verdict its own interval contradicts (the rates stay at or below alpha)."""
-    ratio = np.exp(np.asarray(d, dtype=float))
-    t = threshold_pct / 100
-    low = np.full(ratio.shape, -np.inf) if ci_low is None else np.nan_to_num(np.asarray(ci_low, float), nan=-np.inf)
-    high = np.full(ratio.shape, np.inf) if ci_high is None else np.nan_to_num(np.asarray(ci_high, float), nan=np.inf)
-    agree = ci_low is None  # no CI given: the tests alone (the simulations' vectorized replay)
-    out = np.full(ratio.shape, "inconclusive", dtype=object)
-    out[(np.asarray(p_same) <= alpha) & (agree | ((low >= 1 - t) & (high <= 1 + t)))] = "same"
-    out[(np.asarray(p_faster_adj) <= alpha) & (ratio < 1 - t) & (agree | (high < 1 - t))] = "faster"
-    out[(np.asarray(p_slower_adj) <= alpha) & (ratio > 1 + t) & (agree | (low > 1 + t))] = "slower"
-    return out
 
 
 def ci(d: np.ndarray, se: np.ndarray, df: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarray]:
@@ -253,7 +236,8 @@ def rounds_log_ratio(base: np.ndarray, head: np.ndarray, level: float
     return np.median(d, axis=-1), low, high, coverage
 
 
-def sign_pvalues(d: np.ndarray, threshold_pct: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def sign_pvalues(d: np.ndarray, threshold_pct: float, null_pct: Optional[float] = None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(p_slower, p_faster, p_same) of per-round log ratios d (last axis) by exact sign tests,
     the tests whose inversion is the order-statistic CI of their median, with the null shifted
     to the threshold t: p_slower tests H0 median <= log(1 + t) (the chance of at least this
@@ -267,30 +251,46 @@ def sign_pvalues(d: np.ndarray, threshold_pct: float) -> tuple[np.ndarray, np.nd
         return stats.binom.sf(count - 1, n, 0.5)
 
     up, down = math.log(1 + threshold_pct / 100), math.log(1 - threshold_pct / 100)
-    p_slower, p_faster = at_least((d > up).sum(axis=-1)), at_least((d < down).sum(axis=-1))
+    null = threshold_pct if null_pct is None else null_pct  # pvalues' null_pct
+    p_slower = at_least((d > math.log1p(null / 100)).sum(axis=-1))
+    p_faster = at_least((d < math.log1p(-null / 100)).sum(axis=-1))
     p_same = np.maximum(at_least((d < up).sum(axis=-1)), at_least((d > down).sum(axis=-1)))
     return p_slower, p_faster, p_same
 
 
 def judge_rounds(base: np.ndarray, head: np.ndarray, threshold_pct: float, alpha: float,
-                 level: float = 0.95) -> np.ndarray:
-    """The verdicts compare/cellwise.py gives paired-rounds cells, for many simulated studies at once:
-    base and head shaped (studies, cells, rounds), round r of base and of head timed back to
-    back; Holm over each study's cells; each verdict agreeing with the cell's printed CI at level."""
+                 level: float = 0.95, rule: str = DEFAULT_RULE, instance_var: float = 0.0) -> np.ndarray:
+    """The verdicts compare/verdicts.py gives paired-rounds cells, for many simulated studies at
+    once: base and head shaped (studies, cells, rounds), round r of base and of head timed back
+    to back; Holm over each study's cells under `rule` (rules.py). instance_var > 0: each cell's
+    order-statistic CI widened by it and judged by the normal whose CI that is (rounds.widened,
+    as compare/rounds.py judges with diff.instance_floor_pct); else the exact sign tests."""
     d = np.log(np.asarray(head, dtype=float)) - np.log(np.asarray(base, dtype=float))
-    slower, faster, same = sign_pvalues(d, threshold_pct)
     median, low, high, _ = rounds_log_ratio(base, head, level)
-    return verdicts(median, holm(slower), holm(faster), same, alpha, threshold_pct, np.exp(low), np.exp(high))
+    null = null_pct(rule, threshold_pct)
+    if instance_var > 0:
+        z = stats.norm.ppf(0.5 + level / 2)
+        low = median - np.sqrt((median - low) ** 2 + z * z * instance_var)
+        high = median + np.sqrt((high - median) ** 2 + z * z * instance_var)
+        se = (high - low) / (2 * z)
+        slower, faster, same = pvalues(median, se, np.full(se.shape, INF), threshold_pct, null)
+        bounds = lambda a, b: t_bounds(median, se, np.full(se.shape, INF), a, b)  # noqa: E731
+    else:
+        slower, faster, same = sign_pvalues(d, threshold_pct, null)
+        bounds = lambda a, b: sign_bounds(d, a, b)  # noqa: E731
+    shown = same_shown(same, alpha, np.exp(low), np.exp(high), threshold_pct)
+    return judge_family(median, slower, faster, shown, alpha, rule, threshold_pct, bounds)[0]
 
 
 def judge_arrays(base: np.ndarray, head: np.ndarray, threshold_pct: float, alpha: float,
                  between_var: float = math.nan, between_df: float = math.inf, paired: bool = False,
-                 level: float = 0.95) -> np.ndarray:
-    """The verdicts compare/cellwise.py gives, for many simulated studies at once: base and head
-    shaped (studies, cells, k starts, n pairs); Holm over each study's cells; each verdict
-    agreeing with the cell's printed CI at level. paired: start i of base and start i of head
-    form a start pair (a paired sweep's cells, k >= 2). Sequential one-start sides with no
-    between-start component are inconclusive, whatever their pairs say (cellwise does the same)."""
+                 level: float = 0.95, rule: str = DEFAULT_RULE) -> np.ndarray:
+    """The verdicts compare/verdicts.py gives, for many simulated studies at once: base and head
+    shaped (studies, cells, k starts, n pairs); Holm over each study's cells under `rule`
+    (rules.py); `same` agreeing with the cell's printed CI at level. paired: start i of base and
+    start i of head form a start pair (a paired sweep's cells, k >= 2). Sequential one-start
+    sides with no between-start component are inconclusive, whatever their pairs say
+    (cellwise does the same)."""
     if paired:
         d, se, df = paired_log_ratio(np.median(base, axis=-1), np.median(head, axis=-1))
     else:
@@ -300,6 +300,8 @@ def judge_arrays(base: np.ndarray, head: np.ndarray, threshold_pct: float, alpha
             side_arrays(head, between_var, between_df)
         d, se = eh - eb, np.sqrt(vb + vh)
         df = satterthwaite([vb, vh], [fb, fh])
-    slower, faster, same = pvalues(d, se, df, threshold_pct)
+    slower, faster, same = pvalues(d, se, df, threshold_pct, null_pct(rule, threshold_pct))
     low, high = ci(d, se, df, level)
-    return verdicts(d, holm(slower), holm(faster), same, alpha, threshold_pct, low, high)
+    shown = same_shown(same, alpha, low, high, threshold_pct)
+    return judge_family(d, slower, faster, shown, alpha, rule, threshold_pct,
+                        lambda a, b: t_bounds(d, se, df, a, b))[0]

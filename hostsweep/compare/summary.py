@@ -8,10 +8,14 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 import pandas as pd
 
+from scipy import stats
+
+from hostsweep.compare import rules as R
 from hostsweep.compare import stats as S
 from hostsweep.compare.options import GATED, NO_BETWEEN, POINT, VERDICTS, DiffOptions, by_rounds
 from hostsweep.compare.rounds import rounds_geometric_mean, widened
 from hostsweep.compare.start_pairs import paired_geometric_mean
+from hostsweep.measure.detectable import mde_from_se
 
 def _counts_text(values: Sequence[int]) -> str:
     """Per-cell counts as 3, 3/5, or 22–24 when more than three differ."""
@@ -93,7 +97,8 @@ def geometric_mean(d: np.ndarray, se: np.ndarray, df: np.ndarray, level: float,
 
 
 def widened_by_instances(mean: tuple[float, float, float, float], options: DiffOptions,
-                         engines: Optional[Sequence[str]] = None) -> tuple[float, float, float, float]:
+                         engines: Optional[Sequence[str]] = None, level: Optional[float] = None
+                         ) -> tuple[float, float, float, float]:
     """A rounds geometric mean (ratio, low, high, coverage) with the instance floor added once
     per engine group (rounds.widened): every cell of a group ran on its side's one instance,
     so averaging over the group's cells leaves that instance effect whole, while the groups'
@@ -102,8 +107,40 @@ def widened_by_instances(mean: tuple[float, float, float, float], options: DiffO
     ratio, low, high, _ = mean
     shares = pd.Series(list(engines)).value_counts(normalize=True) if engines is not None and len(engines) else None
     var = options.instance_var * (float((shares ** 2).sum()) if shares is not None else 1.0)
-    log_low, log_high = widened(math.log(ratio), (math.log(low), math.log(high)), var, options.level)
-    return ratio, math.exp(log_low), math.exp(log_high), options.level
+    level = options.level if level is None else level
+    log_low, log_high = widened(math.log(ratio), (math.log(low), math.log(high)), var, level)
+    return ratio, math.exp(log_low), math.exp(log_high), level
+
+
+def _mean_at(tested: pd.DataFrame, options: DiffOptions, level: float
+             ) -> tuple[tuple[float, float, float], Optional[tuple[float, float, float, float]]]:
+    """The geometric mean of the tested cells with its CI at `level`, by the design they share
+    (rounds, start pairs, else independent cells with a floor added once), and the rounds mean
+    itself (its exact coverage) when that is the design."""
+    by_rounds = rounds_geometric_mean(tested, level)
+    if by_rounds and options.instance_var > 0:
+        by_rounds = widened_by_instances(by_rounds, options,
+                                         tested["engine"].tolist() if "engine" in tested else None, level)
+    mean = by_rounds[:3] if by_rounds else paired_geometric_mean(tested, level) or \
+        geometric_mean(*(tested[c].to_numpy(float) for c in ("d", "se", "df")), level,
+                       tested["between_var"].to_numpy(float) if "between_var" in tested else None)
+    return mean, by_rounds
+
+
+def overall_verdict(gm: float, low: float, high: float, v_low: float, v_high: float, options: DiffOptions
+                    ) -> tuple[str, float]:
+    """The geometric mean judged as one cell under the rule (one test, no multiplicity): its
+    verdict read from its verdict interval [v_low, v_high] (one-sided bounds at alpha each, the
+    CI at 1 - 2 alpha), `same` when its printed CI lies inside the band; and its MDE (%) from
+    the printed CI's width read as a normal one (a planning figure, as for a rounds cell)."""
+    if not all(math.isfinite(x) and x > 0 for x in (gm, low, high, v_low, v_high)):
+        return "inconclusive", math.inf
+    t = options.threshold_pct / 100
+    verdict = R.rule_verdicts(np.array(math.log(gm)), np.array(math.log(v_low)), np.array(math.log(v_high)),
+                              np.array((low >= 1 - t) & (high <= 1 + t)), options.rule, options.threshold_pct)
+    se = (math.log(high) - math.log(low)) / (2 * float(stats.norm.ppf(0.5 + options.level / 2)))
+    return str(verdict), mde_from_se(se, math.inf, options.alpha, 1, threshold_pct=options.threshold_pct,
+                                     rule=options.rule)
 
 
 def summarize_quantities(rows: pd.DataFrame, options: DiffOptions) -> dict[str, dict]:
@@ -114,15 +151,13 @@ def summarize_quantities(rows: pd.DataFrame, options: DiffOptions) -> dict[str, 
             continue
         stable = mine[~mine["unstable"]]
         tested = stable[stable["verdict"].notna()]
-        by_rounds = rounds_geometric_mean(tested, options.level)
-        if by_rounds and options.instance_var > 0:
-            by_rounds = widened_by_instances(by_rounds, options,
-                                             tested["engine"].tolist() if "engine" in tested else None)
-        gm, low, high = by_rounds[:3] if by_rounds else paired_geometric_mean(tested, options.level) or \
-            geometric_mean(*(tested[c].to_numpy(float) for c in ("d", "se", "df")), options.level,
-                           tested["between_var"].to_numpy(float) if "between_var" in tested else None)
+        (gm, low, high), by_rounds = _mean_at(tested, options, options.level)
+        # the interval the overall verdict is read from: one-sided bounds at alpha each
+        _, v_low, v_high = _mean_at(tested, options, 1 - 2 * options.alpha)[0]
+        overall, overall_mde = overall_verdict(gm, low, high, v_low, v_high, options)
         everything = mine["ratio"][mine["ratio"] > 0].dropna()
-        out[quantity] = {"geomean_ratio": gm, "ci_low": low, "ci_high": high,
+        out[quantity] = {"geomean_ratio": gm, "ci_low": low, "ci_high": high, "overall": overall,
+                         "verdict_low": v_low, "verdict_high": v_high, "overall_mde_pct": overall_mde,
                          # exact (order statistics) for cells paired by rounds; else the nominal level
                          "ci_coverage": by_rounds[3] if by_rounds else options.level, "cells": int(len(mine)),
                          "geomean_ratio_all": float(np.exp(np.log(everything).mean())) if len(everything) else math.nan,
@@ -138,6 +173,9 @@ def summarize_quantities(rows: pd.DataFrame, options: DiffOptions) -> dict[str, 
                          "unstable": int(mine["unstable"].sum()),
                          "unstable_counts": {v: int((mine[mine["unstable"]]["verdict"] == v).sum()) for v in VERDICTS},
                          "mde_pct_median": float(mine["mde_pct"].median()) if mine["mde_pct"].notna().any()
-                         else math.nan}
+                         else math.nan,
+                         # what the gate could have seen: the largest MDE of a judged cell
+                         "mde_pct_max": float(mine["mde_pct"].max()) if mine["mde_pct"].notna().any()
+                         else math.nan, "rule": options.rule}
     return out
 

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pandas as pd
 
+from hostsweep.compare import rules as R
 from hostsweep.compare import stats as S
 from hostsweep.compare.options import MIN_ROUNDS, DiffOptions
 from hostsweep.compare.rounds import rounds_se
@@ -19,13 +20,19 @@ def rounds_for_a_verdict(cells: int, alpha: float) -> int:
     return max(MIN_ROUNDS, math.ceil(math.log2(max(cells, 1) / alpha) - 1e-12))
 
 
+def _round_values(text: object) -> np.ndarray:
+    """A rounds row's d_r, read back from its d_rounds text ("key=value ..."): the numbers the
+    row prints, so its sign tests and verdict interval are those of what a reader sees."""
+    return np.array([float(item.rsplit("=", 1)[1]) for item in str(text).split()], dtype=float)
+
+
 def judge_cells(cells: pd.DataFrame, options: DiffOptions) -> pd.DataFrame:
-    """p-values, Holm over each quantity's tested cells, verdicts, CIs and the MDE per row. A
-    t row (d, se, df) gets its p-values and CI from the t; a paired-rounds row (test "sign")
-    keeps the exact sign tests and order-statistic CI it came with, and joins Holm with them.
-    A verdict agrees with the CI printed (stats.verdicts). A row with a note (NO_BETWEEN) is
-    inconclusive with no CI; a rounds row with fewer rounds than any slower/faster verdict
-    needs says so in its note, and its MDE is infinite."""
+    """p-values under the rule in force, Holm over each quantity's tested cells, the verdict
+    interval and the verdicts read from it (compare/rules.py), the printed CIs and the MDE per
+    row. A t row (d, se, df) gets its p-values, CI and bounds from the t; a paired-rounds row
+    (test "sign") its sign tests and order-statistic CI and bounds from its rounds. A row with a
+    note (NO_BETWEEN) is inconclusive with no CI; a rounds row with fewer rounds than any
+    slower/faster verdict needs says so in its note, and its MDE is infinite."""
     out = cells.copy()
     if "note" not in out:
         out["note"] = ""
@@ -34,9 +41,10 @@ def judge_cells(cells: pd.DataFrame, options: DiffOptions) -> pd.DataFrame:
             out[column] = math.nan
     if "test" not in out:
         out["test"] = ""
-    for column in ("p_slower_holm", "p_faster_holm", "mde_pct"):
+    for column in ("p_slower_holm", "p_faster_holm", "mde_pct", "verdict_low", "verdict_high", "verdict_alpha"):
         out[column] = math.nan
     out["verdict"] = None
+    null = options.null_pct
     for quantity in out["quantity"].unique() if len(out) else []:
         sign = (out["quantity"] == quantity) & (out["test"] == "sign")
         t = (out["quantity"] == quantity) & ~sign & out["se"].notna() & (out["se"] > 0)
@@ -51,22 +59,39 @@ def judge_cells(cells: pd.DataFrame, options: DiffOptions) -> pd.DataFrame:
             low = np.where(carried, out.loc[t, "ci_low"].to_numpy(float), low)
             high = np.where(carried, out.loc[t, "ci_high"].to_numpy(float), high)
             out.loc[t, ["p_slower", "p_faster", "p_same", "ci_low", "ci_high"]] = \
-                np.column_stack([*S.pvalues(d, se, df, options.threshold_pct), low, high])
+                np.column_stack([*S.pvalues(d, se, df, options.threshold_pct, null), low, high])
+        rounds = {i: _round_values(text) for i, text in out.loc[sign, "d_rounds"].items()}
+        for i, values in rounds.items():
+            out.loc[i, ["p_slower", "p_faster", "p_same"]] = [float(x) for x in
+                                                              S.sign_pvalues(values, options.threshold_pct, null)]
         slower, faster, same = (out.loc[mine, c].to_numpy(float) for c in ("p_slower", "p_faster", "p_same"))
         out.loc[mine, "p_slower_holm"], out.loc[mine, "p_faster_holm"] = S.holm(slower), S.holm(faster)
-        out.loc[mine, "verdict"] = S.verdicts(out.loc[mine, "d"].to_numpy(float),
-                                              out.loc[mine, "p_slower_holm"].to_numpy(float),
-                                              out.loc[mine, "p_faster_holm"].to_numpy(float), same,
-                                              options.alpha, options.threshold_pct,
-                                              out.loc[mine, "ci_low"].to_numpy(float),
-                                              out.loc[mine, "ci_high"].to_numpy(float))
+        is_t = t[mine].to_numpy()
+        index = out.index[mine]
+
+        def bounds(a_low: np.ndarray, a_high: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            low, high = np.full(a_low.shape, math.nan), np.full(a_low.shape, math.nan)
+            if is_t.any():
+                low[is_t], high[is_t] = R.t_bounds(*(out.loc[index[is_t], c].to_numpy(float) for c in ("d", "se", "df")),
+                                                   a_low[is_t], a_high[is_t])
+            for j in np.flatnonzero(~is_t):
+                low[j], high[j] = (float(x) for x in R.sign_bounds(rounds[index[j]], a_low[j], a_high[j]))
+            return low, high
+
+        shown = R.same_shown(same, options.alpha, out.loc[mine, "ci_low"].to_numpy(float),
+                             out.loc[mine, "ci_high"].to_numpy(float), options.threshold_pct)
+        verdict, v_low, v_high, a_low = R.judge_family(out.loc[mine, "d"].to_numpy(float), slower, faster, shown,
+                                                       options.alpha, options.rule, options.threshold_pct, bounds)
+        out.loc[mine, "verdict"] = verdict
+        out.loc[mine, "verdict_low"], out.loc[mine, "verdict_high"] = np.exp(v_low), np.exp(v_high)
+        out.loc[mine, "verdict_alpha"] = a_low
         m = int(mine.sum())
         se = [e if kind == "t" else rounds_se(math.log(lo), math.log(hi), cov)
               for kind, e, lo, hi, cov in zip(out.loc[mine, "test"], out.loc[mine, "se"], out.loc[mine, "ci_low"],
                                               out.loc[mine, "ci_high"], out.loc[mine, "ci_coverage"])]
         df = [f if kind == "t" else math.inf for kind, f in zip(out.loc[mine, "test"], out.loc[mine, "df"])]
         out.loc[mine, "mde_pct"] = [mde_from_se(e, f, options.alpha, m, threshold_pct=options.threshold_pct,
-                                                ci_level=options.level) for e, f in zip(se, df)]
+                                                rule=options.rule) for e, f in zip(se, df)]
         need = rounds_for_a_verdict(m, options.alpha)
         short = sign & (out["rounds"] < need) if "rounds" in out else sign & False
         if short.any():
@@ -77,4 +102,3 @@ def judge_cells(cells: pd.DataFrame, options: DiffOptions) -> pd.DataFrame:
     out.loc[noted, "verdict"] = "inconclusive"
     out.loc[noted, "mde_pct"] = math.inf
     return out
-

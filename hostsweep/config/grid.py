@@ -8,6 +8,7 @@ tp) share one engine, so one worker serves them. A cell whose SKU cannot run its
 from __future__ import annotations
 
 import hashlib
+import logging
 import json
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property
@@ -17,10 +18,11 @@ from typing import Any, Mapping, Optional
 from hostsweep.config.engine_args import (
     LEGACY_EAGER_ARGS, canonical_json, keyed_engine_args, resolved_engine_args, unsupported_reason,
 )
-from hostsweep.config.pairing import against_text
+from hostsweep.config.pairing import against_text, balanced_rounds
 from hostsweep.config.resolve import Study
 from hostsweep.config.schema import ConfigError, ModeConfig, ModelConfig, SkuConfig
 
+log = logging.getLogger(__name__)
 # The cell's identity, defined here once: every table, report, read-back and selection
 # names a cell by these (a new axis is added here, as a field of EngineSpec or Cell of the
 # same name, and in build_cells). Engine axes: one engine serves every cell that shares
@@ -222,6 +224,11 @@ def build_cells(study: Study) -> list[Cell]:
         return _side_cells(study)
     p = study.config.pair
     text = against_text(p.against)
+    m = study.config.measure
+    asked = m.max_reps if m.target_ci_pct is not None or m.target_mde_pct is not None else m.reps
+    if p.design == "rounds" and balanced_rounds(asked) != asked:
+        log.warning("pair.design=rounds: %d rounds rounded up to %d, a multiple of 4, so every cell meets each "
+                    "(side order, T order) combination equally often", asked, balanced_rounds(asked))
     a = _side_cells(study, "a", "", text, p.starts, p.design)
     b = _side_cells(study.side_b, "b", p.python or "", text, p.starts, p.design)
     for cell_a, cell_b in zip(a, b):
@@ -236,6 +243,8 @@ def _side_cells(study: Study, side: str = "", python: str = "", pair_against: st
     cfg, m = study.config, study.config.measure
     adaptive = m.target_ci_pct is not None or m.target_mde_pct is not None
     reps = m.max_reps if adaptive else m.reps
+    if design == "rounds":  # every (side order, T order) combination equally often (pairing.ROUND_CYCLE)
+        reps = balanced_rounds(reps)
     rule = (None if m.target_ci_pct is None else float(m.target_ci_pct), m.min_reps) if adaptive else (None, 0)
     mde = None if m.target_mde_pct is None else float(m.target_mde_pct)
     cells = []

@@ -36,6 +36,15 @@ SIDE_MODULES = ("ray", "hostsweep", "vllm")
 # starts: engine starts alternated ABBA; auto: rounds where the sides can share a worker.
 PAIR_DESIGNS = ("auto", "rounds", "starts")
 DEFAULT_STARTS = 3
+# Paired rounds meet every (side order, T order) combination once in this many rounds
+# (measure/protocol.side_a_first), so a study's rounds are rounded up to a multiple of it:
+# with 30 rounds a slot met them 8/8/7/7 times and a switch cost did not cancel exactly.
+ROUND_CYCLE = 4
+
+
+def balanced_rounds(rounds: int) -> int:
+    """rounds rounded up to a multiple of ROUND_CYCLE (config/grid.py applies it to paired rounds)."""
+    return -(-int(rounds) // ROUND_CYCLE) * ROUND_CYCLE
 # Two engines on one GPU share its memory: their vLLM gpu_memory_utilization must fit beside each other.
 SHARED_GPU_MEMORY = 0.95
 

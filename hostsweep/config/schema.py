@@ -390,7 +390,14 @@ class DiffConfig:
     base: Optional[str] = None  # a study name, or a sweep's parent run id
     head: Optional[str] = None  # the same, for the side judged against base
     threshold_pct: float = 5.0  # `same` needs the ratio's CI inside ±this; slower/faster need the ratio beyond it
-    fail_on: Optional[str] = None  # slower: exit 1 when a stable cell's step_ms is slower; inconclusive: or inconclusive
+    # What slower/faster mean (compare/rules.py): significant = the change is real (Holm against
+    # no change at alpha) and its ratio beyond the threshold; margin = sure it is beyond the threshold
+    rule: str = "significant"
+    # slower: exit 1 when a cell's step_ms is slower; slower_overall: when the geometric mean is;
+    # inconclusive: or inconclusive
+    fail_on: Optional[str] = None
+    # The gate refuses (exit 2) when a gated cell's MDE under the rule exceeds this x threshold_pct
+    max_mde_factor: Optional[float] = 3.0
     quantities: list[str] = field(default_factory=lambda: ["step_ms", "device_ms", "host_ms"])
     filter: Optional[str] = None  # an MLflow search filter applied to both sides
     ci_level: float = 0.95

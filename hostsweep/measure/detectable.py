@@ -2,12 +2,14 @@
 alpha calls `slower` with the stated power (80 % by default), given the noise of the cell.
 
 A diff (compare/stats.py) judges the log of head/base against a Student t reference:
-it calls `slower` when (log(ratio) - log(1 + threshold)) / se > q, q the one-sided quantile at
-alpha (alpha / cells, Bonferroni's worst case of Holm's first step, when the gate judges
-`cells` cells; the larger two-sided quantile of the printed CI's level when that is stricter).
-A true slowdown e is then found with probability `power` when
+under its default rule (`significant`) it calls `slower` when log(ratio) / se > q and the
+ratio lies above 1 + threshold, q the one-sided quantile at alpha (alpha / cells, Bonferroni's
+worst case of Holm's first step, when the gate judges `cells` cells); under `margin` when
+(log(ratio) - log(1 + threshold)) / se > q. A true slowdown e is then found with probability
+`power` when
 
-    log(1 + e) = log(1 + threshold) + (q + z_power) * se
+    log(1 + e) = max(q * se, log(1 + threshold)) + z_power * se      (significant)
+    log(1 + e) = log(1 + threshold) + (q + z_power) * se              (margin)
 
 which is what minimum_detectable_effect_pct returns. Release owners read it to choose
 diff.threshold_pct: a threshold below a cell's MDE asks for a change the study cannot see.
@@ -22,18 +24,22 @@ from scipy import stats
 
 
 def mde_from_se(se: float, df: float = math.inf, alpha: float = 0.05, cells: int = 1, power: float = 0.8,
-                threshold_pct: float = 0.0, ci_level: float = 0.0) -> float:
+                threshold_pct: float = 0.0, ci_level: float = 0.0, rule: str = "significant") -> float:
     """The MDE in % for a log-ratio with standard error se and df degrees of freedom; nan
-    when se is not a finite non-negative number. The gate tests against the threshold (a
-    shifted null), and its verdict must also be what the printed CI at ci_level says, so the
-    log ratio must clear log(1 + threshold) by the larger of the two quantiles."""
+    when se is not a finite non-negative number. q is the one-sided quantile at alpha / cells
+    (Holm's first step; ci_level: the printed CI's two-sided quantile when that is larger).
+    Under the `margin` rule the gate tests against the threshold (a shifted null), so the log
+    ratio must clear log(1 + threshold) by q se: log(1 + mde) = log(1 + t) + (q + z) se. Under
+    `significant` (compare/rules.py) it must clear q se (a real change) and its point
+    log(1 + t): log(1 + mde) = max(q se, log(1 + t)) + z se."""
     if not (math.isfinite(se) and se >= 0) or not 0 < alpha < 1 or not 0 < power < 1 or cells < 1:
         return math.nan
     q = stats.t.isf(alpha / cells, df)
     if 0 < ci_level < 1:
         q = max(q, stats.t.ppf(0.5 + ci_level / 2, df))
     z = stats.t.ppf(power, df)
-    return (math.exp(math.log1p(threshold_pct / 100) + (q + z) * se) - 1) * 100
+    bar = math.log1p(threshold_pct / 100) + q * se if rule == "margin" else max(q * se, math.log1p(threshold_pct / 100))
+    return math.expm1(bar + z * se) * 100
 
 
 def ci_target_for_mde(mde_pct: float, level: float, alpha: float = 0.05, power: float = 0.8) -> float:

@@ -14,6 +14,7 @@ import pandas as pd
 from hostsweep.compare import (
     GATED, HOST_FIXED, MIN_ROUNDS, NO_BETWEEN, PAIRED, PAIRED_ROUNDS, POINT, RAW, SUMMARY, VERDICTS, DiffResult,
 )
+from hostsweep.compare.rules import slower_means
 from hostsweep.report import figures as F
 from hostsweep.report.document import Bullets, Document, Figure, Heading, Table, Text
 from hostsweep.report.tables import ci_percent
@@ -49,11 +50,39 @@ class DiffContext:
     command: str
 
 
-def fmt_ratio(ratio: float, low: float, high: float) -> str:
+def fmt_bound(value: float, marks: Iterable[float] = ()) -> str:
+    """A ratio or bound to 3 decimals, more where 3 would print it equal to a mark it lies on one
+    side of (1, 1 ± threshold): 1.0504 and 1.0496 must not both read 1.050 beside a 5 % threshold."""
+    if not math.isfinite(value):
+        return "–" if value != value else ("∞" if value > 0 else "0")
+    for digits in range(3, 7):
+        text = f"{value:.{digits}f}"
+        if all(text != f"{m:.{digits}f}" or value == m for m in marks):
+            return text
+    return f"{value:.7f}"
+
+
+def marks(result: DiffResult) -> tuple[float, float, float]:
+    """The values a verdict compares a ratio or bound with: 1 and 1 ± the threshold."""
+    t = result.options.threshold_pct / 100
+    return 1 - t, 1.0, 1 + t
+
+
+def fmt_ratio(ratio: float, low: float, high: float, at: Iterable[float] = ()) -> str:
     if not math.isfinite(ratio):
         return "–"
-    ci = f" [{low:.3f}, {high:.3f}]" if math.isfinite(low) and math.isfinite(high) else " (no CI)"
-    return f"{ratio:.3f}×{ci}"
+    at = tuple(at)
+    ci = f" [{fmt_bound(low, at)}, {fmt_bound(high, at)}]" if math.isfinite(low) and math.isfinite(high) \
+        else " (no CI)"
+    return f"{fmt_bound(ratio, at)}×{ci}"
+
+
+def _interval(low: float, high: float, at: Iterable[float]) -> str:
+    """A verdict interval: a bound no test could set prints as ∞ (0 below)."""
+    if low != low or high != high:
+        return "–"
+    at = tuple(at)
+    return f"[{fmt_bound(low, at)}, {fmt_bound(high, at)}]"
 
 
 def differs_lines(result: DiffResult) -> list[str]:
@@ -70,23 +99,26 @@ def headline(result: DiffResult) -> str:
     s = result.summary.get(GATED)
     if s is None:
         return f"no matched cell has {GATED}"
-    c = s["counts"]
-    text = (f"{GATED} head/base geometric mean {fmt_ratio(s['geomean_ratio'], s['ci_low'], s['ci_high'])} over "
-            f"{s['cells_in_geomean']} stable cells; " + ", ".join(f"{c[v]} {v}" for v in VERDICTS)
-            + f" ({s['judged']} cells judged at family-wise alpha {s['alpha']:g}, Holm; median MDE "
+    c, at = s["counts"], marks(result)
+    text = (f"{GATED} head/base geometric mean {fmt_ratio(s['geomean_ratio'], s['ci_low'], s['ci_high'], at)} over "
+            f"{s['cells_in_geomean']} stable cells, overall {s['overall']} (verdict interval "
+            f"{_interval(s['verdict_low'], s['verdict_high'], at)}); " + ", ".join(f"{c[v]} {v}" for v in VERDICTS)
+            + f" ({s['judged']} cells judged at family-wise alpha {s['alpha']:g}, Holm, rule {s['rule']}; median MDE "
             f"{s['mde_pct_median']:.1f}%)"
             + "".join(f"; {n} inconclusive for {note}" for note, n in s.get("notes", {}).items()))
     if not s["unstable"]:
         return text
     slower = s["unstable_counts"]["slower"]
     return text + (f"; {s['unstable']} unstable (counted apart: {slower} slower; geometric mean with them "
-                   f"{s['geomean_ratio_all']:.3f}×)")
+                   f"{fmt_bound(s['geomean_ratio_all'], at)}×)")
 
 
 def counts_table(result: DiffResult) -> pd.DataFrame:
     rows = []
     for quantity, s in result.summary.items():
-        rows.append({"quantity": quantity, "geomean ratio": fmt_ratio(s["geomean_ratio"], s["ci_low"], s["ci_high"]),
+        rows.append({"quantity": quantity,
+                     "geomean ratio": fmt_ratio(s["geomean_ratio"], s["ci_low"], s["ci_high"], marks(result)),
+                     "overall": f"{s['overall']} {_interval(s['verdict_low'], s['verdict_high'], marks(result))}",
                      "cells": s["cells"], **s["counts"], "no verdict": s["no_verdict"],
                      "unstable": s["unstable"] and ", ".join(f"{n} {v}" for v, n in s["unstable_counts"].items()
                                                               if n) or 0,
@@ -94,8 +126,9 @@ def counts_table(result: DiffResult) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _ci_text(lows: Iterable[float], highs: Iterable[float]) -> list[str]:
-    return [fmt_ratio(1, lo, hi)[len("1.000× "):] if math.isfinite(lo) else "–" for lo, hi in zip(lows, highs)]
+def _ci_text(lows: Iterable[float], highs: Iterable[float], at: Iterable[float] = ()) -> list[str]:
+    at = tuple(at)
+    return [_interval(lo, hi, at) if math.isfinite(lo) else "–" for lo, hi in zip(lows, highs)]
 
 
 def verdict_text(rows: pd.DataFrame) -> pd.Series:
@@ -108,15 +141,20 @@ def verdict_text(rows: pd.DataFrame) -> pd.Series:
 
 def cell_table(result: DiffResult, quantity: str) -> pd.DataFrame:
     rows = result.cells[result.cells["quantity"] == quantity].sort_values("ratio", ascending=False)
+    at = marks(result)
     table = pd.DataFrame({"cell": rows["cell"] + np.where(rows["unstable"], " (unstable)", ""),
-                          "base ms": rows["base"], "head ms": rows["head"], "ratio": rows["ratio"],
-                          f"{ci_percent(result.options.level)} CI": _ci_text(rows["ci_low"], rows["ci_high"]),
+                          "base ms": rows["base"], "head ms": rows["head"],
+                          "ratio": [fmt_bound(r, at) for r in rows["ratio"]],
+                          f"{ci_percent(result.options.level)} CI": _ci_text(rows["ci_low"], rows["ci_high"], at),
+                          # the interval the verdict is read from (compare/rules.py): what a reader checks
+                          "verdict interval": [_interval(lo, hi, at) for lo, hi in
+                                               zip(rows["verdict_low"], rows["verdict_high"])],
                           "verdict": verdict_text(rows), "p slower (Holm)": rows["p_slower_holm"],
                           "MDE %": rows["mde_pct"], "base run": rows["base_run"],
                           "head run": rows["head_run"]})
     if "ratio_canary" in rows and quantity == GATED:  # diff.normalize=canary: beside the raw ratio
         table.insert(5, "ratio / canary", rows["ratio_canary"])
-        table.insert(6, "its CI", _ci_text(rows["ci_low_canary"], rows["ci_high_canary"]))
+        table.insert(6, "its CI", _ci_text(rows["ci_low_canary"], rows["ci_high_canary"], at))
     return table
 
 
@@ -184,22 +222,25 @@ def _method(result: DiffResult) -> Bullets:
         "variance to add it to), and says so.",
         f"{POINT}: the ratio of the logged metrics, no CI and no verdict. {SUMMARY}: each cell's logged CI read as "
         "log-normal.",
-        f"Verdicts (t = {o.threshold_pct:g}%, alpha = {o.alpha:g}): slower = the one-sided test of "
-        "H0 ratio ≤ 1+t (the null shifted to the threshold), Holm-adjusted over the cells judged, rejects at alpha, "
-        f"and the printed {o.level:.0%} CI lies wholly above 1+t; faster the mirror below 1−t; same = the "
-        "equivalence test (TOST) at ±t rejects at alpha and the printed CI lies inside [1−t, 1+t]; else "
-        "inconclusive (Student t, or the sign test for cells paired by rounds). So slower means beyond the "
-        "threshold at the stated error rate, and no verdict contradicts its own CI.",
+        f"Verdicts (t = {o.threshold_pct:g}%, alpha = {o.alpha:g}), {slower_means(o.rule, o.threshold_pct, o.alpha)}. "
+        "The verdict interval is each cell's one-sided bounds at the level Holm tested it at (alpha / m for the "
+        "smallest p-value of m, alpha / (m − 1) for the next while the first was rejected, ...; Student t, or "
+        "the order statistics the sign test inverts for cells paired by rounds), so slower ⇔ what is printed "
+        "says slower; faster the mirror; same = the equivalence test (TOST) at ±t rejects at alpha and the "
+        f"printed {o.level:.0%} CI lies inside [1−t, 1+t]; else inconclusive. The geometric mean is judged the "
+        "same way as one cell (its verdict interval: one-sided bounds at alpha).",
         f"inconclusive ({NO_BETWEEN}): a sequential cell with a side measured in one engine start and no "
         "diff.noise_floor_pct: its pairs' CI holds one start's noise, which the drift between studies exceeds, so "
         "no CI is printed and no verdict given; the study's own periods and re-measures are named as a lower "
         "bound only. A rounds cell with fewer rounds than Holm over its cells needs for slower or faster says so.",
-        "mde_pct: the smallest true slowdown this cell's gate calls slower 80% of the time (beyond the threshold, "
-        "at alpha / (cells judged); ∞ where no verdict can be reached): the changes you must catch should lie "
-        "above it.",
-        f"fail_on={o.fail_on or 'null'} judges {GATED}: it fails on every cell judged slower, on unstable cells whose "
-        "ratio lies beyond 1+t (split_impossible alone does not make step_ms unstable), and on base cells the head "
-        "lacks or FAILED."))
+        f"mde_pct: the smallest true slowdown this cell's gate calls slower 80% of the time under rule {o.rule} "
+        "(at alpha / (cells judged), Holm's first step; ∞ where no verdict can be reached): the changes you must "
+        "catch should lie above it.",
+        f"fail_on={o.fail_on or 'null'} judges {GATED}: slower fails on every cell judged slower, on unstable cells "
+        "slower on their own test without Holm (split_impossible alone does not make step_ms unstable), and on "
+        "base cells the head lacks or FAILED; slower_overall on the geometric mean judged slower. A gate refuses "
+        "(exit 2) when a gated cell has no test or an MDE above diff.max_mde_factor × the threshold "
+        f"({'none' if o.max_mde_factor is None else f'{o.max_mde_pct:g} %'})."))
 
 
 def _sources(ctx: DiffContext) -> Table:

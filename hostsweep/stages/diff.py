@@ -8,10 +8,14 @@ Both sides are named and read back from MLflow first (record/read/sides.py; an u
 run is a one-line error, exit 2), compared by the compare package, written under
 <run dir>/diff/ (diff.md, diff.html, diff.json, diff.csv, figures/ratios.png) and logged as a run
 `diff-<base>-<head>` in the head's experiment. With diff.fail_on=slower the exit code is 1
-when any cell's step_ms is judged slower (Holm over the cells at diff.alpha, beyond
-diff.threshold_pct), an unstable cell's ratio lies beyond the threshold, or the head lacks
-or FAILED cells the base has (a release gate); 2 when the gate cannot state its error rate
-(a one-start side with no between-start estimate: the line says what to run).
+when any cell's step_ms is judged slower under diff.rule (compare/rules.py; the default,
+`significant`: a real change by its test against no change, Holm over the cells at diff.alpha,
+with its ratio beyond diff.threshold_pct), an unstable cell is slower by the same rule on its
+own test at alpha without Holm, or the head lacks or FAILED cells the base has (a release
+gate); with diff.fail_on=slower_overall when the geometric mean is slower under the rule. The
+exit code is 2 when the gate cannot say what a pass means: a one-start side with no
+between-start estimate, a gated cell with no test, or an MDE above diff.max_mde_factor x the
+threshold (the line says what to add).
 
 A paired study (pair.enabled=true or +pair.against.KEY=V) holds both sides in one sweep:
 `diff.base=<study or sweep>` with diff.head unset (or the same) diffs its side a (base)
@@ -38,6 +42,7 @@ from hostsweep.record.read.sides import (
     Located, Side, check_store, locate, paired_halves, read_side_cells, sides_held, with_pairs,
 )
 from hostsweep.record.views import open_ui_line, runs_table_url, store_label, ui_base
+from hostsweep.compare.rules import slower_means
 from hostsweep.compare import DiffOptions, DiffResult, diff, diff_options  # noqa: F401 - diff_options: the stage's checker
 from hostsweep.report.diff_report import DiffContext, SideInfo, diff_document, console, headline, to_json
 from hostsweep.report.document import to_html, to_markdown
@@ -50,7 +55,7 @@ STAGE = StageInfo(name="diff", help="two studies (or sweeps) cell by cell: ratio
 
 log = logging.getLogger(__name__)
 GATE_FAILED = 1  # fail_on tripped (2 is bad input, as everywhere)
-GATE_REFUSED = 2  # fail_on cannot state a false-alarm rate: the studies lack a between-start estimate
+GATE_REFUSED = 2  # fail_on cannot say what a pass means: no between-start estimate, an untested cell, an MDE too big
 
 
 HEAD_REQUIRED = "diff.head is required unless diff.base names a paired study (measured with pair.enabled=true or +pair.against.KEY=V)"
@@ -109,8 +114,12 @@ def _params(result: DiffResult, ctx: DiffContext) -> dict[str, object]:
                                  "base_sweeps": ",".join(ctx.base.parent_runs), "head_sweeps": ",".join(ctx.head.parent_runs),
                                  "matched_on": ",".join(result.matched_on), "differs": ",".join(d.name for d in result.differs)
                                  or "nothing", "threshold_pct": result.options.threshold_pct,
+                                 "rule": result.options.rule, "max_mde_factor": result.options.max_mde_factor,
+                                 "slower_means": slower_means(result.options.rule, result.options.threshold_pct,
+                                                              result.options.alpha),
                                  "fail_on": result.options.fail_on, "matched": result.cells["cell"].nunique(),
                                  "unmatched": len(result.unmatched)}
+    params["geomean_verdict"] = result.summary.get("step_ms", {}).get("overall", "none")
     return params | {f"differs.{d.name}": d.text() for d in result.differs}
 
 
@@ -135,6 +144,11 @@ def _metrics(result: DiffResult) -> dict[str, float]:
                       "unmatched": float(len(result.unmatched)), "missing": float(len(result.missing())),
                       "judged": float(s.get("judged", 0)), "alpha": result.options.alpha,
                       "mde_pct_median": s.get("mde_pct_median", float("nan")),
+                      "mde_pct_max": s.get("mde_pct_max", float("nan")),
+                      "geomean_verdict_low": s.get("verdict_low", float("nan")),
+                      "geomean_verdict_high": s.get("verdict_high", float("nan")),
+                      "geomean_mde_pct": s.get("overall_mde_pct", float("nan")),
+                      "gate_refused": float(result.refusal() is not None),
                       **({"noise_floor_pct": result.noise_floor_pct, "noise_floor_df": result.noise_floor_df}
                          if result.noise_floor_pct is not None else {})}
 

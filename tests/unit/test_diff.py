@@ -191,15 +191,23 @@ def test_unstable_noisy_cells_of_an_aa_fail_the_gate_at_most_alpha_not_by_their_
         base, raw_b = side("a", {}, seed, sigma=0.12, outliers=False)
         head, raw_h = side("b", {}, seed, sigma=0.12, outliers=False)
         head["stable"], head["unstable_reasons"] = "false", "ci_width"
-        result = diff(base, head, {**raw_b, **raw_h}, DiffOptions(fail_on="slower", noise_floor_pct=FLOOR))
+        # no MDE bound: these cells cannot see +15 %, so the gate would refuse them (exit 2)
+        result = diff(base, head, {**raw_b, **raw_h}, DiffOptions(fail_on="slower", noise_floor_pct=FLOOR,
+                                                                  max_mde_factor=None))
         rows = result.cells[result.cells["quantity"] == GATED]
         point.append(bool((rows["ratio"] > 1.05).any()))
         gated.append(result.gate()[0])
     assert np.mean(point) > 0.5 and np.mean(gated) <= 0.05, (np.mean(point), np.mean(gated))
     base, raw_b = side("a", {}, 7, sigma=0.12, outliers=False)
     head, raw_h = side("b", {(4, 128): 1.40}, 7, sigma=0.12, outliers=False)
-    head["stable"], head["unstable_reasons"] = "false", "ci_width"
-    result = diff(base, head, {**raw_b, **raw_h}, DiffOptions(fail_on="slower", noise_floor_pct=FLOOR))
+    is_b4 = [(int(b), int(c)) == (4, 128) for b, c in zip(head["batch"], head["ctx"])]
+    head["stable"] = ["false" if x else "true" for x in is_b4]  # one unstable cell: its own test at alpha / 1
+    head["unstable_reasons"] = ["ci_width" if x else "" for x in is_b4]
+    # the default rule calls it slower under Holm; the margin rule's shifted null leaves it short
+    assert diff(base, head, {**raw_b, **raw_h}, DiffOptions(fail_on="slower", noise_floor_pct=FLOOR)
+                ).failing()["verdict"].tolist() == ["slower"]
+    result = diff(base, head, {**raw_b, **raw_h}, DiffOptions(fail_on="slower", noise_floor_pct=FLOOR,
+                                                              rule="margin"))
     failed, why = result.gate()
     assert failed and result.failing()["cell"].tolist() == ["b4-ctx128"]
     assert "b4-ctx128 (unstable: ci_width; slower on its own test, p " in why and "without Holm" in why

@@ -66,14 +66,25 @@ def test_a_planted_15_percent_regression_is_found_and_the_unchanged_cells_stay_q
 
 
 @pytest.mark.parametrize("true_ratio", [1.04, 1.05])
-def test_a_true_change_inside_the_threshold_is_called_slower_at_most_alpha_of_the_time(true_ratio):
-    """The null is shifted to 1 + t: a true +4 % (or exactly +5 %) at t = 5 % on precise cells
-    is not `slower` beyond alpha, where a test of ratio <= 1 with a point beyond 1 + t called
-    the +5 % slower about half the time."""
+def test_under_the_margin_rule_a_true_change_inside_the_threshold_is_called_slower_at_most_alpha_of_the_time(
+        true_ratio):
+    """rule=margin shifts the null to 1 + t: a true +4 % (or exactly +5 %) at t = 5 % on precise
+    cells is not `slower` beyond alpha, where the default rule (a real change whose point lies
+    beyond 1 + t) calls the +5 % slower about half the time."""
     base, head = sides(np.random.default_rng(5), 5, 0.005, np.full(CELLS, true_ratio), studies=200)
-    v = S.judge_arrays(base, head, 5.0, ALPHA)
+    v = S.judge_arrays(base, head, 5.0, ALPHA, rule="margin")
     assert (v == "slower").mean() <= ALPHA
     assert (v == "slower").any(axis=1).mean() <= ALPHA + 3 * math.sqrt(ALPHA * (1 - ALPHA) / 200)
+
+
+def test_under_the_significant_rule_a_real_change_whose_estimate_lands_beyond_the_threshold_is_slower():
+    """The default rule: a true +5 % on precise cells is real (its test against no change
+    rejects) and its estimate lands above 1.05 about half the time: that half is `slower`;
+    a true +3 % (estimates well inside the threshold) is not."""
+    base, head = sides(np.random.default_rng(6), 5, 0.005, np.full(CELLS, 1.05), studies=100)
+    assert 0.3 <= (S.judge_arrays(base, head, 5.0, ALPHA) == "slower").mean() <= 0.7
+    base, head = sides(np.random.default_rng(7), 5, 0.005, np.full(CELLS, 1.03), studies=100)
+    assert (S.judge_arrays(base, head, 5.0, ALPHA) == "slower").mean() == 0.0
 
 
 def test_same_is_an_equivalence_test_wrong_at_most_alpha_at_the_threshold():
@@ -94,16 +105,17 @@ def test_holm_adjusts_step_down_and_keeps_the_family_wise_error():
     assert (S.holm(uniform) >= uniform).all()
 
 
-def test_the_minimum_detectable_effect_is_found_about_80_percent_of_the_time():
+@pytest.mark.parametrize("rule,threshold", [("margin", 1.0), ("significant", 1.0), ("significant", 3.0)])
+def test_the_minimum_detectable_effect_is_found_about_80_percent_of_the_time(rule, threshold):
     rng = np.random.default_rng(5)
     base, head = sides(rng, 1, 0.0, np.ones(CELLS), outlier=False, studies=20)
     _, var, df = S.median_log(base[:, :, 0])
     se = math.sqrt(2 * float(np.mean(var)))
-    mde = mde_from_se(se, 2 * (PAIRS - 1), ALPHA, 1, threshold_pct=1.0)
+    mde = mde_from_se(se, 2 * (PAIRS - 1), ALPHA, 1, threshold_pct=threshold, rule=rule)
     base, head = sides(rng, 1, 0.0, np.full(CELLS, 1 + mde / 100), outlier=False, studies=20)
     d, se_d, df_d = _d_se_df(base, head)
-    slower, _, _ = S.pvalues(d, se_d, df_d, 1.0)
-    found = (slower <= ALPHA) & (np.exp(d) > 1.01)
+    slower, _, _ = S.pvalues(d, se_d, df_d, threshold, 0.0 if rule == "significant" else None)
+    found = (slower <= ALPHA) & (np.exp(d) > 1 + threshold / 100)
     assert 0.7 <= found.mean() <= 0.9
 
 

@@ -117,19 +117,19 @@ def test_the_rounds_ci_and_p_values_are_the_order_statistics_and_sign_tests_of_t
     """The verdict is driven by the CI the row shows: no se or df is made up for it."""
     base, head = (x[0] for x in rounds_study(np.random.default_rng(32), 1, 4, 24, 1.12))
     b, h, raw, by_round, _ = round_frames(base, head)
-    rows = steps_of(diff(b, h, raw, DiffOptions(fail_on="slower"), raw_rounds=by_round))
+    rows = steps_of(diff(b, h, raw, DiffOptions(fail_on="slower", rule="margin"), raw_rounds=by_round))
     for c, row in enumerate(rows.to_dict("records")):
         d = np.log(head[c]) - np.log(base[c])
         ci = median_ci(d, LEVEL)
         assert row["ratio"] == pytest.approx(math.exp(np.median(d)))
         assert (row["ci_low"], row["ci_high"]) == pytest.approx((math.exp(ci.low), math.exp(ci.high)))
         assert row["ci_coverage"] == pytest.approx(ci.coverage) and row["rounds"] == 24
-        positive = int((d > math.log(1.05)).sum())  # the null shifted to the threshold
+        positive = int((d > math.log(1.05)).sum())  # rule margin: the null shifted to the threshold
         assert row["p_slower"] == pytest.approx(sum(math.comb(24, k) for k in range(positive, 25)) / 2 ** 24)
         keyed = dict(item.split("=") for item in row["d_rounds"].split())
         assert list(keyed) == [f"0.0.{r}" for r in range(24)] and np.array(list(keyed.values()), float) == \
             pytest.approx(d, abs=1e-6)
-    verdicts = S.judge_rounds(base[None], head[None], 5.0, ALPHA)[0]
+    verdicts = S.judge_rounds(base[None], head[None], 5.0, ALPHA, rule="margin")[0]
     assert list(rows["verdict"]) == list(verdicts)
 
 
@@ -457,8 +457,8 @@ def instance_aa(rng: np.random.Generator, cells: int, rounds: int, sd: float) ->
 def test_an_instance_floor_keeps_paired_aas_covering_one_across_instances():
     """200 paired A/As, each a new pair of instances 2.5 % apart (SD): the rounds CIs alone
     cover 1.00 for too few cells, and the family's geometric mean misses 1.00 far beyond 5 %;
-    with diff.instance_floor_pct=2.5 both cover it at least 95 % of the time, and every such
-    A/A stays free of slower and faster."""
+    with diff.instance_floor_pct=2.5 both cover it at least 95 % of the time, and such A/As
+    are slower (or faster) somewhere at most alpha of the time."""
     rng = np.random.default_rng(61)
     bare, floored, bare_mean, floored_mean, verdicts = [], [], [], [], []
     for _ in range(200):
@@ -471,11 +471,13 @@ def test_an_instance_floor_keeps_paired_aas_covering_one_across_instances():
             s = result.summary[GATED]
             means.append(s["ci_low"] <= 1.0 <= s["ci_high"])
             if options.instance_floor_pct:
-                verdicts.extend(rows["verdict"])
+                verdicts.append(set(rows["verdict"]))
                 assert "instance floor diff.instance_floor_pct=2.5" in rows["between"].iloc[0]
     assert np.mean(floored) >= 0.95 and np.mean(floored_mean) >= 0.95, (np.mean(floored), np.mean(floored_mean))
     assert np.mean(bare_mean) < 0.85 and np.mean(bare) < np.mean(floored)
-    assert not {"slower", "faster"} & set(verdicts)
+    # an A/A is slower (or faster) somewhere at most alpha of the time (three standard errors over 200)
+    slack = ALPHA + 3 * math.sqrt(ALPHA * (1 - ALPHA) / 200)
+    assert np.mean(["slower" in v for v in verdicts]) <= slack and np.mean(["faster" in v for v in verdicts]) <= slack
 
 
 def test_a_paired_aa_by_rounds_states_the_instance_effect_it_saw():
