@@ -22,6 +22,7 @@ are in `rank_device`, tested with fakes.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -140,7 +141,13 @@ def rank_environment(world: int) -> Iterator[Callable[[int], Any]]:
     if current_platform.is_cpu() and saved is None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(sorted(os.sched_getaffinity(0)), world)
     try:
-        manager = OMPProcessManager(VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=world)))
+        # its binding table (logged at INFO) is the engine's worker log's business, not the console's
+        quiet = logging.getLogger(OMPProcessManager.__module__)
+        level, quiet.level = quiet.level, logging.WARNING
+        try:
+            manager = OMPProcessManager(VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=world)))
+        finally:
+            quiet.setLevel(level)
         yield lambda rank: manager.configure_omp_envs(rank, rank)
     finally:
         if saved is None:
