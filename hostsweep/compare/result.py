@@ -163,6 +163,18 @@ class DiffResult:
         return (f"a {_pct(s.get('mde_pct_max', math.inf), '+')} change in any judged cell would have been found 80 % "
                 f"of the time ({_pct(s.get('mde_pct_median', math.inf), '+')} in the median cell)")
 
+    def gate_line(self) -> str:
+        """The gate's one line: 'diff.fail_on=X: pass|FAIL: why', or 'REFUSED (exit 2)' with
+        what to add when a pass would mean nothing (refusal); '' without a gate."""
+        if self.options.fail_on is None:
+            return ""
+        gate = f"diff.fail_on={self.options.fail_on}"
+        refused = self.refusal()
+        if refused:
+            return f"{gate}: REFUSED (exit 2): {refused.removeprefix(gate + ': ')}"
+        failed, why = self.gate()
+        return f"{gate}: {'FAIL' if failed else 'pass'}: {why}"
+
     def gate(self) -> tuple[bool, str]:
         """(failed, why) under fail_on. Fails on failing() cells, on base cells the head lacks
         or FAILED, when the gate refuses, and when there is no cell to judge."""

@@ -271,9 +271,8 @@ def diff_document(result: DiffResult, ctx: DiffContext, folder: Path) -> Documen
                      + ("`ratio_canary` divides each by the canary ratio (docs/diff.md)."
                         if result.options.normalize == "canary" else
                         "`diff.normalize=canary` shows each also divided by the canary ratio (docs/diff.md).")))
-    failed, why = result.gate()
     if result.options.fail_on:
-        doc.add(Text(f"fail_on={result.options.fail_on}: **{'FAIL' if failed else 'pass'}**: {why}."))
+        doc.add(Text(f"**{result.gate_line()}**."))
     if figure is not None:
         doc.add(Figure(figure, f"head/base per cell with its {ci_percent(result.options.level)} CI, sorted by ratio; "
                                "grey: the ±threshold band."))

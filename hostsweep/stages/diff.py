@@ -188,9 +188,8 @@ def _closing(result: DiffResult, run: ReportRun, folder: Path, uri: str, port: i
              f"MLflow: run {run.run_name} ({run.run_id}) in experiment {run.experiment_id} of {store_label(uri)}",
              open_ui_line(uri, port),
              f"  the diff: {runs_table_url(run.experiment_id, port, run.run_id, ui_base(uri, port))} (Artifacts)"]
-    failed, why = result.gate()
     if result.options.fail_on:
-        lines.append(f"diff.fail_on={result.options.fail_on}: {'FAIL' if failed else 'pass'}: {why}")
+        lines.append(result.gate_line())
     return "\n".join(lines)
 
 

@@ -362,7 +362,7 @@ def test_the_document_json_and_console_say_what_differs_first(tmp_path: Path):
     doc = diff_document(result, ctx, tmp_path)
     md, page = to_markdown(doc, tmp_path), to_html(doc)
     assert md.index("## What differs") < md.index("## Verdict") and "**vllm_version**: 0.31.0 → 0.32.0" in md
-    assert "fail_on=slower: **FAIL**: 2 cell(s) slower (±5%): b2-ctx512, b4-ctx128; 6 cell(s) judged" in md
+    assert "**diff.fail_on=slower: FAIL: 2 cell(s) slower (±5%): b2-ctx512, b4-ctx128; 6 cell(s) judged" in md
     assert "data:image/png;base64," in page
     assert (tmp_path / "figures" / "ratios.png").stat().st_size > 1000
     data = json.loads(json.dumps(to_json(result, ctx)))

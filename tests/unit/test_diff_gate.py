@@ -130,3 +130,22 @@ def test_a_cells_mde_grows_with_its_ci_and_its_between_start_spread():
     assert tight < minimum_detectable_effect_pct(5.0, 4.95, 5.05, 0.95, between_start_pct=2.0)
     assert minimum_detectable_effect_pct(5.0, 4.95, 5.05, 0.95, threshold_pct=10) > 10
     assert math.isnan(minimum_detectable_effect_pct(5.0, float("nan"), 5.05, 0.95))
+
+
+def test_the_gate_line_says_refused_once_where_a_pass_would_mean_nothing_and_pass_or_fail_otherwise():
+    import math
+
+    import numpy as np
+
+    from hostsweep.compare.options import DiffOptions
+    from tests.unit.test_diff_rule import result_of, t_rows
+
+    blind = result_of(t_rows(np.zeros(4), np.array([0.01, 0.01, 0.01, 0.08])), DiffOptions(fail_on="slower"))
+    line = blind.gate_line()
+    assert line.startswith("diff.fail_on=slower: REFUSED (exit 2): 1 of 4 gated cell(s) have an MDE")
+    assert line.count("diff.fail_on=slower") == 1 and "\n" not in line
+    found = result_of(t_rows(np.array([math.log(1.3), 0.0]), np.array([0.01, 0.08])), DiffOptions(fail_on="slower"))
+    assert found.gate_line().startswith("diff.fail_on=slower: FAIL: 1 cell(s) slower")
+    quiet = result_of(t_rows(np.zeros(3), np.full(3, 0.01)), DiffOptions(fail_on="slower"))
+    assert quiet.gate_line().startswith("diff.fail_on=slower: pass: ")
+    assert result_of(t_rows(np.zeros(3), np.full(3, 0.01)), DiffOptions()).gate_line() == ""
