@@ -127,7 +127,7 @@ def _mean_at(tested: pd.DataFrame, options: DiffOptions, level: float
     return mean, by_rounds
 
 
-def overall_verdict(gm: float, low: float, high: float, v_low: float, v_high: float, options: DiffOptions
+def geomean_verdict(gm: float, low: float, high: float, v_low: float, v_high: float, options: DiffOptions
                     ) -> tuple[str, float]:
     """The geometric mean judged as one cell under the rule (one test, no multiplicity): its
     verdict read from its verdict interval [v_low, v_high] (one-sided bounds at alpha each, the
@@ -154,7 +154,7 @@ def summarize_quantities(rows: pd.DataFrame, options: DiffOptions) -> dict[str, 
         (gm, low, high), by_rounds = _mean_at(tested, options, options.level)
         # the interval the overall verdict is read from: one-sided bounds at alpha each
         _, v_low, v_high = _mean_at(tested, options, 1 - 2 * options.alpha)[0]
-        overall, overall_mde = overall_verdict(gm, low, high, v_low, v_high, options)
+        overall, overall_mde = geomean_verdict(gm, low, high, v_low, v_high, options)
         everything = mine["ratio"][mine["ratio"] > 0].dropna()
         out[quantity] = {"geomean_ratio": gm, "ci_low": low, "ci_high": high, "overall": overall,
                          "verdict_low": v_low, "verdict_high": v_high, "overall_mde_pct": overall_mde,

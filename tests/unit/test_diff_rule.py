@@ -30,7 +30,7 @@ def t_rows(d: np.ndarray, se: np.ndarray, df: float = math.inf) -> pd.DataFrame:
     return pd.DataFrame({"cell": [f"c{i}" for i in range(n)], "quantity": "step_ms", "d": d, "se": se, "df": df,
                          "ratio": np.exp(d), "test": "t", "note": "", "unstable": False, "ci_source": "paired",
                          "between": "paired: 5 start pairs", "design": "paired", "rounds": 0, "d_starts": "",
-                         "unstable_reasons": "", "between_var": 0.0})
+                         "unstable_reasons": "", "between_var": 0.0, "d_rounds": ""})
 
 
 def sign_rows(d_rounds: np.ndarray) -> pd.DataFrame:
