@@ -97,7 +97,7 @@ def test_what_differs_is_stated_first_and_the_gate_fails(gated):
     assert lines[0] == "what differs: reps: 8 → 10"
     assert gated["code"] == diff_stage.GATE_FAILED and data["failing"] == [PLANTED]
     assert f"diff.fail_on=slower: FAIL: 1 cell(s) slower (±15%): {PLANTED}; 4 cell(s) judged at family-wise alpha " \
-           "0.05 (Holm)\n" in gated["out"]
+           "0.05 (Holm), rule significant: " in gated["out"]
     assert data["between"]["base"] == "noise floor diff.noise_floor_pct=2"
     assert all(c["mde_pct"] > 15 for c in data["cells"] if c["quantity"] == "step_ms")
     assert data["unmatched"] == [] and data["base"]["raw_missing"] == 0
