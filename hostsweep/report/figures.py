@@ -125,8 +125,9 @@ def step_composition(pred: pd.DataFrame) -> Figure:
         ax.set_title(f"{sku} {model}: N={batch}, ctx {ctx}", fontsize=10)
         ax.set_ylabel("ms per decode step")
     fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=8)
-    fig.suptitle("Decode-step composition: the model's pieces (left; host = measured − compute − calibrated "
-                 "all-reduce) and, where split, the measured ones (right, hatched)", fontsize=10)
+    # the T_ar in use: calibrated, or a group's in-situ all-reduce where the calibration missed it
+    fig.suptitle("Decode-step composition: the model's pieces (left; host = measured − compute − the all-reduce "
+                 "T_ar in use) and, where split, the measured ones (right, hatched)", fontsize=10)
     return fig
 
 
