@@ -178,11 +178,12 @@ def sweep_under_way(args: list[str], tmp_path: Path, study: str, ready: Callable
         kill_all(tree)
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture
 def orphan_segment() -> Iterator[tuple[Path, float]]:
     """What a SIGKILLed engine and its SIGKILLed resource tracker leave (the fake engine has
-    none): a shared-memory segment nobody maps. Planted when the module starts, so it is
-    closer to SEGMENT_MIN_AGE_S old (what the reaper waits for) when its test asks for it."""
+    none): a shared-memory segment nobody maps. Planted by the test that needs it, never
+    earlier: any sweep's watchdog that reaps once it is SEGMENT_MIN_AGE_S old (another
+    test's, on a slow machine) takes it, and the test could no longer see who reclaimed it."""
     segment = shared_memory.SharedMemory(create=True, size=1 << 20)
     resource_tracker.unregister(segment._name, "shared_memory")
     segment.close()
