@@ -55,7 +55,7 @@ MISTAKES = [
     (["stage=compare", "fit.form=c_squared"], "fit.form 'c_squared' is not a host form"),
     (["stage=compare", "fit.roofs=guess"], "fit.roofs='guess' is not allowed"),
     (["stage=compare", 'select.filter="params.sku ==== 1"'], "select.filter='params.sku ==== 1' was refused by MLflow"),
-    (["stage=report"], "stage='report' is not allowed; allowed: sweep, fit, compare, all, diff"),
+    (["stage=report"], "stage='report' is not allowed; allowed: sweep, fit, compare, all, diff, noise"),
     (["stage=compare", "calibration=seed009"], "unknown calibration 'seed009'"),
 ]
 NO_ALL_REDUCE = ["stage=fit", "fit.calibration_file=null"]

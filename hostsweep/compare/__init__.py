@@ -10,7 +10,8 @@ from hostsweep.compare.options import (DESIGNS, FAIL_ON, GATED, HOST_FIXED, MIN_
                                        DiffOptions, diff_options, stable_flag, step_unstable)
 from hostsweep.compare.result import DiffResult
 from hostsweep.compare.rounds import MatchedRounds, match_rounds
-from hostsweep.compare.start_pairs import NoiseFloor, floor_text, paired_noise_floor
+from hostsweep.compare.floors import floor_text
+from hostsweep.compare.start_pairs import NoiseFloor, paired_noise_floor
 from hostsweep.compare.summary import comparison_design, geometric_mean
 
 __all__ = ["CELL_DIMS", "COLUMNS", "DESIGNS", "FAIL_ON", "GATED", "HOST_FIXED", "MIN_ROUNDS", "NO_BETWEEN", "NORMALIZE", "PAIRED",

@@ -10,6 +10,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
+from hostsweep.compare.floors import (FLOOR_BOUNDS, MachineEngine, NoiseCalibration, floor_setting,
+                                      resolve_floors)
 from hostsweep.compare.match import text
 from hostsweep.compare.rules import DEFAULT_RULE, RULES, null_pct
 from hostsweep.config.schema import ConfigError, DiffConfig
@@ -62,6 +64,7 @@ class DiffOptions:
     # A gate refuses (exit 2) when a gated cell's MDE under the rule exceeds this many times the
     # threshold: it could not have seen the change its line names. None: no bound.
     max_mde_factor: Optional[float] = 3.0
+    floors_line: str = ""  # where the floors came from (compare/floors.resolve_floors), for the reader
 
     @property
     def null_pct(self) -> float:
@@ -102,25 +105,27 @@ class DiffOptions:
             raise ValueError(f"normalize={self.normalize!r} is not allowed; allowed: null, {', '.join(NORMALIZE)}")
 
 
-def diff_options(cfg: DiffConfig) -> DiffOptions:
+def diff_options(cfg: DiffConfig, calibration: Optional[NoiseCalibration] = None,
+                 looked_for: Optional[MachineEngine] = None) -> DiffOptions:
     """The diff section (config/schema.DiffConfig) as DiffOptions, checked: a bad value is a
     one-line ConfigError naming the key. A sweep checks it before anything starts (its paired
-    diff and its gate read it), the diff stage before it reads a run."""
-    noise_floor, instance_floor = floors(cfg)
+    diff and its gate read it), the diff stage before it reads a run. The floors set to `auto`
+    take the calibration's (compare/floors.py), else their documented defaults; floors_line says which."""
+    try:
+        noise, instance = (floor_setting(getattr(cfg, k), k) for k in ("noise_floor_pct", "instance_floor_pct"))
+        if cfg.floor_bound not in FLOOR_BOUNDS:
+            raise ValueError(f"floor_bound={cfg.floor_bound!r} is not allowed; allowed: {', '.join(FLOOR_BOUNDS)}")
+    except ValueError as exc:
+        raise ConfigError(f"diff.{exc}") from None
+    floors = resolve_floors(noise, instance, calibration, cfg.floor_bound, looked_for)
     options = DiffOptions(float(cfg.threshold_pct), tuple(cfg.quantities), float(cfg.ci_level), float(cfg.alpha),
-                          noise_floor, cfg.fail_on, cfg.normalize, instance_floor, str(cfg.rule),
-                          None if cfg.max_mde_factor is None else float(cfg.max_mde_factor))
+                          floors.noise_floor_pct, cfg.fail_on, cfg.normalize, floors.instance_floor_pct, str(cfg.rule),
+                          None if cfg.max_mde_factor is None else float(cfg.max_mde_factor), floors.line)
     try:
         options.check()
     except ValueError as exc:
         raise ConfigError(f"diff.{exc}") from None
     return options
-
-def floors(cfg: DiffConfig) -> tuple[Optional[float], Optional[float]]:
-    """(noise_floor_pct, instance_floor_pct) the diff widens its CIs by: the one place the
-    floors are read, so a floor measured on this machine (a later noise calibration) can be
-    looked up here; today the diff section's values (docs/diff.md says where they came from)."""
-    return tuple(None if v is None else float(v) for v in (cfg.noise_floor_pct, cfg.instance_floor_pct))  # type: ignore[return-value]
 
 
 def stable_flag(value: Any) -> Optional[bool]:

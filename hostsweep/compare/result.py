@@ -12,7 +12,7 @@ import pandas as pd
 from hostsweep.compare import rules as R
 from hostsweep.compare.match import Difference, unmatched_label
 from hostsweep.compare.options import GATED, DiffOptions, by_rounds
-from hostsweep.compare.start_pairs import floor_text
+from hostsweep.compare.floors import floor_text
 
 @dataclass
 class DiffResult:

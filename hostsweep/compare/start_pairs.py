@@ -12,6 +12,7 @@ import pandas as pd
 
 from hostsweep.compare import stats as S
 from hostsweep.config.grid import engine_label
+from hostsweep.compare.floors import floor_text
 from hostsweep.compare.options import GATED, PAIRED, PAIRED_HOST, POINT, RawPairs
 from hostsweep.compare.options import device_error, finite_value
 from hostsweep.compare.quantity import Compared, paired_sides
@@ -53,14 +54,6 @@ def start_pairs_compared(quantity: str, base: Mapping[str, Any], head: Mapping[s
     b, h = finite_value(base, quantity), finite_value(head, quantity)
     return Compared(h / b if b is not None and h is not None and b > 0 and h > 0 else math.nan, POINT,
                     design="paired")
-
-
-def floor_text(pct: float) -> str:
-    """A noise floor as typed back into diff.noise_floor_pct: two significant digits, rounded up."""
-    if pct <= 0:
-        return "0"
-    step = 10.0 ** (math.floor(math.log10(pct)) - 1)
-    return f"{math.ceil(round(pct / step, 6)) * step:.{max(0, 1 - math.floor(math.log10(pct)))}f}"
 
 
 @dataclass(frozen=True)

@@ -371,7 +371,20 @@ class FitConfig:
     # SD (%) of the step between engine starts on the measuring machine: the held-out groups
     # were measured in other starts than the training ones, so a verdict's interval must hold
     # it (model/verdict.StartShift). conf/config.yaml takes diff.noise_floor_pct, the same fact.
-    start_floor_pct: Optional[float] = None
+    start_floor_pct: Any = None  # auto (the newest noise calibration's), null or a percentage
+    # What an auto start_floor_pct is with no noise calibration of the cells' machine: a preset's
+    # own measured floor (generalize-cpu), null: none
+    start_floor_fallback_pct: Optional[float] = None
+
+
+@dataclass
+class NoiseConfig:
+    """The noise calibration (hostsweep/stages/noise.py): this machine's floors measured."""
+
+    aas: int = 3  # paired A/As by rounds, each with fresh engine instances: the instance floor
+    starts: int = 3  # engine starts per side of one A/A by start pairs: the between-start floor; 0: none
+    confidence: float = 0.8  # of the floors' one-sided upper bounds
+    experiment: str = "noise"  # where calibrations are logged, and looked up
 
 
 @dataclass
@@ -402,13 +415,13 @@ class DiffConfig:
     filter: Optional[str] = None  # an MLflow search filter applied to both sides
     ci_level: float = 0.95
     alpha: float = 0.05  # the gate's family-wise error over the cells it judges (Holm)
-    # The step's spread (SD, %) between engine starts on this machine, from an A/A diff:
-    # widens one-start sides; null: their replicate-first re-measures (docs/diff.md)
-    noise_floor_pct: Optional[float] = None
-    # The ratio's SD (%) between two engine instances of one configuration, from repeated
-    # paired A/As by rounds: widens paired-rounds CIs, whose sides are one instance each.
-    # The default is the RMS of three such A/As' instance effects on the CPU build (docs/diff.md)
-    instance_floor_pct: Optional[float] = 1.5
+    # The step's spread (SD, %) between engine starts, widening one-start sides; and the ratio's
+    # SD (%) between two engine instances, widening paired-rounds CIs. auto: the newest noise
+    # calibration (stage=noise) of the machine and engine the cells ran on, else the defaults
+    # (none; 1.5); a number or null is used as given (compare/floors.py, docs/diff.md)
+    noise_floor_pct: Any = "auto"
+    instance_floor_pct: Any = "auto"
+    floor_bound: str = "upper"  # which of a calibration's numbers an auto floor takes: upper (its bound) or point
     # canary: each step ratio also shown divided by the sides' speed-canary ratio, beside the
     # raw one, which keeps the verdicts (compare/canary.py); null: raw ratios only
     normalize: Optional[str] = None
@@ -514,6 +527,7 @@ class SweepConfig:
     fit: FitConfig = field(default_factory=FitConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
     diff: DiffConfig = field(default_factory=DiffConfig)
+    noise: NoiseConfig = field(default_factory=NoiseConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     pair: PairConfig = field(default_factory=PairConfig)
 

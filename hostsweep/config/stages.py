@@ -53,8 +53,8 @@ def read_declaration(path: Path) -> StageInfo | None:
 
 
 # The order the stages' data flows in (measure, fit, judge; all three; then two studies
-# compared): how --help and the docs list them. A stage not named here comes after, by name.
-PIPELINE = (DEFAULT_STAGE, "fit", "compare", "all", "diff")
+# compared; the noise calibration the diff and TP verdicts use): how --help and the docs list them. A stage not named here comes after, by name.
+PIPELINE = (DEFAULT_STAGE, "fit", "compare", "all", "diff", "noise")
 
 
 def ordered(infos: list[StageInfo]) -> tuple[StageInfo, ...]:

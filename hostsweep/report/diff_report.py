@@ -261,6 +261,8 @@ def diff_document(result: DiffResult, ctx: DiffContext, folder: Path) -> Documen
                  + (f" Same on both sides: {', '.join(f'{k} {v}' for k, v in result.shared.items())}."
                     if result.shared else "")),
             Heading("Verdict"), Text(f"**{headline(result)}**"), Text(f"Design: {result.design}."),
+            *([Text(result.options.floors_line[0].upper() + result.options.floors_line[1:] + ".")]
+              if result.options.floors_line else []),
             Table(counts_table(result)))
     if result.noise_floor_line():
         doc.add(Text(f"The {result.noise_floor_line()}."))
@@ -312,6 +314,7 @@ def to_json(result: DiffResult, ctx: DiffContext) -> dict[str, Any]:
                  "missing": len(result.missing())},
         "between": result.between, "machine": result.machine, "canary_ms": result.canary_ms,
         "design": result.design, "noise_floor_pct": _clean(result.noise_floor_pct),
+        "floors": result.options.floors_line,
         "noise_floor_df": _clean(result.noise_floor_df),
         "instance_line": result.instance_line(),
         "cells": [{k: _clean(v) for k, v in row.items()} for row in result.cells.to_dict("records")],
@@ -328,6 +331,7 @@ def console(result: DiffResult) -> str:
         table = pd.concat([table.head(half), table.tail(half)])
     lines = [f"what differs: {'; '.join(l.replace('**', '') for l in differs_lines(result))}",
              f"matched on: {', '.join(result.matched_on) or 'nothing'}", f"design: {result.design}"]
+    lines += [result.options.floors_line] if result.options.floors_line else []
     if len(table):
         lines.append(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     lines.append(headline(result))

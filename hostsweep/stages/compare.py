@@ -55,14 +55,15 @@ def command_line() -> str:
     return redact(" ".join(["python -m hostsweep", *overrides]))
 
 
-def _fit(study: Study, selection: Selection, run_dir: Path) -> tuple[dict[str, Any], str, list[dict], list[str]]:
-    """(fit.json content, fit run id, where the fixed terms came from, warnings about them):
-    fitted now, or compare.fit_run's (its terms are in its fit.json and the run's params)."""
+def _fit(study: Study, selection: Selection, run_dir: Path
+         ) -> tuple[dict[str, Any], str, list[dict], list[str], str]:
+    """(fit.json content, fit run id, where the fixed terms came from, warnings about them, the
+    floors line): fitted now, or compare.fit_run's (its terms are in its fit.json and the run's params)."""
     run_id = study.config.compare.fit_run
     if run_id:
-        return json.loads(load_fit_json(study.config.tracking.uri, run_id)), run_id, [], []
+        return json.loads(load_fit_json(study.config.tracking.uri, run_id)), run_id, [], [], ""
     result = fit_selection(study, selection, run_dir)
-    return result.data, result.outcome.run_id, result.fixed.sources, result.fixed.warnings
+    return result.data, result.outcome.run_id, result.fixed.sources, result.fixed.warnings, result.floors
 
 
 def _params_and_metrics(fit: dict[str, Any], groups: pd.DataFrame, fit_run: str,
@@ -97,7 +98,7 @@ def compare_study(study: Study, run_dir: Path, keys: Optional[Iterable[str]] = N
     selection = select_cells(study, keys)
     unstable = exclude_unstable(selection.cells, cfg.fit.exclude_unstable)[1]  # the report leaves them out too
     try:
-        fit, fit_run, sources, warnings = _fit(study, selection, run_dir)
+        fit, fit_run, sources, warnings, floors = _fit(study, selection, run_dir)
     except ConfigError as exc:
         if not unstable.count:
             raise  # nothing measured was left out: the study itself cannot be fitted, bad input
@@ -116,13 +117,16 @@ def compare_study(study: Study, run_dir: Path, keys: Optional[Iterable[str]] = N
         (folder / "fit.json").write_text(json.dumps(fit, indent=1))
         selection.cells.to_csv(folder / "cells.csv", index=False)
         params, metrics = _params_and_metrics(fit, groups, fit_run, len(selection.cells))
-        params |= {"unstable_cells": unstable.flagged, "unstable_left_out": unstable.count}
+        params |= {"unstable_cells": unstable.flagged, "unstable_left_out": unstable.count,
+                   **({"floors": floors} if floors else {})}
         report_run.log(folder, params, metrics, _note(fit, groups))
         report_run.finish()
     except BaseException:
         report_run.finish("FAILED")
         raise
     print(_summary(fit, groups, folder, report_run, cfg.tracking.uri, cfg.compare.ui_port, warnings, unstable))
+    if floors:
+        print(floors)
     return 0
 
 

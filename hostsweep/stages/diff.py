@@ -42,7 +42,9 @@ from hostsweep.record.read.sides import (
     Located, Side, check_store, locate, paired_halves, read_side_cells, sides_held, with_pairs,
 )
 from hostsweep.record.views import open_ui_line, runs_table_url, store_label, ui_base
+from hostsweep.compare.floors import AUTO, machine_engine
 from hostsweep.compare.rules import slower_means
+from hostsweep.record.noise import newest_calibration
 from hostsweep.compare import DiffOptions, DiffResult, diff, diff_options  # noqa: F401 - diff_options: the stage's checker
 from hostsweep.report.diff_report import DiffContext, SideInfo, diff_document, console, headline, to_json
 from hostsweep.report.document import to_html, to_markdown
@@ -115,6 +117,9 @@ def _params(result: DiffResult, ctx: DiffContext) -> dict[str, object]:
                                  "matched_on": ",".join(result.matched_on), "differs": ",".join(d.name for d in result.differs)
                                  or "nothing", "threshold_pct": result.options.threshold_pct,
                                  "rule": result.options.rule, "max_mde_factor": result.options.max_mde_factor,
+                                 "floors": result.options.floors_line or "none",
+                                 "instance_floor_pct": result.options.instance_floor_pct,
+                                 "noise_floor_pct_in_force": result.options.noise_floor_pct,
                                  "slower_means": slower_means(result.options.rule, result.options.threshold_pct,
                                                               result.options.alpha),
                                  "fail_on": result.options.fail_on, "matched": result.cells["cell"].nunique(),
@@ -207,24 +212,36 @@ def _report(base: Side, head: Side, cfg: DiffConfig, options: DiffOptions, uri: 
     return result, GATE_FAILED if result.gate()[0] else 0
 
 
+def calibrated_options(cfg: DiffConfig, uri: str, noise_experiment: str, cells) -> DiffOptions:
+    """The diff's options with its auto floors taken from the newest noise calibration of the
+    machine and engine the base side's cells ran on (compare/floors.py), else the defaults."""
+    where = machine_engine(cells)
+    auto = AUTO in (cfg.noise_floor_pct, cfg.instance_floor_pct)
+    options = diff_options(cfg, newest_calibration(uri, noise_experiment, where) if auto else None, where)
+    log.info("%s", options.floors_line)  # the console and the report say it beside the design
+    return options
+
+
 def run(raw_cfg: DictConfig, run_dir: Path) -> int:
     study = resolve_for_reading(raw_cfg)
     cfg, uri = study.config.diff, study.config.tracking.uri
-    options = diff_options(cfg)
+    diff_options(cfg)  # bad input refused before anything is read
     base, head = read_sides(uri, cfg)
+    options = calibrated_options(cfg, uri, study.config.noise.experiment, base.cells)
     return _report(base, head, cfg, options, uri, run_dir)[1]
 
 
-def paired_diff_of_sweep(uri: str, experiment: str, parent_run_id: str, cfg: DiffConfig, run_dir: Path
-                         ) -> tuple[DiffResult, int]:
+def paired_diff_of_sweep(uri: str, experiment: str, parent_run_id: str, cfg: DiffConfig, run_dir: Path,
+                         noise_experiment: str = "noise") -> tuple[DiffResult, int]:
     """The diff a paired sweep runs at its end: that sweep's FINISHED cells (experiment: its
     name or id; parent_run_id: the sweep's parent run), side a against side b, written under
     run_dir/diff/, logged as a diff run (cfg.experiment, else the sweep's experiment), the
     console and the gate's line printed. Returns the result and the exit code: 0, GATE_FAILED
     (cfg.fail_on tripped) or GATE_REFUSED. ConfigError (one line) for a bad diff section, a
     sweep with no FINISHED cells or one that is not paired. The cells' raw_timings.csv must be
-    in the store (uploads done) before the call."""
-    options = diff_options(cfg)
+    in the store (uploads done) before the call. Auto floors: the newest noise calibration of
+    the machine and engine its cells ran on (noise_experiment), else the defaults."""
+    diff_options(cfg)
     known = experiment_ids(uri)
     experiment_id = known.get(experiment, str(experiment))
     name = {v: k for k, v in known.items()}.get(experiment_id, str(experiment))
@@ -234,4 +251,5 @@ def paired_diff_of_sweep(uri: str, experiment: str, parent_run_id: str, cfg: Dif
     if paired is None:
         raise ConfigError(f"sweep {parent_run_id} is not a paired sweep: its cells hold side(s) "
                           f"{', '.join(sides_held(cells)) or 'none'}, not both a and b")
+    options = calibrated_options(cfg, uri, noise_experiment, paired[0].cells)
     return _report(*paired, cfg, options, uri, run_dir)

@@ -14,12 +14,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Optional
 
 import pandas as pd
 from omegaconf import DictConfig
 
 from hostsweep.calibrate.fit_command import FitOutcome, fit_and_log
 from hostsweep.calibrate.terms import FixedTerms, check_fit_sources, fixed_terms
+from hostsweep.compare.floors import AUTO, FLOOR_BOUNDS, floor_setting, machine_engine, resolve_start_floor
 from hostsweep.config.redact import redact
 from hostsweep.config.resolve import Study
 from hostsweep.config.schema import ConfigError, FitConfig
@@ -28,6 +30,7 @@ from hostsweep.model.fit_console import render
 from hostsweep.model.study_fit import FitOptions
 from hostsweep.model.term_checks import ENGINE, STANDALONE
 from hostsweep.model.unstable import Exclusion, exclude_unstable
+from hostsweep.record.noise import newest_calibration
 from hostsweep.record.read.selection import Selection, fit_cells, select_cells, train_selection
 from hostsweep.stages import resolve_for_reading
 
@@ -38,12 +41,35 @@ STAGE = StageInfo(name="fit", help="fit the TP model on the study's cells read b
 log = logging.getLogger(__name__)
 
 
-def fit_options(study: Study, train_sku: str, train_tp: tuple[int, ...]) -> FitOptions:
-    """The fit section as FitOptions, checked (a bad value is a one-line ConfigError)."""
+def start_floor_in_force(study: Study, cells: Optional[pd.DataFrame]) -> tuple[Optional[float], str]:
+    """fit.start_floor_pct as a number (or None) and the line saying where it came from: `auto`
+    takes the newest noise calibration of the machine and engine the cells ran on (none before
+    there are cells: the plan's check), else fit.start_floor_fallback_pct (compare/floors.py)."""
+    cfg = study.config
+    try:
+        setting = floor_setting(cfg.fit.start_floor_pct, "start_floor_pct")
+        fallback = floor_setting(cfg.fit.start_floor_fallback_pct, "start_floor_fallback_pct")
+        if fallback == AUTO:
+            raise ValueError("start_floor_fallback_pct must be null or a percentage in [0, 100), got 'auto'")
+        if cfg.diff.floor_bound not in FLOOR_BOUNDS:
+            raise ValueError(f"floor_bound={cfg.diff.floor_bound!r} is not allowed; allowed: {', '.join(FLOOR_BOUNDS)}")
+    except ValueError as exc:
+        raise ConfigError(f"fit.{exc}") from None
+    where = machine_engine(cells) if cells is not None else None
+    calibration = newest_calibration(cfg.tracking.uri, cfg.noise.experiment, where) \
+        if setting == AUTO and cells is not None else None
+    return resolve_start_floor(setting, calibration, cfg.diff.floor_bound, where, fallback)
+
+
+def fit_options(study: Study, train_sku: str, train_tp: tuple[int, ...],
+                start_floor: Optional[tuple[Optional[float], str]] = None) -> FitOptions:
+    """The fit section as FitOptions, checked (a bad value is a one-line ConfigError); its
+    between-start floor as start_floor_in_force resolved it (before any cells: without a calibration)."""
     fit = study.config.fit
     check_fit_sources(fit)
+    start_floor, _ = start_floor or start_floor_in_force(study, None)
     options = FitOptions(train_sku, train_tp, fit.form, fit.g_mode, fit.bound, fit.utilization, fit.resamples,
-                         fit.seed, fit.margin, start_floor_pct=fit.start_floor_pct)
+                         fit.seed, fit.margin, start_floor_pct=start_floor)
     try:
         options.check()
     except ValueError as exc:
@@ -63,6 +89,7 @@ class StudyFit:
     fixed: FixedTerms
     outcome: FitOutcome
     exclusion: Exclusion  # the unstable cells of fit.mode left out (fit.exclude_unstable)
+    floors: str = ""  # where the held-out verdicts' between-start floor came from (start_floor_in_force)
 
     @property
     def data(self) -> dict:
@@ -87,13 +114,15 @@ def fit_selection(study: Study, selection: Selection, run_dir: Path) -> StudyFit
     log.info("fit: %s", exclusion.describe())
     try:
         train_sku, train_tp = train_selection(cells, cfg.fit)
-        options = fit_options(study, train_sku, train_tp)
+        floors = start_floor_in_force(study, cells)
+        options = fit_options(study, train_sku, train_tp, floors)
         fixed = fixed_terms(cells, train_sku, cfg.calibration, cfg.fit, cfg.tracking.uri, cfg.ray.address)
     except ConfigError as exc:
         if not exclusion.count:
             raise
         raise ConfigError(f"{exc} ({exclusion.describe()})") from None
-    extra = {"study": study.name, "experiment": selection.experiment, "mode": cfg.fit.mode,
+    log.info("%s", floors[1])
+    extra = {"study": study.name, "floors": floors[1], "experiment": selection.experiment, "mode": cfg.fit.mode,
              "cells": len(cells), "sweep_runs": ",".join(selection.parent_runs)[:500],
              "fit.allreduce": cfg.fit.allreduce, **{f"allreduce_path.{sku}": path
                                                     for sku, path in fixed.terms.allreduce_paths.items()},
@@ -107,7 +136,7 @@ def fit_selection(study: Study, selection: Selection, run_dir: Path) -> StudyFit
                           cfg.fit.models_experiment, "datasheet", extra_params=extra, exclusion=exclusion,
                           host_line=host_line)
     log.info("fit logged as run %s of experiment %s", outcome.run_id, cfg.fit.models_experiment)
-    return StudyFit(selection, fixed, outcome, exclusion)
+    return StudyFit(selection, fixed, outcome, exclusion, floors[1])
 
 
 def run(raw_cfg: DictConfig, run_dir: Path) -> int:
@@ -116,6 +145,7 @@ def run(raw_cfg: DictConfig, run_dir: Path) -> int:
     print(render(result.data))
     for warning in result.fixed.warnings:
         print(f"- {warning}")
+    print(result.floors)
     print(f"\nwrote {result.outcome.path} and {result.outcome.path.with_name('predictions.csv')}")
     print(f"logged model: runs:/{result.outcome.run_id}/model "
           f"(experiment {study.config.fit.models_experiment!r} in {redact(study.config.tracking.uri)})")

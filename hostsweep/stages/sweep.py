@@ -421,7 +421,7 @@ def paired_diff(study: Study, tracker: SweepTracker, run_dir: Path) -> int:
           f"against side a, {'round by round' if cfg.pair.design == 'rounds' else 'start pair by start pair'}")
     try:
         return paired_diff_of_sweep(tracker.tracking_uri, experiment_name(study), str(tracker.parent_run_id), cfg.diff,
-                                    run_dir)[1]
+                                    run_dir, cfg.noise.experiment)[1]
     except Exception as exc:  # noqa: BLE001 - the sweep is recorded; the diff can be rerun from MLflow
         print(f"hostsweep: error: the paired diff failed ({error_line(exc)}); the sweep is recorded: rerun it with "
               f"python -m hostsweep stage=diff diff.base={tracker.parent_run_id}", file=sys.stderr)

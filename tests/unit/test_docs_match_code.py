@@ -177,6 +177,6 @@ def test_the_stages_are_listed_in_pipeline_order():
     from hostsweep.config.stages import stage_help, stage_table
 
     listed = [line.split()[0] for line in stage_help().splitlines()]
-    assert listed == ["sweep", "fit", "compare", "all", "diff"]
+    assert listed == ["sweep", "fit", "compare", "all", "diff", "noise"]
     assert [row.split("`")[1] for row in stage_table().splitlines()[2:]] == listed
     assert "in pipeline order" in help_template()

@@ -22,7 +22,7 @@ def test_models_list_sweeps_every_model_and_keeps_each_cells_key():
 @pytest.mark.parametrize("overrides,needle", [
     (["models=[tiny-llama,huge-llama]"], "unknown model 'huge-llama' in models"),
     (["models=[small-llama,tiny-llama]", "tp=3"], "tp=3 does not divide the 8 attention heads of model tiny-llama"),
-    (["stage=report"], "stage='report' is not allowed; allowed: sweep, fit, compare, all, diff$"),
+    (["stage=report"], "stage='report' is not allowed; allowed: sweep, fit, compare, all, diff, noise$"),
 ])
 def test_bad_study_lists_and_stages_are_one_line_errors(overrides, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace("[", r"\[")):

@@ -107,9 +107,9 @@ def test_the_verdict_says_what_its_interval_holds():
 def test_the_floor_is_the_diffs_between_start_spread_and_a_bad_one_is_refused_before_anything_runs():
     study = compose_typed(["+sku=cpu", "diff.noise_floor_pct=4.2"])
     assert study.config.fit.start_floor_pct == 4.2
-    assert compose_typed(["+sku=cpu"]).config.fit.start_floor_pct is None
-    assert compose_typed(["+experiment=generalize-cpu"]).config.fit.start_floor_pct == FLOOR_PCT
-    with pytest.raises(ConfigError, match=r"fit.start_floor_pct must be a percentage in \[0, 100\)"):
+    assert compose_typed(["+sku=cpu"]).config.fit.start_floor_pct == "auto"
+    assert compose_typed(["+experiment=generalize-cpu"]).config.fit.start_floor_pct == "auto"
+    with pytest.raises(ConfigError, match=r"fit.start_floor_pct must be auto, null or a percentage in \[0, 100\)"):
         fit_options(compose_typed(["+sku=cpu", "fit.start_floor_pct=-3"]), "cpu", (1,))
 
 

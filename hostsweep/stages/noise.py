@@ -1,0 +1,167 @@
+"""`stage=noise`: this machine's noise floors measured on the study's grid and engine, logged to
+MLflow, and found again by every diff and TP verdict whose floors are `auto` (the default).
+
+    python -m hostsweep stage=noise measure.reps=40
+    python -m hostsweep stage=noise +sku=h200 noise.aas=5
+
+It runs noise.aas paired A/As by rounds (pair.enabled=true, pair.design=rounds), each a sweep
+of its own, so each starts fresh engine instances: the geometric mean of each is one draw of
+what two instances of one configuration differ by (the instance floor). Then, unless
+noise.starts=0, one A/A by start pairs (pair.design=starts, noise.starts engine starts a
+side): its between-start spread (the between-start floor). Both are SDs from few draws, so
+each comes with its one-sided upper bound at noise.confidence (compare/floors.py); the run
+`noise-<host>-<study>` in experiment noise.experiment holds them (metrics), the machine and
+engine (tags: host, device, vLLM version) and noise/noise.md. The A/As are measured with no
+floor of their own (diff.*_floor_pct=null, resume=false), as experiments
+hostsweep-<study>-noise-aa<i> and hostsweep-<study>-noise-starts.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import sys
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from omegaconf import DictConfig, open_dict
+
+from hostsweep.compare.floors import (FloorEstimate, MachineEngine, NoiseCalibration,
+                                      instance_floor, start_floor)
+from hostsweep.config.redact import redact
+from hostsweep.config.schema import ConfigError
+from hostsweep.config.stages import StageInfo
+from hostsweep.record.noise import log_calibration, open_calibration_run
+from hostsweep.record.store import quiet_mlflow
+from hostsweep.record.views import open_ui_line
+from hostsweep.run.dispatch import WorkerBackend
+from hostsweep.stages import sweep
+
+STAGE = StageInfo(name="noise", help="measure this machine's noise floors (paired A/As), log them for auto floors",
+                  sections=("noise", "measure", "split", "linearity", "engine", "ray", "faults", "output", "report"),
+                  docs="diff.md")
+
+log = logging.getLogger(__name__)
+
+
+def check_noise(cfg: Any) -> None:
+    """The noise section (a one-line ConfigError); pair.* is refused already, as any section a
+    stage does not declare (config/stages.py): a calibration is A/As, nothing changed between sides."""
+    n = cfg.noise
+    if n.aas < 1:
+        raise ConfigError(f"noise.aas must be >= 1 (paired A/As by rounds: the instance floor), got {n.aas}")
+    if n.starts != 0 and n.starts < 2:
+        raise ConfigError(f"noise.starts must be 0 (no between-start floor) or >= 2 engine starts a side, got {n.starts}")
+    if not 0.5 <= n.confidence < 1:
+        raise ConfigError(f"noise.confidence must be in [0.5, 1), got {n.confidence}")
+
+
+def aa_config(raw_cfg: DictConfig, study: str, design: str, starts: Optional[int]) -> DictConfig:
+    """One A/A of the calibration: the study's grid and engine, paired, no floors, not resumed."""
+    cfg = copy.deepcopy(raw_cfg)  # the composed config, its schema and interpolations kept
+    with open_dict(cfg):
+        cfg.study = study
+        cfg.stage = "sweep"
+        cfg.resume = False
+        cfg.pair.enabled = True
+        cfg.pair.design = design
+        cfg.pair.starts = starts
+        cfg.diff.noise_floor_pct = None
+        cfg.diff.instance_floor_pct = None
+        cfg.diff.fail_on = None
+    return cfg
+
+
+@dataclass
+class AaOutcome:
+    """What one A/A of the calibration gave: its diff.json (None when it made none) and exit code."""
+
+    name: str
+    code: int
+    diff: Optional[dict]
+
+    def geomean_log(self) -> Optional[float]:
+        ratio = ((self.diff or {}).get("summary", {}).get("step_ms", {}) or {}).get("geomean_ratio")
+        return math.log(ratio) if isinstance(ratio, (int, float)) and ratio > 0 else None
+
+    def shared(self) -> dict:
+        return (self.diff or {}).get("shared", {}) or {}
+
+
+Backends = Optional[Callable[[Path], WorkerBackend]]  # one backend per A/A (its folder); None: Ray's
+
+
+def measure_aa(raw_cfg: DictConfig, name: str, design: str, starts: Optional[int], run_dir: Path,
+               backends: Backends) -> AaOutcome:
+    """One A/A of the calibration swept (its own study, run folder and engine starts), and its diff."""
+    folder = run_dir / name
+    print(f"\nnoise calibration: {name} ({'paired rounds' if design == 'rounds' else f'{starts} start pairs a side'})")
+    code = sweep.run(aa_config(raw_cfg, f"{raw_cfg.study}-noise-{name}", design, starts), folder,
+                     backends(folder) if backends else None)
+    written = folder / "diff" / "diff.json"
+    return AaOutcome(name, code, json.loads(written.read_text()) if written.is_file() else None)
+
+
+def machine_of(outcomes: list[AaOutcome]) -> Optional[MachineEngine]:
+    """The machine and engine every A/A's cells ran on (their shared provenance), or None."""
+    seen = {tuple(o.shared().get(k) for k in ("hostname", "device_name", "vllm_version")) for o in outcomes if o.diff}
+    if len(seen) != 1 or None in next(iter(seen)):
+        return None
+    return MachineEngine(*next(iter(seen)))
+
+
+def document(calibration: NoiseCalibration, draws: list[AaOutcome], starts: Optional[AaOutcome], cfg: Any) -> str:
+    def floor(name: str, estimate: Optional[FloorEstimate], why: str) -> str:
+        return f"- {name}: " + (estimate.text() if estimate else f"not measured ({why})")
+
+    lines = [f"# Noise calibration of {calibration.where.text()}", "",
+             f"Run {calibration.run_id}, {calibration.created}; grid of study {cfg.study}, "
+             f"{cfg.measure.reps} rounds an A/A.", "",
+             floor("instance floor (diff.instance_floor_pct)", calibration.instance, "no paired A/A made a diff"),
+             floor("between-start floor (diff.noise_floor_pct, fit.start_floor_pct)", calibration.start,
+                   "noise.starts=0" if starts is None else "its A/A by start pairs made no between-start estimate"),
+             "", "Each floor's upper bound is what a diff or TP verdict whose floor is `auto` uses "
+             "(diff.floor_bound=point: the estimate).", "", "| A/A | exit | geometric mean | between-start SD |",
+             "|---|---|---|---|"]
+    for o in [*draws, *([starts] if starts else [])]:
+        g = o.geomean_log()
+        sd = (o.diff or {}).get("noise_floor_pct")
+        lines.append(f"| {o.name} | {o.code} | {'' if g is None else f'{math.exp(g):.4f}'} | "
+                     f"{'' if sd is None else f'{sd:.2f} %'} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(raw_cfg: DictConfig, run_dir: Path, backends: Backends = None) -> int:
+    quiet_mlflow()
+    study = sweep.resolve_sweep(raw_cfg)  # the grid, engine and diff section checked before anything starts
+    cfg = study.config
+    check_noise(cfg)
+    n = cfg.noise
+    draws = [measure_aa(raw_cfg, f"aa{i + 1}", "rounds", None, run_dir, backends) for i in range(n.aas)]
+    starts = measure_aa(raw_cfg, "starts", "starts", int(n.starts), run_dir, backends) if n.starts else None
+    outcomes = [*draws, *([starts] if starts else [])]
+    where = machine_of(outcomes)
+    instance = instance_floor([g for o in draws if (g := o.geomean_log()) is not None], n.confidence)
+    start = start_floor((starts.diff or {}).get("noise_floor_pct"), (starts.diff or {}).get("noise_floor_df") or 0,
+                        n.confidence) if starts else None
+    if where is None or (instance is None and start is None):
+        print(f"hostsweep: error: the noise calibration measured no floor (A/A exit codes "
+              f"{', '.join(f'{o.name} {o.code}' for o in outcomes)}); nothing logged: see each A/A's console above",
+              file=sys.stderr)
+        return 1
+    run = open_calibration_run(cfg.tracking.uri, n.experiment, where, cfg.study)
+    calibration = NoiseCalibration(run.run_id, datetime.now().strftime("%Y-%m-%d"), where, instance, start)
+    folder = run_dir / "noise"
+    folder.mkdir(parents=True, exist_ok=True)
+    text = document(calibration, draws, starts, cfg)
+    (folder / "noise.md").write_text(text)
+    params = {"study": cfg.study, "aas": n.aas, "starts": n.starts, "confidence": n.confidence,
+              "reps": cfg.measure.reps, "a_a_exit_codes": ",".join(f"{o.name}:{o.code}" for o in outcomes)}
+    log_calibration(run, calibration, params, folder, text)
+    print(f"\n{text}\nlogged as run {run.run_name} ({run.run_id}) of experiment {n.experiment!r} in "
+          f"{redact(cfg.tracking.uri)}: every diff and TP verdict of this machine and engine whose floors are "
+          f"auto now uses it\n{open_ui_line(cfg.tracking.uri, cfg.diff.ui_port)}")
+    return max(o.code for o in outcomes)
