@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from scipy import stats
+
+if TYPE_CHECKING:  # a cell is only read here
+    from hostsweep.config.grid import Cell
 
 
 def mde_from_se(se: float, df: float = math.inf, alpha: float = 0.05, cells: int = 1, power: float = 0.8,
@@ -93,3 +96,11 @@ def cell_mde_pct(step_ms: float, low_ms: float, high_ms: float, coverage: float,
     elif starts == 1 and replicate_step_ms is not None and replicate_step_ms > 0 and step_ms > 0:
         between = math.expm1(abs(math.log(replicate_step_ms / step_ms)) / math.sqrt(2)) * 100
     return minimum_detectable_effect_pct(step_ms, low_ms, high_ms, coverage, df, between)
+
+
+def stop_target(cell: Cell, level: float) -> float:
+    """An adaptive cell's CI target: measure.target_ci_pct, or the CI that gives
+    measure.target_mde_pct (measure/detectable.ci_target_for_mde)."""
+    if cell.target_ci_pct is not None:
+        return cell.target_ci_pct
+    return ci_target_for_mde(cell.target_mde_pct, level)  # type: ignore[arg-type]

@@ -11,12 +11,16 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import numpy as np
 
 from hostsweep.config.schema import MeasureConfig
 from hostsweep.measure.intervals import look_level, median_ci, median_ci_bounds, sequential_coverage
+
+if TYPE_CHECKING:  # a cell is only read here
+    from hostsweep.config.grid import Cell
+
 
 # A callable that runs the cell's generate with the given number of output tokens
 # and returns its wall time in seconds. The worker builds it around an engine.
@@ -318,3 +322,8 @@ def prompt_digest(prompts: list[list[int]]) -> str:
     """A short hash of the exact prompts, so cells compared across engines can show they
     decoded from the same text."""
     return hashlib.sha1(json.dumps(prompts).encode()).hexdigest()[:12]
+
+
+def prompt_seed(cell: Cell) -> int:
+    """Prompts differ across cells but are the same for every rep of one cell."""
+    return cell.seed * 1_000_003 + cell.batch * 10_007 + cell.ctx

@@ -76,3 +76,16 @@ def hand_gpus_to_ranks(tp_executor: str, environ: MutableMapping[str, str]) -> O
         environ.pop("CUDA_VISIBLE_DEVICES", None)
     return gpus
 
+
+def ray_placement(tp_gpus: Optional[list[str]] = None) -> dict[str, str]:
+    """The Ray node and the GPU ids the engine was given ('none' outside Ray): the worker's
+    own, or for TP-k the GPUs of its placement group's bundles."""
+    try:
+        import ray
+    except ImportError:
+        return {"ray_node_id": "none", "ray_gpu_ids": "none"}
+    if not ray.is_initialized():
+        return {"ray_node_id": "none", "ray_gpu_ids": "none"}
+    context = ray.get_runtime_context()
+    gpus = tp_gpus if tp_gpus is not None else context.get_accelerator_ids().get("GPU", [])
+    return {"ray_node_id": context.get_node_id(), "ray_gpu_ids": ",".join(map(str, gpus)) or "none"}

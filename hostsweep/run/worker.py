@@ -24,15 +24,13 @@ from hostsweep.engines.base import Engine, start_engine
 from hostsweep.config.grid import Cell, EngineSpec
 from hostsweep.config.machine import hostname
 from hostsweep.measure.protocol import (
-    RepTiming, Rounds, ci_target_rule, interleaved_rounds, own_text_seeds, prompt_digest, random_prompts,
-    side_a_first, time_pair,
+    RepTiming, Rounds, ci_target_rule, interleaved_rounds, own_text_seeds, prompt_digest, prompt_seed,
+    random_prompts, side_a_first, time_pair,
 )
-from hostsweep.measure.detectable import ci_target_for_mde
+from hostsweep.measure.detectable import stop_target
 from hostsweep.measure.group import GroupMeasurement, TimedCell
 from hostsweep.measure.results import CellResult, MeasureOptions
 from hostsweep.measure.warmup import warmed_up
-
-WARMUP_CANARIES = 3  # canary timings a warm-up round (their median): ~5 ms, one pair's noise halved
 from hostsweep.run.canary import Canary
 from hostsweep.run.contention import ContentionProbe, sweep_root_pid
 from hostsweep.run.rounds import RoundJournal, round_journal
@@ -43,7 +41,7 @@ from hostsweep.run.hygiene import (
     restore_scheduler,
 )
 from hostsweep.run.liveness import EngineWatch, engine_processes
-from hostsweep.run.placement import hand_gpus_to_ranks
+from hostsweep.run.placement import hand_gpus_to_ranks, ray_placement
 from hostsweep.run.profiling import SplitProfiling
 from hostsweep.run.pyspy import record_thread_states
 from hostsweep.run.worklog import log_tail, redirect_output
@@ -54,33 +52,7 @@ log = logging.getLogger(__name__)
 # (vLLM's shutdown SIGKILLs them: engines/vllm_engine.py) and after abort's own SIGKILL
 # (with the tracker's stop, within the driver's wait for abort: actors.ABORT_TIMEOUT_S).
 ENGINE_EXIT_WAIT_S, KILLED_EXIT_WAIT_S = 10.0, 2.0
-
-
-def ray_placement(tp_gpus: Optional[list[str]] = None) -> dict[str, str]:
-    """The Ray node and the GPU ids the engine was given ('none' outside Ray): the worker's
-    own, or for TP-k the GPUs of its placement group's bundles."""
-    try:
-        import ray
-    except ImportError:
-        return {"ray_node_id": "none", "ray_gpu_ids": "none"}
-    if not ray.is_initialized():
-        return {"ray_node_id": "none", "ray_gpu_ids": "none"}
-    context = ray.get_runtime_context()
-    gpus = tp_gpus if tp_gpus is not None else context.get_accelerator_ids().get("GPU", [])
-    return {"ray_node_id": context.get_node_id(), "ray_gpu_ids": ",".join(map(str, gpus)) or "none"}
-
-
-def stop_target(cell: Cell, level: float) -> float:
-    """An adaptive cell's CI target: measure.target_ci_pct, or the CI that gives
-    measure.target_mde_pct (measure/detectable.ci_target_for_mde)."""
-    if cell.target_ci_pct is not None:
-        return cell.target_ci_pct
-    return ci_target_for_mde(cell.target_mde_pct, level)  # type: ignore[arg-type]
-
-
-def prompt_seed(cell: Cell) -> int:
-    """Prompts differ across cells but are the same for every rep of one cell."""
-    return cell.seed * 1_000_003 + cell.batch * 10_007 + cell.ctx
+WARMUP_CANARIES = 3  # canary timings a warm-up round (their median): ~5 ms, one pair's noise halved
 
 
 class SweepWorker(SplitProfiling):
@@ -165,9 +137,6 @@ class SweepWorker(SplitProfiling):
         """What the worker is doing: 'rep: round 3 of 12, 6 cell(s)', 'profiling 1 of 3'... (read by the
         driver's progress line from the watch thread)."""
         return self._phase
-
-    def _tell(self, kind: str, k: int, n: int) -> None:
-        self._phase = f"{kind} {k} of {n}"
 
     def engine_health(self) -> Optional[str]:
         """Why the engine is dead (which process, exit code or signal), or None."""

@@ -34,7 +34,7 @@ from hostsweep.compare.floors import (FloorEstimate, MachineEngine, NoiseCalibra
 from hostsweep.config.redact import redact
 from hostsweep.config.schema import ConfigError
 from hostsweep.config.stages import StageInfo
-from hostsweep.record.noise import log_calibration, open_calibration_run
+from hostsweep.stages.calibrations import log_noise_calibration, open_calibration_run
 from hostsweep.record.store import quiet_mlflow
 from hostsweep.record.views import open_ui_line
 from hostsweep.run.dispatch import WorkerBackend
@@ -160,7 +160,7 @@ def run(raw_cfg: DictConfig, run_dir: Path, backends: Backends = None) -> int:
     (folder / "noise.md").write_text(text)
     params = {"study": cfg.study, "aas": n.aas, "starts": n.starts, "confidence": n.confidence,
               "reps": cfg.measure.reps, "a_a_exit_codes": ",".join(f"{o.name}:{o.code}" for o in outcomes)}
-    log_calibration(run, calibration, params, folder, text)
+    log_noise_calibration(run, calibration, params, folder, text)
     print(f"\n{text}\nlogged as run {run.run_name} ({run.run_id}) of experiment {n.experiment!r} in "
           f"{redact(cfg.tracking.uri)}: every diff and TP verdict of this machine and engine whose floors are "
           f"auto now uses it\n{open_ui_line(cfg.tracking.uri, cfg.diff.ui_port)}")

@@ -1,5 +1,5 @@
 """Noise floors measured on the machine at hand (compare/floors.py, stages/noise.py,
-record/noise.py): the estimates and their upper bounds recover a known SD at their stated
+stages/calibrations.py): the estimates and their upper bounds recover a known SD at their stated
 coverage over many seeds; auto floors take the newest calibration of the cells' machine and
 engine, a given number wins, and without a calibration the defaults stand and the line says
 how to measure; the stage on the fake engine logs a calibration a later paired diff uses."""
@@ -19,7 +19,7 @@ from hostsweep.compare.floors import (AUTO, CALIBRATE_COMMAND, DEFAULT_INSTANCE_
                                       FloorEstimate, MachineEngine, NoiseCalibration, floor_setting, instance_floor,
                                       machine_engine, resolve_floors, resolve_start_floor, sd_upper_pct, start_floor)
 from hostsweep.config.schema import ConfigError
-from hostsweep.record.noise import newest_calibration, open_calibration_run, log_calibration
+from hostsweep.stages.calibrations import newest_calibration, open_calibration_run, log_noise_calibration
 from hostsweep.stages import noise as noise_stage
 from hostsweep.stages import sweep
 from tests.conftest import compose_raw, compose_typed
@@ -118,7 +118,7 @@ def test_the_newest_calibration_of_the_machine_and_engine_is_found_and_no_other(
         made = NoiseCalibration(run.run_id, "2026-12-07", where, instance_floor([math.log1p(instance / 100)], 0.8),
                                 None)
         (tmp_path / run.run_id).mkdir()
-        log_calibration(run, made, {"study": "default"}, tmp_path / run.run_id, "note")
+        log_noise_calibration(run, made, {"study": "default"}, tmp_path / run.run_id, "note")
     found = newest_calibration(uri, "noise", HERE)
     assert found is not None and found.instance.pct == pytest.approx(2.0) and found.start is None
     assert found.where == HERE

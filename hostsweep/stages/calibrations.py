@@ -1,4 +1,5 @@
-"""Noise calibrations in MLflow: `stage=noise` logs each as a run of the noise.experiment
+"""Noise calibrations in MLflow (the store edge of compare/floors.py; stages/noise.py is the
+stage that measures them): `stage=noise` logs each as a run of the noise.experiment
 experiment (tag hostsweep.kind=noise_calibration, tags naming the host, its device and the
 engine's vLLM version, the floors as metrics), and the floors set to auto (compare/floors.py)
 take the newest FINISHED one of the machine and engine their cells ran on."""
@@ -42,7 +43,7 @@ def open_calibration_run(uri: str, experiment: str, where: MachineEngine, study:
                      {"hostsweep.kind": KIND, **{tag: getattr(where, field) for field, tag in TAGS.items()}})
 
 
-def log_calibration(run: ReportRun, calibration: NoiseCalibration, params: dict[str, object], folder: Path,
+def log_noise_calibration(run: ReportRun, calibration: NoiseCalibration, params: dict[str, object], folder: Path,
                     note: str) -> None:
     run.log(folder, params, floor_metrics(calibration), note)
     run.finish()
