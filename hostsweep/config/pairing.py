@@ -92,6 +92,7 @@ def side_b_raw(raw: DictConfig, against: Mapping[str, Any]) -> DictConfig:
             raise ConfigError(f"pair.against.{key}: {str(exc).splitlines()[0]}") from None
     with open_dict(side):
         side.pair.enabled, side.pair.against = False, {}
+        side.pair.python, side.pair.starts, side.pair.design = None, None, "auto"  # the study's, not side b's own
     return side
 
 
@@ -124,6 +125,17 @@ def check_side_python(python: Optional[str]) -> None:
     if found["ray"] != version("ray"):
         raise ConfigError(f"pair.python={python}: its Ray is {found['ray']}, the driver's {version('ray')}; "
                           "Ray runs workers of its own release only")
+
+
+def unpaired_pair_keys(p: Any) -> None:
+    """A study that is not paired takes no side-b keys: pair.python (or pair.starts, pair.design)
+    without pair.enabled=true or pair.against would run an unpaired sweep and say nothing."""
+    given = [f"pair.{key}={getattr(p, key)}" for key, unset in (("python", None), ("starts", None), ("design", "auto"))
+             if getattr(p, key) != unset]
+    if given:
+        raise ConfigError(f"{', '.join(given)} set for a study that is not paired: add pair.enabled=true (an A/A, or "
+                          "side b in another Python with pair.python) or +pair.against.KEY=V, or drop "
+                          f"{'them' if len(given) > 1 else 'it'}")
 
 
 def check_pair(cfg: Any) -> None:

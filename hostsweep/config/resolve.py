@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from hostsweep.config.machine import cpu_flags, default_dtype, dtype_reason, local_sku_name
 from hostsweep.config.options import check_option, load_mode, load_model, load_sku
 from hostsweep.config.pairing import (
-    DEFAULT_STARTS, check_pair, check_side_python, check_sides, choose_design, side_b_raw,
+    DEFAULT_STARTS, check_pair, check_side_python, check_sides, choose_design, side_b_raw, unpaired_pair_keys,
 )
 from hostsweep.config.schema import ConfigError, ModeConfig, ModelConfig, ShapeConfig, SkuConfig, SweepConfig
 from hostsweep.config.shapes import shape_from_hf_config
@@ -123,6 +123,7 @@ def resolve(raw: DictConfig, engine_fields: Collection[str] = ENGINE_ARG_FIELDS)
     study = Study(cfg, skus, models, modes, dtype_why=dtype_why)
     validate(cfg, skus, models, modes, study.longest_generate(), engine_fields)
     if not cfg.pair.paired:
+        unpaired_pair_keys(cfg.pair)
         return study
     check_pair(cfg)
     # The start pairs are a paired study's re-measure: a side's group is not timed again in

@@ -130,3 +130,12 @@ def test_a_paired_sweep_ends_with_its_diff_the_gate_passing_an_aa_and_failing_a_
     table = __import__("pandas").read_csv(tmp_path / "ab" / "diff" / "diff.csv")
     steps = table[table["quantity"] == "step_ms"]
     assert (steps["verdict"] == "slower").all() and (steps["design"] == "paired").all()
+
+
+@pytest.mark.parametrize("override,named", [("pair.python=/usr/bin/python3", "pair.python=/usr/bin/python3"),
+                                             ("pair.starts=3", "pair.starts=3"), ("pair.design=rounds", "pair.design=rounds")])
+def test_a_side_b_key_on_a_study_that_is_not_paired_is_refused_in_one_line(override, named):
+    with pytest.raises(ConfigError, match=f"{named} set for a study that is not paired: add pair.enabled=true"):
+        compose_typed(["+sku=cpu", override])
+    if not override.startswith("pair.python"):  # that one is then probed for its Ray (above)
+        assert compose_typed(["+sku=cpu", override, "pair.enabled=true"]).config.pair.paired
