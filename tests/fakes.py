@@ -77,9 +77,11 @@ class FakeBackend:
     def now(self) -> float:
         return self.clock
 
-    def start(self, spec: EngineSpec, partner: Optional[EngineSpec] = None) -> FakeWorker:
-        self.events.append(f"start {spec.label}" + (f" with {partner.label}" if partner is not None else ""))
-        real = None if spec.label in self.start_fails else SweepWorker(spec, str(self.workdir), partner=partner)
+    def start(self, spec: EngineSpec, partner: Optional[EngineSpec] = None, partner_first: bool = False) -> FakeWorker:
+        self.events.append(f"start {spec.label}" + (f" with {partner.label}" if partner is not None else "")
+                           + (" (b first)" if partner_first else ""))
+        real = None if spec.label in self.start_fails else SweepWorker(spec, str(self.workdir), partner=partner,
+                                                                       partner_first=partner_first)
         worker = FakeWorker(spec, next(self._numbers), self.clock + self.start_s, real)
         self.workers.append(worker)
         return worker

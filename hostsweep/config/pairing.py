@@ -92,7 +92,8 @@ def side_b_raw(raw: DictConfig, against: Mapping[str, Any]) -> DictConfig:
             raise ConfigError(f"pair.against.{key}: {str(exc).splitlines()[0]}") from None
     with open_dict(side):
         side.pair.enabled, side.pair.against = False, {}
-        side.pair.python, side.pair.starts, side.pair.design = None, None, "auto"  # the study's, not side b's own
+        # the study's, not side b's own
+        side.pair.python, side.pair.starts, side.pair.design, side.pair.start_first = None, None, "auto", "a"
     return side
 
 
@@ -130,7 +131,8 @@ def check_side_python(python: Optional[str]) -> None:
 def unpaired_pair_keys(p: Any) -> None:
     """A study that is not paired takes no side-b keys: pair.python (or pair.starts, pair.design)
     without pair.enabled=true or pair.against would run an unpaired sweep and say nothing."""
-    given = [f"pair.{key}={getattr(p, key)}" for key, unset in (("python", None), ("starts", None), ("design", "auto"))
+    given = [f"pair.{key}={getattr(p, key)}" for key, unset in (("python", None), ("starts", None), ("design", "auto"),
+                                                                        ("start_first", "a"))
              if getattr(p, key) != unset]
     if given:
         raise ConfigError(f"{', '.join(given)} set for a study that is not paired: add pair.enabled=true (an A/A, or "
@@ -143,6 +145,8 @@ def check_pair(cfg: Any) -> None:
     p = cfg.pair
     if p.design not in PAIR_DESIGNS:
         raise ConfigError(f"pair.design must be one of {', '.join(PAIR_DESIGNS)}, got {p.design!r}")
+    if p.start_first not in ("a", "b"):
+        raise ConfigError(f"pair.start_first must be a or b (the side whose engine starts first), got {p.start_first!r}")
     if p.starts is not None and p.starts < 2:
         raise ConfigError(f"pair.starts must be >= 2 (engine starts per side: the paired CI has starts - 1 degrees "
                           f"of freedom), got {p.starts}")

@@ -210,6 +210,9 @@ class PairConfig:
 
     enabled: bool = False  # true with no `against`: a paired A/A (the machine's noise floor); implied by `against`
     against: dict[str, Any] = field(default_factory=dict)  # side b's overrides, as nested keys
+    # paired rounds: which side's engine starts first in the shared worker (a or b); stage=noise
+    # alternates it over its A/As, so the instance draws are not all of one start order
+    start_first: str = "a"
     # rounds: both sides' engines in one worker, a cell's two pairs timed back to back in every
     # round; starts: engine starts alternated ABBA, the CI over start pairs; auto: rounds where
     # the sides can share a worker (one CPU node, same TP, one Python), else starts

@@ -72,7 +72,8 @@ def release_worker(worker: WorkerHandle, engine_started: bool = True) -> None:
         remove_placement_group(worker.placement_group)
 
 
-def new_worker(spec: EngineSpec, log_file: Optional[str] = None, partner: Optional[EngineSpec] = None) -> WorkerHandle:
+def new_worker(spec: EngineSpec, log_file: Optional[str] = None, partner: Optional[EngineSpec] = None,
+               partner_first: bool = False) -> WorkerHandle:
     """Start one worker actor for `spec`, pinned to a node of its SKU, logging to `log_file`
     (run/worklog.py) when given; with `partner` (paired rounds: same SKU and TP, one Python)
     its engine starts in the same worker."""
@@ -88,11 +89,11 @@ def new_worker(spec: EngineSpec, log_file: Optional[str] = None, partner: Option
         strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0,
                                                     placement_group_capture_child_tasks=True)
         actor = remote_worker.options(num_cpus=1, num_gpus=0, scheduling_strategy=strategy, **side_env(spec)).remote(
-            spec, None, log_file, own_process=True, partner=partner)
+            spec, None, log_file, own_process=True, partner=partner, partner_first=partner_first)
         return WorkerHandle(actor, group)
     options = actor_options(spec, cpu_engine_cpus(live_nodes()))
     return WorkerHandle(remote_worker.options(**options).remote(spec, None, log_file, own_process=True,
-                                                                 partner=partner))
+                                                                 partner=partner, partner_first=partner_first))
 
 
 def ask_engines_to_close(workers: list[WorkerHandle]) -> object:

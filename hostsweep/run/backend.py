@@ -48,9 +48,9 @@ class RayBackend:
     def now(self) -> float:
         return time.monotonic()
 
-    def start(self, spec: EngineSpec, partner: Optional[EngineSpec] = None) -> WorkerHandle:
+    def start(self, spec: EngineSpec, partner: Optional[EngineSpec] = None, partner_first: bool = False) -> WorkerHandle:
         log_file = str(worker_log_path(self.log_dir, spec.label)) if self.log_dir is not None else None
-        worker = new_worker(spec, log_file, partner)
+        worker = new_worker(spec, log_file, partner, partner_first)
         # host_info answers once the constructor (the engine start) has finished.
         self.ready_refs[id(worker)] = worker.actor.host_info.remote()
         return worker

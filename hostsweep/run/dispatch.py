@@ -42,9 +42,10 @@ class WorkerBackend(Protocol):
     def now(self) -> float:
         """Seconds on a monotonic clock."""
 
-    def start(self, spec: EngineSpec, partner: Optional[EngineSpec] = None) -> object:
+    def start(self, spec: EngineSpec, partner: Optional[EngineSpec] = None, partner_first: bool = False) -> object:
         """A new worker; its engine starts in the background (and `partner`'s beside it, in the
-        same worker: a paired study's side b, measured in paired rounds)."""
+        same worker: a paired study's side b, measured in paired rounds; its engine first with
+        partner_first, pair.start_first=b)."""
 
     def submit(self, worker: object, cell: Cell, options: MeasureOptions, companions: tuple[Cell, ...] = ()) -> object:
         """Ask the worker to measure a cell (with `companions`, the cells it will be asked for
@@ -91,7 +92,9 @@ class Dispatcher:
                  backend: WorkerBackend, policy: FaultPolicy = FaultPolicy(),
                  progress: Optional[ProgressReporter] = None,
                  should_stop: Callable[[], Optional[str]] = lambda: None, log_dir: Optional[Path] = None,
-                 prestarted: Optional[dict[EngineSpec, tuple[object, float]]] = None) -> None:
+                 prestarted: Optional[dict[EngineSpec, tuple[object, float]]] = None,
+                 partner_first: bool = False) -> None:
+        self.partner_first = partner_first  # paired rounds: side b's engine starts before side a's
         self.queues = {spec: deque(group) for spec, group in group_by_engine(cells).items()}
         # Paired rounds (pair.design=rounds): side b's engine starts in side a's worker, which
         # times a cell's two sides back to back in every round; the pair is one queue (a1 b1
@@ -236,7 +239,8 @@ class Dispatcher:
         if not self.queues[spec] or self.stopped:
             return
         if spec not in self.workers:
-            self.workers[spec] = self.backend.start(spec, self.rounds_partner.get(spec))
+            partner = self.rounds_partner.get(spec)
+            self.workers[spec] = self.backend.start(spec, partner, self.partner_first and partner is not None)
             self.started_at[spec] = self.backend.now()
             self.ready_at.pop(spec, None)
             self.given[spec].clear()  # a new worker keeps nothing

@@ -57,7 +57,7 @@ WARMUP_CANARIES = 3  # canary timings a warm-up round (their median): ~5 ms, one
 
 class SweepWorker(SplitProfiling):
     def __init__(self, spec: EngineSpec, workdir: Optional[str] = None, log_file: Optional[str] = None,
-                 own_process: bool = False, partner: Optional[EngineSpec] = None) -> None:
+                 own_process: bool = False, partner: Optional[EngineSpec] = None, partner_first: bool = False) -> None:
         # First, so the engine's processes inherit the redirected fds.
         self.log_path = redirect_output(Path(log_file), f"worker for {spec.label}") if log_file else None
         self._phase = "starting engine"
@@ -81,8 +81,11 @@ class SweepWorker(SplitProfiling):
         start_s: dict[EngineSpec, float] = {}
         try:
             with engine_temp_folder(self.scratch):
-                # paired rounds: side b's engine beside side a's, in a folder of its own
-                for which, where in ((spec, folder), (partner, folder / "side-b")):
+                # paired rounds: side b's engine beside side a's, in a folder of its own; started
+                # first with partner_first (pair.start_first=b), so repeated A/As can alternate
+                # which instance meets a fresh machine
+                order = ((spec, folder), (partner, folder / "side-b"))
+                for which, where in (order[::-1] if partner_first else order):
                     if which is None:
                         continue
                     self._phase = f"starting the engine for {which.label}"

@@ -59,7 +59,8 @@ def check_noise(cfg: Any) -> None:
         raise ConfigError(f"noise.confidence must be in [0.5, 1), got {n.confidence}")
 
 
-def aa_config(raw_cfg: DictConfig, study: str, design: str, starts: Optional[int]) -> DictConfig:
+def aa_config(raw_cfg: DictConfig, study: str, design: str, starts: Optional[int], start_first: str = "a"
+              ) -> DictConfig:
     """One A/A of the calibration: the study's grid and engine, paired, no floors, not resumed."""
     cfg = copy.deepcopy(raw_cfg)  # the composed config, its schema and interpolations kept
     with open_dict(cfg):
@@ -69,6 +70,7 @@ def aa_config(raw_cfg: DictConfig, study: str, design: str, starts: Optional[int
         cfg.pair.enabled = True
         cfg.pair.design = design
         cfg.pair.starts = starts
+        cfg.pair.start_first = start_first
         cfg.diff.noise_floor_pct = None
         cfg.diff.instance_floor_pct = None
         cfg.diff.fail_on = None
@@ -95,11 +97,11 @@ Backends = Optional[Callable[[Path], WorkerBackend]]  # one backend per A/A (its
 
 
 def measure_aa(raw_cfg: DictConfig, name: str, design: str, starts: Optional[int], run_dir: Path,
-               backends: Backends) -> AaOutcome:
+               backends: Backends, start_first: str = "a") -> AaOutcome:
     """One A/A of the calibration swept (its own study, run folder and engine starts), and its diff."""
     folder = run_dir / name
     print(f"\nnoise calibration: {name} ({'paired rounds' if design == 'rounds' else f'{starts} start pairs a side'})")
-    code = sweep.run(aa_config(raw_cfg, f"{raw_cfg.study}-noise-{name}", design, starts), folder,
+    code = sweep.run(aa_config(raw_cfg, f"{raw_cfg.study}-noise-{name}", design, starts, start_first), folder,
                      backends(folder) if backends else None)
     written = folder / "diff" / "diff.json"
     return AaOutcome(name, code, json.loads(written.read_text()) if written.is_file() else None)
@@ -140,7 +142,8 @@ def run(raw_cfg: DictConfig, run_dir: Path, backends: Backends = None) -> int:
     cfg = study.config
     check_noise(cfg)
     n = cfg.noise
-    draws = [measure_aa(raw_cfg, f"aa{i + 1}", "rounds", None, run_dir, backends) for i in range(n.aas)]
+    # the A/As alternate which side's engine starts first in their shared worker
+    draws = [measure_aa(raw_cfg, f"aa{i + 1}", "rounds", None, run_dir, backends, "ab"[i % 2]) for i in range(n.aas)]
     starts = measure_aa(raw_cfg, "starts", "starts", int(n.starts), run_dir, backends) if n.starts else None
     outcomes = [*draws, *([starts] if starts else [])]
     where = machine_of(outcomes)

@@ -328,7 +328,8 @@ def _sweep(study: Study, grid: list[Cell], run_dir: Path, backend: WorkerBackend
         # a paired study's side b waits for its turn, or (paired rounds) starts in side a's worker
         # (run/dispatch.py): its engines are not prestarted on their own
         partners = rounds_partners(runnable(grid))
-        prestarted = {spec: (backend.start(spec, partners.get(spec)), backend.now())
+        b_first = study.config.pair.start_first == "b"
+        prestarted = {spec: (backend.start(spec, partners.get(spec), b_first and spec in partners), backend.now())
                       for spec in group_by_engine(runnable(grid)) if spec.side != "b"}
     except BaseException as exc:
         opening.abandon(f"an engine could not be started: {error_line(exc)}")
@@ -364,7 +365,7 @@ def _sweep(study: Study, grid: list[Cell], run_dir: Path, backend: WorkerBackend
         freeze_long_lived()
     dispatcher = Dispatcher(to_run, options, recorder.on_result, backend, FaultPolicy.of(cfg.faults),
                             ProgressReporter(sum(c.replicates for c in to_run)), should_stop,
-                            worker_log_folder(run_dir, cfg.verbose), prestarted)
+                            worker_log_folder(run_dir, cfg.verbose), prestarted, cfg.pair.start_first == "b")
     try:  # the workers (and Ray) end while the sweep records and writes its results
         return _measure_and_record(study, grid, run_dir, dispatcher, recorder, tracker, claims, tags, started,
                                    wind_down.begin)

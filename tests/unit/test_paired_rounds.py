@@ -224,7 +224,9 @@ def test_a_paired_rounds_sweep_ends_with_its_diff_judged_by_rounds_passing_an_aa
     from tests.fakes import FakeBackend
 
     _, args = study_args
-    aa = [*args, "pair.enabled=true", "diff.fail_on=slower", "study=rounds-aa"]
+    # the fake engine's sleeps jitter with the machine's load, and so its MDE: the power refusal
+    # (exit 2) is tests/unit/test_diff_rule.py's to check, not this test's
+    aa = [*args, "pair.enabled=true", "diff.fail_on=slower", "study=rounds-aa", "diff.max_mde_factor=null"]
     assert sweep.run(compose_raw(aa), tmp_path / "aa", FakeBackend(tmp_path / "w1")) == 0
     out = capsys.readouterr().out
     assert "round by round" in out and "rounds per cell, sides timed back to back" in out
@@ -236,3 +238,24 @@ def test_a_paired_rounds_sweep_ends_with_its_diff_judged_by_rounds_passing_an_aa
     assert (steps["verdict"] == "slower").all() and (steps["rounds"] >= 8).all()
     # by default widened by the engine-instance floor, and judged by the normal of that CI
     assert (steps["test"] == "t").all() and steps["between"].str.contains("+ instance floor", regex=False).all()
+
+
+def test_pair_start_first_b_starts_side_bs_engine_first_in_the_shared_worker(new_store, tmp_path, monkeypatch):
+    from hostsweep.stages import sweep
+    from tests.conftest import compose_raw
+    from tests.fakes import FakeBackend
+
+    monkeypatch.chdir(tmp_path)
+    store = new_store(tmp_path / "mlflow.db")
+    args = ["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=6", "measure.warmups=1", "ctx=[16]",
+            "batch=[1]", "split.enabled=false", "ray.exclusive=false", f"tracking.uri={store}", "pair.enabled=true"]
+    for first in ("a", "b"):
+        backend = FakeBackend(tmp_path / f"w{first}")
+        assert sweep.run(compose_raw([*args, f"study=first-{first}", f"pair.start_first={first}"]),
+                         tmp_path / first, backend) == 0
+        starts = [e for e in backend.events if e.startswith("start")]
+        assert len(starts) == 1 and starts[0].endswith(" (b first)") == (first == "b"), backend.events
+        started = [spec.side for spec in backend.workers[0].real.engines]  # in the order the worker started them
+        assert started == (["b", "a"] if first == "b" else ["a", "b"])
+    with pytest.raises(ConfigError, match="pair.start_first must be a or b"):
+        compose_typed([*args, "pair.start_first=c"])
