@@ -145,7 +145,8 @@ def _one_floor(name: str, key: str, setting: Any, default: Optional[float], meas
                use: str) -> tuple[Optional[float], str]:
     """One floor in force and how the floors line names it."""
     if setting != AUTO:
-        return (None if setting is None else float(setting)), f"{name} {_given(setting)} % ({key}={_given(setting)}, given)"
+        shown = "none" if setting is None else f"{float(setting):g} %"
+        return (None if setting is None else float(setting)), f"{name} {shown} ({key}={_given(setting)}, given)"
     if measured is not None:
         value = float(floor_text(measured.value(use)))  # as typed back: two digits, rounded up
         bound = f"upper {measured.confidence:.0%} bound" if use == "upper" else "estimate"

@@ -217,9 +217,7 @@ def calibrated_options(cfg: DiffConfig, uri: str, noise_experiment: str, cells) 
     machine and engine the base side's cells ran on (compare/floors.py), else the defaults."""
     where = machine_engine(cells)
     auto = AUTO in (cfg.noise_floor_pct, cfg.instance_floor_pct)
-    options = diff_options(cfg, newest_calibration(uri, noise_experiment, where) if auto else None, where)
-    log.info("%s", options.floors_line)  # the console and the report say it beside the design
-    return options
+    return diff_options(cfg, newest_calibration(uri, noise_experiment, where) if auto else None, where)
 
 
 def run(raw_cfg: DictConfig, run_dir: Path) -> int:
