@@ -61,7 +61,7 @@ def check_noise(cfg: Any) -> None:
 
 def aa_config(raw_cfg: DictConfig, study: str, design: str, starts: Optional[int], start_first: str = "a"
               ) -> DictConfig:
-    """One A/A of the calibration: the study's grid and engine, paired, no floors, not resumed."""
+    """One A/A of the calibration: the study's grid and engine, paired, no floors, no split, not resumed."""
     cfg = copy.deepcopy(raw_cfg)  # the composed config, its schema and interpolations kept
     with open_dict(cfg):
         cfg.study = study
@@ -71,6 +71,7 @@ def aa_config(raw_cfg: DictConfig, study: str, design: str, starts: Optional[int
         cfg.pair.design = design
         cfg.pair.starts = starts
         cfg.pair.start_first = start_first
+        cfg.split.enabled = False  # the floors are the step's; the split's profiled pairs would only add time
         cfg.diff.noise_floor_pct = None
         cfg.diff.instance_floor_pct = None
         cfg.diff.fail_on = None
