@@ -4,9 +4,9 @@ at hand (`stage=noise`) and found again by the stages that use them (pure).
 Two floors, both the SD (%) of a log step ratio that nothing within one engine start shows:
 - the instance floor (diff.instance_floor_pct): what two engine instances of one configuration
   differ by. Each paired A/A by rounds starts one instance a side, so its geometric mean is one
-  draw of that ratio (0 expected: nothing changed), and the floor is the RMS of the draws on as
-  many degrees of freedom as A/As. The draw's own sampling noise (its rounds' CI) is left in:
-  the floor errs wide.
+  draw of that ratio (0 expected: nothing changed) plus its rounds' sampling error, which the
+  rounds' own CI already holds: the floor is the draws' mean square less their sampling
+  variance, on as many degrees of freedom as A/As.
 - the between-start floor (diff.noise_floor_pct, fit.start_floor_pct): the step's SD between
   engine starts, from an A/A by start pairs (compare/start_pairs.NoiseFloor, pooled per group).
 
@@ -85,16 +85,24 @@ class FloorEstimate:
                 f"{self.df:g} df)")
 
 
-def instance_floor(log_ratios: Sequence[float], confidence: float) -> Optional[FloorEstimate]:
-    """The instance floor from paired A/As by rounds: each A/A's geometric-mean log ratio one
-    draw of the log ratio between two instances, the SD their RMS (the mean is 0 by design, so
-    every draw is a degree of freedom); None without a finite draw."""
-    draws = np.asarray([x for x in log_ratios if x is not None and math.isfinite(x)], dtype=float)
-    if not draws.size:
+def instance_floor(log_ratios: Sequence[float], confidence: float,
+                   sampling_ses: Optional[Sequence[float]] = None) -> Optional[FloorEstimate]:
+    """The instance floor from paired A/As by rounds: each A/A's geometric-mean log ratio g_i is
+    one draw of the log ratio between two instances plus its rounds' sampling error, so
+    E[g^2] = sigma^2 + se_i^2 (the mean is 0 by design: every draw is a degree of freedom). The
+    floor is what the rounds' own CI cannot hold: sigma^2 = mean(g^2) - mean(se^2), floored at
+    0, and its upper bound K mean(g^2) / chi2_{1-confidence}(K) - mean(se^2) (the se taken as
+    known). Without sampling_ses the draws' RMS (errs wide). None without a finite draw."""
+    pairs = [(g, 0.0 if sampling_ses is None else sampling_ses[i]) for i, g in enumerate(log_ratios)
+             if g is not None and math.isfinite(g)]
+    pairs = [(g, se) for g, se in pairs if se is not None and math.isfinite(se)]
+    if not pairs:
         return None
-    rms = float(np.sqrt(np.mean(draws ** 2)))
-    pct = math.expm1(rms) * 100
-    return FloorEstimate(pct, sd_upper_pct(pct, draws.size, confidence), float(draws.size), confidence)
+    draws, ses = (np.asarray(x, dtype=float) for x in zip(*pairs))
+    k, mean_square, sampling = draws.size, float(np.mean(draws ** 2)), float(np.mean(ses ** 2))
+    upper_var = k * mean_square / float(stats.chi2.ppf(1 - confidence, k)) - sampling
+    as_pct = lambda var: math.expm1(math.sqrt(max(var, 0.0))) * 100  # noqa: E731
+    return FloorEstimate(as_pct(mean_square - sampling), as_pct(upper_var), float(k), confidence)
 
 
 def start_floor(pct: Optional[float], df: float, confidence: float) -> Optional[FloorEstimate]:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, open_dict
+from scipy import stats
 
 from hostsweep.compare.floors import (FloorEstimate, MachineEngine, NoiseCalibration,
                                       instance_floor, start_floor)
@@ -90,6 +91,14 @@ class AaOutcome:
         ratio = ((self.diff or {}).get("summary", {}).get("step_ms", {}) or {}).get("geomean_ratio")
         return math.log(ratio) if isinstance(ratio, (int, float)) and ratio > 0 else None
 
+    def geomean_se(self) -> Optional[float]:
+        """The geometric mean's sampling SE (log) from its rounds' CI at that CI's exact coverage."""
+        step = ((self.diff or {}).get("summary", {}).get("step_ms", {}) or {})
+        low, high, coverage = (step.get(k) for k in ("ci_low", "ci_high", "ci_coverage"))
+        if not all(isinstance(v, (int, float)) for v in (low, high, coverage)) or not (0 < low <= high and 0 < coverage < 1):
+            return None
+        return (math.log(high) - math.log(low)) / (2 * float(stats.norm.ppf(0.5 + coverage / 2)))
+
     def shared(self) -> dict:
         return (self.diff or {}).get("shared", {}) or {}
 
@@ -127,13 +136,15 @@ def document(calibration: NoiseCalibration, draws: list[AaOutcome], starts: Opti
              floor("between-start floor (diff.noise_floor_pct, fit.start_floor_pct)", calibration.start,
                    "noise.starts=0" if starts is None else "its A/A by start pairs made no between-start estimate"),
              "", "Each floor's upper bound is what a diff or TP verdict whose floor is `auto` uses "
-             "(diff.floor_bound=point: the estimate).", "", "| A/A | exit | geometric mean | between-start SD |",
-             "|---|---|---|---|"]
+             "(diff.floor_bound=point: the estimate). The instance floor is the A/As' geometric means' "
+             "mean square less their rounds' sampling variance (compare/floors.py).", "",
+             "| A/A | exit | geometric mean | its sampling SE (log) | between-start SD |", "|---|---|---|---|---|"]
     for o in [*draws, *([starts] if starts else [])]:
         g = o.geomean_log()
         sd = (o.diff or {}).get("noise_floor_pct")
+        se = o.geomean_se()
         lines.append(f"| {o.name} | {o.code} | {'' if g is None else f'{math.exp(g):.4f}'} | "
-                     f"{'' if sd is None else f'{sd:.2f} %'} |")
+                     f"{'' if se is None else f'{se:.4f}'} | {'' if sd is None else f'{sd:.2f} %'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -148,7 +159,8 @@ def run(raw_cfg: DictConfig, run_dir: Path, backends: Backends = None) -> int:
     starts = measure_aa(raw_cfg, "starts", "starts", int(n.starts), run_dir, backends) if n.starts else None
     outcomes = [*draws, *([starts] if starts else [])]
     where = machine_of(outcomes)
-    instance = instance_floor([g for o in draws if (g := o.geomean_log()) is not None], n.confidence)
+    usable = [o for o in draws if o.geomean_log() is not None and o.geomean_se() is not None]
+    instance = instance_floor([o.geomean_log() for o in usable], n.confidence, [o.geomean_se() for o in usable])
     start = start_floor((starts.diff or {}).get("noise_floor_pct"), (starts.diff or {}).get("noise_floor_df") or 0,
                         n.confidence) if starts else None
     if where is None or (instance is None and start is None):
