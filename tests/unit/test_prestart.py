@@ -15,10 +15,10 @@ FAST = ["+sku=cpu", "engine.name=fake", "measure.T=5", "measure.reps=3", "measur
 class RecordingBackend(FakeBackend):
     """Notes, at each worker start, whether the sweep had opened its MLflow side yet."""
 
-    def start(self, spec, partner=None):
+    def start(self, spec, partner=None, partner_first=False):
         self.started_before_mlflow = getattr(self, "started_before_mlflow", [])
         self.started_before_mlflow.append(not self.mlflow_open)
-        return super().start(spec, partner)
+        return super().start(spec, partner, partner_first)
 
 
 def test_workers_start_before_mlflow_opens_and_idle_ones_are_released(tmp_path, monkeypatch, new_store):
