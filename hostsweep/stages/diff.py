@@ -44,7 +44,7 @@ from hostsweep.record.read.sides import (
 from hostsweep.record.views import open_ui_line, runs_table_url, store_label, ui_base
 from hostsweep.compare.floors import AUTO, machine_engine
 from hostsweep.compare.rules import slower_means
-from hostsweep.stages.calibrations import newest_calibration
+from hostsweep.stages.noise import newest_calibration
 from hostsweep.compare import DiffOptions, DiffResult, diff, diff_options  # noqa: F401 - diff_options: the stage's checker
 from hostsweep.report.diff_report import DiffContext, SideInfo, diff_document, console, headline, to_json
 from hostsweep.report.document import to_html, to_markdown

@@ -30,7 +30,7 @@ from hostsweep.model.fit_console import render
 from hostsweep.model.study_fit import FitOptions
 from hostsweep.model.term_checks import ENGINE, STANDALONE
 from hostsweep.model.unstable import Exclusion, exclude_unstable
-from hostsweep.stages.calibrations import newest_calibration
+from hostsweep.stages.noise import newest_calibration
 from hostsweep.record.read.selection import Selection, fit_cells, select_cells, train_selection
 from hostsweep.stages import resolve_for_reading
 

@@ -14,6 +14,10 @@ each comes with its one-sided upper bound at noise.confidence (compare/floors.py
 engine (tags: host, device, vLLM version) and noise/noise.md. The A/As are measured with no
 floor of their own (diff.*_floor_pct=null, resume=false), as experiments
 hostsweep-<study>-noise-aa<i> and hostsweep-<study>-noise-starts.
+
+The store's side lives here too (a stage module is the one place that may reach both the
+store and the pure compare/floors.py): the calibration run logged, and newest_calibration,
+which the diff and fit stages call for their auto floors.
 """
 from __future__ import annotations
 
@@ -23,10 +27,11 @@ import logging
 import math
 import sys
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, open_dict
 from scipy import stats
 
@@ -35,17 +40,84 @@ from hostsweep.compare.floors import (FloorEstimate, MachineEngine, NoiseCalibra
 from hostsweep.config.redact import redact
 from hostsweep.config.schema import ConfigError
 from hostsweep.config.stages import StageInfo
-from hostsweep.stages.calibrations import log_noise_calibration, open_calibration_run
+from hostsweep.record.reports import ReportRun
 from hostsweep.record.store import quiet_mlflow
 from hostsweep.record.views import open_ui_line
 from hostsweep.run.dispatch import WorkerBackend
-from hostsweep.stages import sweep
 
 STAGE = StageInfo(name="noise", help="measure this machine's noise floors (paired A/As), log them for auto floors",
                   sections=("noise", "measure", "split", "linearity", "engine", "ray", "faults", "output", "report"),
                   docs="diff.md")
 
 log = logging.getLogger(__name__)
+
+
+# The store's side: calibrations logged, and the newest of a machine and engine found.
+
+KIND = "noise_calibration"
+TAGS = {"host": "noise.host", "device": "noise.device", "engine": "noise.engine"}
+FLOORS = ("instance", "start")
+
+
+def _quoted(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def floor_metrics(calibration: NoiseCalibration) -> dict[str, float]:
+    """A calibration's floors as run metrics: <floor>_floor_pct, _upper_pct, _df, and the confidence."""
+    metrics: dict[str, float] = {}
+    for name in FLOORS:
+        estimate: Optional[FloorEstimate] = getattr(calibration, name)
+        if estimate is not None:
+            metrics |= {f"{name}_floor_pct": estimate.pct, f"{name}_floor_upper_pct": estimate.upper_pct,
+                        f"{name}_floor_df": estimate.df, "confidence": estimate.confidence}
+    return metrics
+
+
+def open_calibration_run(uri: str, experiment: str, where: MachineEngine, study: str) -> ReportRun:
+    """The calibration's run, opened before its sweeps so their logs can name it."""
+    return ReportRun(uri, experiment, f"noise-{where.host}-{study}",
+                     {"hostsweep.kind": KIND, **{tag: getattr(where, field) for field, tag in TAGS.items()}})
+
+
+def log_noise_calibration(run: ReportRun, calibration: NoiseCalibration, params: dict[str, object], folder: Path,
+                    note: str) -> None:
+    run.log(folder, params, floor_metrics(calibration), note)
+    run.finish()
+
+
+def _estimate(metrics: dict[str, float], name: str) -> Optional[FloorEstimate]:
+    try:
+        values = [metrics[f"{name}_floor_{part}"] for part in ("pct", "upper_pct", "df")] + [metrics["confidence"]]
+    except KeyError:
+        return None
+    return FloorEstimate(*(float(v) for v in values)) if all(math.isfinite(float(v)) for v in values[:1]) else None
+
+
+def newest_calibration(uri: str, experiment: str, where: Optional[MachineEngine]) -> Optional[NoiseCalibration]:
+    """The newest FINISHED noise calibration of `where` in the store, or None (none logged, no
+    such experiment, the store unreadable: a lookup never stops a diff, it says so and the
+    floors fall back to their defaults)."""
+    if where is None:
+        return None
+    try:
+        client = MlflowClient(uri)
+        found = client.get_experiment_by_name(experiment)
+        if found is None:
+            return None
+        conditions = [f"tags.`hostsweep.kind` = '{KIND}'", "attributes.status = 'FINISHED'",
+                      *(f"tags.`{tag}` = {_quoted(getattr(where, field))}" for field, tag in TAGS.items())]
+        runs = client.search_runs([found.experiment_id], " and ".join(conditions), max_results=1,
+                                  order_by=["attributes.start_time DESC"])
+    except Exception as exc:  # noqa: BLE001 - the store answers the diff's own reads; a lookup is optional
+        log.warning("could not look up noise calibrations in %s: %s", experiment, exc)
+        return None
+    if not runs:
+        return None
+    run = runs[0]
+    created = datetime.fromtimestamp(run.info.start_time / 1000, tz=timezone.utc).strftime("%Y-%m-%d")
+    metrics = dict(run.data.metrics)
+    return NoiseCalibration(run.info.run_id, created, where, _estimate(metrics, "instance"), _estimate(metrics, "start"))
 
 
 def check_noise(cfg: Any) -> None:
@@ -111,6 +183,8 @@ def measure_aa(raw_cfg: DictConfig, name: str, design: str, starts: Optional[int
     """One A/A of the calibration swept (its own study, run folder and engine starts), and its diff."""
     folder = run_dir / name
     print(f"\nnoise calibration: {name} ({'paired rounds' if design == 'rounds' else f'{starts} start pairs a side'})")
+    from hostsweep.stages import sweep  # the sweep's modules only when measuring: diff and fit import this one
+
     code = sweep.run(aa_config(raw_cfg, f"{raw_cfg.study}-noise-{name}", design, starts, start_first), folder,
                      backends(folder) if backends else None)
     written = folder / "diff" / "diff.json"
@@ -149,6 +223,8 @@ def document(calibration: NoiseCalibration, draws: list[AaOutcome], starts: Opti
 
 
 def run(raw_cfg: DictConfig, run_dir: Path, backends: Backends = None) -> int:
+    from hostsweep.stages import sweep
+
     quiet_mlflow()
     study = sweep.resolve_sweep(raw_cfg)  # the grid, engine and diff section checked before anything starts
     cfg = study.config

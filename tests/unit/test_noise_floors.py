@@ -1,5 +1,5 @@
 """Noise floors measured on the machine at hand (compare/floors.py, stages/noise.py,
-stages/calibrations.py): the estimates and their upper bounds recover a known SD at their stated
+stages/noise.py): the estimates and their upper bounds recover a known SD at their stated
 coverage over many seeds; auto floors take the newest calibration of the cells' machine and
 engine, a given number wins, and without a calibration the defaults stand and the line says
 how to measure; the stage on the fake engine logs a calibration a later paired diff uses."""
@@ -19,7 +19,7 @@ from hostsweep.compare.floors import (AUTO, CALIBRATE_COMMAND, DEFAULT_INSTANCE_
                                       FloorEstimate, MachineEngine, NoiseCalibration, floor_setting, instance_floor,
                                       machine_engine, resolve_floors, resolve_start_floor, sd_upper_pct, start_floor)
 from hostsweep.config.schema import ConfigError
-from hostsweep.stages.calibrations import newest_calibration, open_calibration_run, log_noise_calibration
+from hostsweep.stages.noise import newest_calibration, open_calibration_run, log_noise_calibration
 from hostsweep.stages import noise as noise_stage
 from hostsweep.stages import sweep
 from tests.conftest import compose_raw, compose_typed
