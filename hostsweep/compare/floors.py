@@ -12,7 +12,7 @@ Two floors, both the SD (%) of a log step ratio that nothing within one engine s
 
 An SD from three draws is itself uncertain (its 80 % upper bound is 1.7x the estimate), so a
 calibration states the one-sided upper confidence bound (chi-square on the draws' df) beside
-the estimate, and the floors it hands on are the upper bound unless noise.use=point.
+the estimate, and the floors it hands on are the upper bound unless diff.floor_bound=point.
 
 A floor set to `auto` (the default) is the newest calibration of the machine and engine the
 cells ran on, else the documented default; a number or null given for it is used as given.
@@ -32,7 +32,9 @@ AUTO = "auto"
 # judged on its replicate-first re-measures).
 DEFAULT_INSTANCE_FLOOR_PCT = 1.5
 DEFAULT_NOISE_FLOOR_PCT: Optional[float] = None
-FLOOR_BOUNDS = ("upper", "point")  # noise.use: which of a calibration's numbers the floors take
+FLOOR_BOUNDS = ("upper", "point")  # diff.floor_bound: which of a calibration's numbers the floors take
+# The cell tags (and a diff's shared provenance keys) that name the machine and engine a calibration holds for
+MACHINE_KEYS = ("hostname", "device_name", "vllm_version")
 CALIBRATE_COMMAND = "python -m hostsweep stage=noise"
 
 
@@ -56,6 +58,13 @@ def floor_setting(value: Any, key: str) -> Any:
     if not 0 <= pct < 100:
         raise ValueError(f"{key} must be auto, null or a percentage in [0, 100), got {value!r}")
     return pct
+
+
+def floor_bound(value: Any) -> str:
+    """diff.floor_bound checked: one of FLOOR_BOUNDS; ValueError naming the key otherwise."""
+    if value not in FLOOR_BOUNDS:
+        raise ValueError(f"floor_bound={value!r} is not allowed; allowed: {', '.join(FLOOR_BOUNDS)}")
+    return value
 
 
 def sd_upper_pct(pct: float, df: float, confidence: float) -> float:
@@ -203,7 +212,7 @@ def machine_engine(cells: Any) -> Optional[MachineEngine]:
     vllm_version tags), or None when the cells hold none or several: a calibration is looked
     up for one machine and one engine only."""
     found = []
-    for column in ("hostname", "device_name", "vllm_version"):
+    for column in MACHINE_KEYS:
         if column not in getattr(cells, "columns", ()):
             return None
         values = {str(v) for v in cells[column].dropna() if str(v) not in ("", "nan", "None")}

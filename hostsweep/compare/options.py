@@ -10,8 +10,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
-from hostsweep.compare.floors import (FLOOR_BOUNDS, MachineEngine, NoiseCalibration, floor_setting,
-                                      resolve_floors)
+from hostsweep.compare.floors import MachineEngine, NoiseCalibration, floor_bound, floor_setting, resolve_floors
 from hostsweep.compare.match import text
 from hostsweep.compare.rules import DEFAULT_RULE, RULES, null_pct
 from hostsweep.config.schema import ConfigError, DiffConfig
@@ -113,8 +112,7 @@ def diff_options(cfg: DiffConfig, calibration: Optional[NoiseCalibration] = None
     take the calibration's (compare/floors.py), else their documented defaults; floors_line says which."""
     try:
         noise, instance = (floor_setting(getattr(cfg, k), k) for k in ("noise_floor_pct", "instance_floor_pct"))
-        if cfg.floor_bound not in FLOOR_BOUNDS:
-            raise ValueError(f"floor_bound={cfg.floor_bound!r} is not allowed; allowed: {', '.join(FLOOR_BOUNDS)}")
+        floor_bound(cfg.floor_bound)
     except ValueError as exc:
         raise ConfigError(f"diff.{exc}") from None
     floors = resolve_floors(noise, instance, calibration, cfg.floor_bound, looked_for)

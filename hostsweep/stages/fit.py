@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from hostsweep.calibrate.fit_command import FitOutcome, fit_and_log
 from hostsweep.calibrate.terms import FixedTerms, check_fit_sources, fixed_terms
-from hostsweep.compare.floors import AUTO, FLOOR_BOUNDS, floor_setting, machine_engine, resolve_start_floor
+from hostsweep.compare.floors import AUTO, floor_bound, floor_setting, machine_engine, resolve_start_floor
 from hostsweep.config.redact import redact
 from hostsweep.config.resolve import Study
 from hostsweep.config.schema import ConfigError, FitConfig
@@ -51,10 +51,12 @@ def start_floor_in_force(study: Study, cells: Optional[pd.DataFrame]) -> tuple[O
         fallback = floor_setting(cfg.fit.start_floor_fallback_pct, "start_floor_fallback_pct")
         if fallback == AUTO:
             raise ValueError("start_floor_fallback_pct must be null or a percentage in [0, 100), got 'auto'")
-        if cfg.diff.floor_bound not in FLOOR_BOUNDS:
-            raise ValueError(f"floor_bound={cfg.diff.floor_bound!r} is not allowed; allowed: {', '.join(FLOOR_BOUNDS)}")
     except ValueError as exc:
         raise ConfigError(f"fit.{exc}") from None
+    try:
+        floor_bound(cfg.diff.floor_bound)
+    except ValueError as exc:
+        raise ConfigError(f"diff.{exc}") from None
     where = machine_engine(cells) if cells is not None else None
     calibration = newest_calibration(cfg.tracking.uri, cfg.noise.experiment, where) \
         if setting == AUTO and cells is not None else None

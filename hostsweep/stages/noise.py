@@ -35,7 +35,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, open_dict
 from scipy import stats
 
-from hostsweep.compare.floors import (FloorEstimate, MachineEngine, NoiseCalibration,
+from hostsweep.compare.floors import (MACHINE_KEYS, FloorEstimate, MachineEngine, NoiseCalibration,
                                       instance_floor, start_floor)
 from hostsweep.config.redact import redact
 from hostsweep.config.schema import ConfigError
@@ -75,13 +75,14 @@ def floor_metrics(calibration: NoiseCalibration) -> dict[str, float]:
 
 
 def open_calibration_run(uri: str, experiment: str, where: MachineEngine, study: str) -> ReportRun:
-    """The calibration's run, opened before its sweeps so their logs can name it."""
+    """The calibration's run, opened once its A/As are measured (a calibration that measured no
+    floor logs nothing), tagged with the machine and engine it holds for."""
     return ReportRun(uri, experiment, f"noise-{where.host}-{study}",
                      {"hostsweep.kind": KIND, **{tag: getattr(where, field) for field, tag in TAGS.items()}})
 
 
 def log_noise_calibration(run: ReportRun, calibration: NoiseCalibration, params: dict[str, object], folder: Path,
-                    note: str) -> None:
+                          note: str) -> None:
     run.log(folder, params, floor_metrics(calibration), note)
     run.finish()
 
@@ -91,7 +92,7 @@ def _estimate(metrics: dict[str, float], name: str) -> Optional[FloorEstimate]:
         values = [metrics[f"{name}_floor_{part}"] for part in ("pct", "upper_pct", "df")] + [metrics["confidence"]]
     except KeyError:
         return None
-    return FloorEstimate(*(float(v) for v in values)) if all(math.isfinite(float(v)) for v in values[:1]) else None
+    return FloorEstimate(*(float(v) for v in values)) if math.isfinite(float(values[0])) else None
 
 
 def newest_calibration(uri: str, experiment: str, where: Optional[MachineEngine]) -> Optional[NoiseCalibration]:
@@ -193,7 +194,7 @@ def measure_aa(raw_cfg: DictConfig, name: str, design: str, starts: Optional[int
 
 def machine_of(outcomes: list[AaOutcome]) -> Optional[MachineEngine]:
     """The machine and engine every A/A's cells ran on (their shared provenance), or None."""
-    seen = {tuple(o.shared().get(k) for k in ("hostname", "device_name", "vllm_version")) for o in outcomes if o.diff}
+    seen = {tuple(o.shared().get(k) for k in MACHINE_KEYS) for o in outcomes if o.diff}
     if len(seen) != 1 or None in next(iter(seen)):
         return None
     return MachineEngine(*next(iter(seen)))
