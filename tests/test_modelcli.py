@@ -109,19 +109,58 @@ def test_fit_with_an_unknown_calibration_fails_in_one_line(workspace, capsys):
     assert code == 2 and len(err) == 1 and "calibration 'nope'" in err[0]
 
 
-def test_allreduce_microbenchmark_on_gloo_fits_positive_terms(tmp_path, capsys, new_store):
+def test_standalone_allreduce_times_every_message_size_on_real_gloo_ranks():
+    # real processes and a real gloo group; how the times grow with size is this machine's
+    # business (on one busy core gloo can read flat up to 16 MB), so only their presence is checked
+    from hostsweep.calibrate.allreduce_bench import run_allreduce_sweep
+
+    sizes = np.array([4096, 65536, 1 << 20])
+    frame = run_allreduce_sweep(2, sizes, reps=3, backend="gloo")
+    assert list(frame["bytes"]) == list(sizes) and (frame["seconds"] > 0).all()
+
+
+def test_allreduce_command_recovers_lambda_and_beta_and_records_the_standalone_method(tmp_path, capsys, new_store,
+                                                                                       monkeypatch):
+    # the sweep's timings come from known terms (λ 40 µs, β 2.5 GB/s, 2 % noise): the command's
+    # fit, its calibration section and its MLflow run must give them back
+    import hostsweep.calibrate.allreduce_bench as bench
+
+    latency_s, bandwidth_Bps = 40e-6, 2.5e9
+    noise = np.random.default_rng(7)
+
+    def synthetic_sweep(ranks, sizes, reps, backend="gloo"):
+        assert ranks == 2 and backend == "gloo"
+        seconds = (latency_s + np.asarray(sizes, float) / bandwidth_Bps) * (1 + noise.normal(0, 0.02, len(sizes)))
+        return pd.DataFrame({"bytes": np.asarray(sizes, int), "seconds": seconds})
+
+    monkeypatch.setattr(bench, "run_allreduce_sweep", synthetic_sweep)
     out_file = tmp_path / "calib.yaml"
     uri = new_store(tmp_path / "c.db")
     code = run_main(["--tracking-uri", uri, "allreduce", "--path", "standalone", "--ranks", "2", "--reps", "10",
-                     "--points", "6", "--max-bytes", "16e6", "--out", str(out_file)])
+                     "--points", "8", "--max-bytes", "16e6", "--out", str(out_file)])
     assert code == 0
     # the TP study's method is recorded as such, beside (never in place of) the engine path's section
     fitted = yaml.safe_load(out_file.read_text())["allreduce_standalone"]["cpu"]
-    assert fitted["bandwidth_gbps"] > 0 and fitted["path"] == "standalone" and "gloo" in fitted["method"]
+    assert fitted["path"] == "standalone" and "gloo" in fitted["method"]
+    assert fitted["latency_us"] == pytest.approx(40, rel=0.15) and fitted["bandwidth_gbps"] == pytest.approx(2.5, rel=0.1)
     mlflow.set_tracking_uri(uri)
     runs = mlflow.search_runs(experiment_names=["calibration"])
-    assert list(runs["tags.calibration_kind"]) == ["allreduce"] and runs["metrics.beta_gbps"].iloc[0] > 0
+    assert list(runs["tags.calibration_kind"]) == ["allreduce"]
+    assert runs["metrics.beta_gbps"].iloc[0] == pytest.approx(fitted["bandwidth_gbps"])
     assert "calibrations" in mlflow.get_experiment_by_name("calibration").tags["mlflow.note.content"]
+
+
+def test_allreduce_command_that_cannot_fit_a_bandwidth_says_so_in_one_line_and_writes_nothing(
+        tmp_path, capsys, new_store, monkeypatch):
+    import hostsweep.calibrate.allreduce_bench as bench
+
+    monkeypatch.setattr(bench, "run_allreduce_sweep", lambda ranks, sizes, reps, backend="gloo": pd.DataFrame(
+        {"bytes": np.asarray(sizes, int), "seconds": np.full(len(sizes), 2.3e-3)}))
+    out_file = tmp_path / "calib.yaml"
+    code = run_main(["--tracking-uri", new_store(tmp_path / "c.db"), "allreduce", "--path", "standalone",
+                     "--points", "6", "--out", str(out_file)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and "does not grow with message size" in err[-1] and not out_file.exists()
 
 
 def test_roofs_microbenchmark_logs_measured_next_to_datasheet_and_feeds_the_fit(tmp_path, capsys, workspace,
