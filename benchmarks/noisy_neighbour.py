@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from hostsweep.model.unstable import left_out_mask
+from hostsweep.measure.unstable import left_out_mask
 from studies import run_study
 
 RUNS = ("quiet-1", "quiet-2", "noisy", "seq-1", "seq-2")
@@ -124,7 +124,7 @@ def targets(frames: dict[str, pd.DataFrame]) -> None:
                 flagged = int(frames[n]["unstable"].sum())
                 # machine_speed and replicate are verdicts on the machine, every cell of a group
                 # at once; the rules that judge a cell's own number are the rest
-                own = int(left_out_mask(frames[n]).sum())  # the fit's rule (model/unstable.py)
+                own = int(left_out_mask(frames[n]).sum())  # the fit's rule (measure/unstable.py)
                 print(f"  {n} flags at most one cell: {flagged} flagged, {own} for a reason about the cell "
                       f"itself ({'met' if flagged <= 1 else 'NOT met'})")
     if "noisy" in frames and quiet:

@@ -19,6 +19,7 @@ import pandas as pd
 from hostsweep.config.options import load_calibration, load_model_shape, load_sku
 from hostsweep.config.redact import redact
 from hostsweep.config.schema import ConfigError
+from hostsweep.measure.unstable import Exclusion, exclude_unstable
 from hostsweep.model.fit import mape_summary
 from hostsweep.model.fit_console import render
 from hostsweep.model.hostforms import DEFAULT_FORM, FORMS
@@ -28,7 +29,6 @@ from hostsweep.model.study_fit import (BOUNDS, G_MODES, CalibrationTerms, FitOpt
 from hostsweep.model.synthetic import (HOST_TRUTHS, TP_STUDY_OUTLIER_FACTOR, push_below_bound, clean_step_s, grid,
                                        host_truth_s, measure)
 from hostsweep.model.tpmodel import INPUT_COLUMNS, model_spec, predict_rows
-from hostsweep.model.unstable import Exclusion, exclude_unstable
 
 
 def measured_cells(args: argparse.Namespace) -> pd.DataFrame:

@@ -13,9 +13,9 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
+from hostsweep.measure.unstable import Exclusion, exclude_unstable
 from hostsweep.model.fit import HostFit
 from hostsweep.model.hostline import BoundedLine, fit_bounded_line
-from hostsweep.model.unstable import Exclusion, exclude_unstable
 
 
 def _line_text(s0_ms: float, s1_ms: float) -> str:

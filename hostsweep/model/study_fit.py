@@ -27,8 +27,8 @@ from hostsweep.model.hostforms import (DEFAULT_FORM, FORMS, FittedForm, ScaleFit
 from hostsweep.model.inputs import in_regime
 from hostsweep.model.resolution import inconclusive_noise, overall_noise
 from hostsweep.model.term_checks import (ALLREDUCE_MISMATCH, INSITU_COLUMNS, SPLIT_COLUMNS, STANDALONE,
-                                         allreduce_path, guard_group, host_path, insitu_fallback, mark_insitu,
-                                         path_of)
+                                         allreduce_path, decomposition_table, guard_group, host_path,
+                                         insitu_fallback, mark_insitu, path_of)
 from hostsweep.model.verdict import (StartShift, falsifying_threshold, host_family_verdict, overall_verdict,
                                      relative_shift_sd, start_shift_sd)
 
@@ -139,6 +139,8 @@ class FitReport:
             "calibration": self.calibration, "scale": self.scale, "forms": forms, "scores": self.scores, "groups": self.groups,
             "verdict": self.verdict, "falsification": self.falsification, "shrink": self.shrink,
             "warnings": self.warnings, "cells": self.predictions.to_dict(orient="records"),
+            # the chosen form's additive term taken apart per (sku, model, tp): the report draws it as given
+            "decomposition": decomposition_table(self.predictions, self.options.form).to_dict(orient="records"),
         })
 
 

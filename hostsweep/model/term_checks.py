@@ -171,15 +171,17 @@ def guard_group(row: dict[str, Any], cells: pd.DataFrame, paths: Mapping[str, st
     """A held-out group's verdict, guarded by its own inputs. `row` holds the binomial rule's
     `falsified` and the family `verdict`; `cells` its rows of the fit's table; `paths` the
     path of H and T_ar (ENGINE / STANDALONE). Adds `allreduce_check`, `driving_term`,
-    `terms_on_engine_path`; turns a mismatched group into ALLREDUCE_MISMATCH (out of the
-    comparison, its falsification kept apart as `falsified_by_rule`)."""
+    `term_paths` (the paths, for the report), `terms_on_engine_path`; turns a mismatched
+    group into ALLREDUCE_MISMATCH (out of the comparison, its falsification kept apart as
+    `falsified_by_rule`)."""
     tp = int(row["tp"])
     check = allreduce_check(cells) if tp > 1 else {"status": "no all-reduce", "cells": 0, "sentence": "TP-1"}
     drive = driving_term(cells)
     tar_checked = tp == 1 or paths.get("T_ar") == ENGINE or check["status"] in ("match", ALLREDUCE_BEYOND)
     unchecked = [term for term, ok in (("H", paths.get("H") == ENGINE), ("T_ar", tar_checked)) if not ok]
-    out = {**row, "allreduce_check": check, "driving_term": drive, "terms_on_engine_path": not unchecked,
-           "terms_off_engine_path": unchecked, "falsified_by_rule": bool(row.get("falsified"))}
+    out = {**row, "allreduce_check": check, "driving_term": drive, "term_paths": dict(paths),
+           "terms_on_engine_path": not unchecked, "terms_off_engine_path": unchecked,
+           "falsified_by_rule": bool(row.get("falsified"))}
     if check["status"] == ALLREDUCE_MISMATCH:
         apart = row.get("evidence_apart", {k: row[k] for k in ("verdict", "reason") if k in row})
         below = "its cells fall below H + T_ar, " if row.get("falsified") else ""

@@ -31,7 +31,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from hostsweep.config.grid import ENGINE_AXES  # noqa: E402
-from hostsweep.model.unstable import unstable_mask  # noqa: E402  (cells drawn hollow or hatched)
+from hostsweep.measure.unstable import unstable_mask  # noqa: E402  (cells drawn hollow or hatched)
 from hostsweep.report.tables import phase_columns  # noqa: E402
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",

@@ -11,7 +11,7 @@ from typing import Any, Optional
 import pandas as pd
 
 from hostsweep.config.redact import redact
-from hostsweep.model.unstable import exclude_unstable
+from hostsweep.measure.unstable import exclude_unstable
 from hostsweep.report import figures as F
 from hostsweep.report import fit_tables
 from hostsweep.report.document import Bullets, Document, Figure, Heading, Table, Text
@@ -184,7 +184,7 @@ def _shrink(fit: dict[str, Any], pred: pd.DataFrame, figures: dict[str, Path], r
                  "C/k divides it. model_H_mean_ms is the pinned H(N) for comparison."),
             Table(per_tp, digits=3), Table(ratios, "ratio of mean residuals over matched cells, bootstrap 95% CI", 3)
             if len(ratios) else Text("No matched cells at two TP degrees: the residual cannot be compared across TP."),
-            *decomposition_section(fit, pred),
+            *decomposition_section(fit),
             Figure(figures["step_composition"], "Decode-step composition per TP degree.")]
 
 

@@ -16,7 +16,7 @@ import pandas as pd
 from hostsweep.config.schema import MeasureConfig
 from hostsweep.measure.group import pairs_for_half_width
 from hostsweep.measure.protocol import half_width_pct
-from hostsweep.model.unstable import Exclusion, left_out_mask, reasons_of
+from hostsweep.measure.unstable import Exclusion, left_out_mask, reasons_of
 from hostsweep.report.document import Bullets, Document, Heading, Table, Text
 
 # What to run when a reason left cells out of the fit, one line per reason.

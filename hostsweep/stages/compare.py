@@ -26,7 +26,8 @@ from hostsweep.config.redact import redact
 from hostsweep.config.resolve import Study
 from hostsweep.config.schema import ConfigError
 from hostsweep.config.stages import StageInfo
-from hostsweep.model.unstable import Exclusion, exclude_unstable
+from hostsweep.measure.unstable import Exclusion, exclude_unstable
+from hostsweep.model.term_checks import allreduce_path, decomposition_table, host_path
 from hostsweep.record.reports import ReportRun, load_fit_json
 from hostsweep.record.views import absolute_store_uri, open_ui_line, runs_table_url, store_label, ui_base
 from hostsweep.record.read.selection import Selection, select_cells
@@ -61,9 +62,23 @@ def _fit(study: Study, selection: Selection, run_dir: Path
     floors line): fitted now, or compare.fit_run's (its terms are in its fit.json and the run's params)."""
     run_id = study.config.compare.fit_run
     if run_id:
-        return json.loads(load_fit_json(study.config.tracking.uri, run_id)), run_id, [], [], ""
+        return with_report_parts(json.loads(load_fit_json(study.config.tracking.uri, run_id))), run_id, [], [], ""
     result = fit_selection(study, selection, run_dir)
     return result.data, result.outcome.run_id, result.fixed.sources, result.fixed.warnings, result.floors
+
+
+def with_report_parts(fit: dict[str, Any]) -> dict[str, Any]:
+    """A fit.json logged before it carried what the report draws (the additive term's
+    decomposition, each held-out group's term paths), with them added: the report computes
+    nothing of the model's."""
+    if "decomposition" not in fit:
+        table = decomposition_table(pd.DataFrame(fit["cells"]), fit["options"]["form"]).astype(object)
+        fit["decomposition"] = table.where(table.notna(), None).to_dict(orient="records")
+    for group in fit["groups"]:
+        if "allreduce_check" in group and "term_paths" not in group:
+            group["term_paths"] = {"H": host_path(fit["calibration"]),
+                                   "T_ar": allreduce_path(fit["calibration"], group["sku"])}
+    return fit
 
 
 def _params_and_metrics(fit: dict[str, Any], groups: pd.DataFrame, fit_run: str,

@@ -26,10 +26,10 @@ from hostsweep.config.redact import redact
 from hostsweep.config.resolve import Study
 from hostsweep.config.schema import ConfigError, FitConfig
 from hostsweep.config.stages import StageInfo
+from hostsweep.measure.unstable import Exclusion, exclude_unstable
 from hostsweep.model.fit_console import render
 from hostsweep.model.study_fit import FitOptions
 from hostsweep.model.term_checks import ENGINE, STANDALONE
-from hostsweep.model.unstable import Exclusion, exclude_unstable
 from hostsweep.stages.noise import newest_calibration
 from hostsweep.record.read.selection import Selection, fit_cells, select_cells, train_selection
 from hostsweep.stages import resolve_for_reading

@@ -29,7 +29,7 @@ grid.CELL_PARAMS = (*grid.CELL_AXES, *grid.PROTOCOL_PARAMS, *grid.ENGINE_PARAMS)
 from pathlib import Path
 import pandas as pd
 from hostsweep.measure.results import CellResult, cell_row
-from hostsweep.model.unstable import exclude_unstable
+from hostsweep.measure.unstable import exclude_unstable
 from hostsweep.record.celltable import CellTable
 from hostsweep.record.read.readback import cell_params
 from hostsweep.record.read.selection import in_grid_order

@@ -241,3 +241,26 @@ def test_the_report_sets_calibrated_beside_in_situ_all_reduce_and_takes_the_addi
     assert verdict < terms < markdown.index("Falsification: cells below")  # read before any falsification
     assert "calibrated_T_ar_ms" in markdown and "insitu_ms" in markdown and "standalone" in markdown
     assert "Decomposition of the additive term" in markdown and "unattributed_ms" in markdown
+
+
+def test_a_fit_json_logged_before_the_report_parts_gets_the_same_parts_from_the_compare_stage():
+    # compare.fit_run reads a logged fit.json: one from before the fit carried the term paths
+    # and the decomposition gets them added, equal to what the fit now writes
+    import copy
+
+    from hostsweep.stages.compare import with_report_parts
+
+    cells = with_insitu(measure(BOTH, clean_step_s(BOTH, TRUE_G, TRUE.allreduce, host_truth_s("invariant", BOTH,
+                                                                                              TRUE.host)), 0.015, 0),
+                        TRUE, 0)
+    cells = cells.assign(host_ms=5.8, device_ms=cells["step_ms"] - 5.8)
+    fit = fit_study(cells, TRUE, FitOptions("h100", resamples=100)).to_dict()
+    assert fit["decomposition"] and any("term_paths" in g for g in fit["groups"])
+    old = copy.deepcopy(fit)
+    del old["decomposition"]
+    for g in old["groups"]:
+        g.pop("term_paths", None)
+    upgraded = with_report_parts(old)
+    assert [g.get("term_paths") for g in upgraded["groups"]] == [g.get("term_paths") for g in fit["groups"]]
+    pd.testing.assert_frame_equal(pd.DataFrame(upgraded["decomposition"]), pd.DataFrame(fit["decomposition"]),
+                                  check_dtype=False)

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from hostsweep.config.schema import ConfigError
-from hostsweep.model.unstable import exclude_unstable
+from hostsweep.measure.unstable import exclude_unstable
 from hostsweep.record.read.selection import Selection
 from hostsweep.report.document import to_markdown
 from hostsweep.report.inconclusive import inconclusive_document

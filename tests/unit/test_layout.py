@@ -61,6 +61,13 @@ def test_the_model_imports_only_the_pure_core(path):
     assert hostsweep_imports(path) <= {"config", "measure", "model"}
 
 
+@pytest.mark.parametrize("path", sorted((PACKAGE / "report").glob("*.py")), ids=lambda p: p.name)
+def test_the_report_draws_what_it_is_handed_and_imports_no_model(path):
+    """Masks, decompositions and term paths come in fit.json or from the stage; a report that
+    imported model/ could recompute them and disagree with what the fit logged."""
+    assert "model" not in hostsweep_imports(path)
+
+
 @pytest.mark.parametrize("path", [p for p in modules() if package_of(p) in PURE_PACKAGES],
                          ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_the_pure_core_imports_only_the_pure_core(path):

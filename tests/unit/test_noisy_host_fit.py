@@ -21,7 +21,7 @@ from hostsweep.model.hostline import endpoint_design, fit_bounded_line, nnls2
 from hostsweep.model.resolution import noise_resolution
 from hostsweep.model.study_fit import FitOptions, calibration_terms, fit_study
 from hostsweep.model.synthetic import clean_step_s, grid, host_truth_s, measure
-from hostsweep.model.unstable import exclude_unstable, left_out_mask, unstable_mask
+from hostsweep.measure.unstable import exclude_unstable, left_out_mask, unstable_mask
 from hostsweep.report import fit_tables
 from hostsweep.report.document import to_markdown
 from hostsweep.report.fit_report import Context, build

@@ -69,7 +69,7 @@ def test_a_cell_run_name_reads_batch_context_mode_tp_then_sku_and_model():
 def test_the_stability_verdict_comes_back_with_each_cell_and_a_cell_without_one_is_stable(store):
     from mlflow.tracking import MlflowClient
 
-    from hostsweep.model.unstable import exclude_unstable, unstable_mask
+    from hostsweep.measure.unstable import exclude_unstable, unstable_mask
 
     uri, _ = store
     assert not unstable_mask(read_cells(uri, ["hostsweep-unit"])).any()

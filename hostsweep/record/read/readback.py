@@ -57,7 +57,7 @@ def read_cells(tracking_uri: str, experiments: list[str], parent_run_id: Optiona
         "parent_run_id": cells.get("tags.mlflow.parentRunId", nan),
         "start_time": cells["start_time"],
         # the sweep's stability verdict ("true"/"false", reasons comma separated); runs
-        # logged before it have neither tag, and count as stable (model/unstable.py)
+        # logged before it have neither tag, and count as stable (measure/unstable.py)
         **flag_columns(cells),
     })
     others = {c[len("metrics."):]: cells[c].astype(float) for c in cells if c.startswith("metrics.")
