@@ -80,7 +80,7 @@ def measure_allreduce(path: str, spec: dict[str, Any], ranks: int, sizes: np.nda
         from hostsweep.calibrate.engine_allreduce import describe_paths, run_engine_allreduce
 
         frame = run_on_sku(run_engine_allreduce, spec.get("accelerator_type"), ranks if gpu else 0, address,
-                           ranks, sizes, reps, dtype, disable_custom_all_reduce)
+                           ranks, sizes, reps, dtype, disable_custom_all_reduce, apart=True)
         method = describe_paths(frame)
     else:
         from hostsweep.calibrate.allreduce_bench import run_allreduce_sweep

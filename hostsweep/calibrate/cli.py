@@ -93,7 +93,7 @@ def roofs_command(args: argparse.Namespace) -> int:
     sku = load_sku(args.sku)
     gpu = sku.accelerator_type is not None
     roofs = run_on_sku(measure_roofs, sku.accelerator_type, 1 if gpu else 0, args.ray_address,
-                       gpu, args.gemm_size, args.copy_mib, 5, args.dtype)
+                       gpu, args.gemm_size, args.copy_mib, 5, args.dtype, apart=True)
     datasheet = {"peak_bf16_tflops": sku.peak_bf16_tflops, "mem_bandwidth_gbps": sku.mem_bandwidth_gbps}
     print(f"sku {args.sku}: {roofs['measured_tflops']:.2f} TFLOP/s ({roofs['dtype']} GEMM, {roofs['matmul']}), "
           f"{roofs['measured_bandwidth_gbps']:.1f} GB/s copy; datasheet {datasheet}")

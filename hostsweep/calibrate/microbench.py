@@ -1,12 +1,14 @@
 """The roofs microbenchmark for the TP model (the SKU's achieved GEMM FLOP/s and copy
 bandwidth; torch), and `run_on_sku`, which runs any calibration benchmark here or as a
-Ray task pinned to the SKU it describes.
+Ray task pinned to the SKU it describes; here, one that loads vLLM runs in a process of its
+own (`apart`).
 
 The all-reduce sweep lives in allreduce_bench.py; H(N) from measured cells in
 model/host_calibration.py.
 """
 from __future__ import annotations
 
+import multiprocessing
 import time
 from typing import Any, Callable, Optional
 
@@ -81,11 +83,45 @@ def measure_roofs(gpu: bool, gemm_size: int = 4096, copy_mib: int = 512, reps: i
             "copy_mib": copy_mib, "device": torch.cuda.get_device_name(0) if gpu else "cpu"}
 
 
+def _call_and_send(send: Any, function: Callable[..., Any], args: tuple) -> None:
+    try:
+        outcome = (True, function(*args))
+    except BaseException as exc:  # noqa: BLE001 (raised again in the caller's process)
+        outcome = (False, exc)
+    send.send(outcome)
+    send.close()
+
+
+def run_apart(function: Callable[..., Any], *args: Any) -> Any:
+    """`function(*args)` in a spawned process of its own, its result or its exception handed
+    back. For a benchmark that loads vLLM's kernels (its oneDNN matmul, its TP communicator):
+    loaded into the driver they stay until it exits, and the exit then prints nanobind's leak
+    report (hundreds of lines) after the report's last line. Not a pool: a pool's workers are
+    daemons, and the engine-path all-reduce starts rank processes of its own."""
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_call_and_send, args=(send, function, args), name=f"hostsweep-{function.__name__}")
+    child.start()
+    send.close()
+    try:
+        ok, value = receive.recv()
+    except EOFError:
+        child.join()
+        raise RuntimeError(f"{function.__name__} ended its process without a result (exit {child.exitcode})") from None
+    finally:
+        receive.close()
+    child.join()
+    if not ok:
+        raise value
+    return value
+
+
 def run_on_sku(function: Callable[..., Any], accelerator_type: Optional[str], gpus: int,
-               address: Optional[str], *args: Any) -> Any:
-    """Run `function(*args)` here, or as a Ray task on a node of the SKU when `address` is set."""
+               address: Optional[str], *args: Any, apart: bool = False) -> Any:
+    """Run `function(*args)` here (in a process of its own with `apart`: run_apart), or as a
+    Ray task on a node of the SKU when `address` is set."""
     if address is None:
-        return function(*args)
+        return run_apart(function, *args) if apart else function(*args)
     import ray
 
     from hostsweep.run.cluster import InfeasiblePlan, describe_inventory, live_nodes, node_offers

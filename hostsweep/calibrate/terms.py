@@ -107,7 +107,7 @@ def _roofs(sku: str, spec: dict[str, Any], cells: pd.DataFrame, calibration: Cal
                                   f"roofs --sku {sku} --dtype {dtype} --out FILE, then fit.calibration_file=FILE) "
                                   "or set fit.calibrate=true")
             measured = run_on_sku(measure_roofs, spec.get("accelerator_type"), 1 if gpu else 0, address, gpu,
-                                  4096, 512, 5, dtype)
+                                  4096, 512, 5, dtype, apart=True)
             values = {k: measured[k] for k in ("measured_tflops", "measured_bandwidth_gbps")}
             run_id = log_calibration(uri, "roofs", sku, measured, values, pd.DataFrame([measured]))
             roofs = RoofsCalibration(**values, dtype=measured["dtype"], matmul=measured["matmul"])

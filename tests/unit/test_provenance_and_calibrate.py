@@ -84,6 +84,35 @@ def test_host_calibration_needs_two_batch_sizes():
         calibrate_host(cells)
 
 
+def test_a_benchmark_run_apart_hands_back_its_result_its_exception_or_its_death():
+    import math
+    import os
+
+    from hostsweep.calibrate.microbench import run_apart
+
+    assert run_apart(math.factorial, 5) == 120
+    with pytest.raises(ValueError, match="invalid literal"):
+        run_apart(int, "not a number")
+    with pytest.raises(RuntimeError, match=r"_exit ended its process without a result \(exit 3\)"):
+        run_apart(os._exit, 3)
+
+
+def test_the_roofs_measured_for_a_stage_leave_vllm_out_of_the_driver():
+    # the engine's kernels loaded into the driver stay there to its exit, which then ends with
+    # nanobind's leak report after the report's last line
+    import subprocess
+    import sys
+
+    script = ("import sys\n"
+              "from hostsweep.calibrate.microbench import measure_roofs, run_on_sku\n"
+              "roofs = run_on_sku(measure_roofs, None, 0, None, False, 64, 1, 1, None, apart=True)\n"
+              "assert roofs['measured_tflops'] > 0, roofs\n"
+              "print('vllm' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "False" and "nanobind" not in proc.stderr
+
+
 def test_roofs_on_the_cpu_are_positive_and_run_in_process_without_an_address():
     roofs = run_on_sku(measure_roofs, None, 0, None, False, 256, 8)
     assert roofs["measured_tflops"] > 0 and roofs["measured_bandwidth_gbps"] > 0
