@@ -140,6 +140,9 @@ class FakeBackend:
     def started(self, worker: FakeWorker) -> bool:
         return self.clock >= worker.ready_at
 
+    def placed(self, worker: FakeWorker) -> Optional[bool]:
+        return True  # a fake worker starts its engine at once
+
     def engine_fault(self, worker: FakeWorker) -> Optional[str]:
         dead = worker.engine_dead_at is not None and self.clock >= worker.engine_dead_at
         return ENGINE_KILLED if dead else None

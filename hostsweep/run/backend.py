@@ -41,6 +41,8 @@ class RayBackend:
         self.phases: dict[int, str] = {}
         self.asked_at: dict[tuple[str, int], float] = {}  # (what, worker) -> when last asked
         self.ready: set[int] = set()
+        self.log_files: dict[int, tuple[Path, float]] = {}  # worker -> (its log, when it was asked for)
+        self.nodes_alive: Optional[int] = None
         # Workers whose engines were asked to close, with the answers awaited: the sweep's
         # last close overlaps its recording and figures instead of delaying them.
         self.closing: list[tuple[list[WorkerHandle], object]] = []
@@ -53,7 +55,32 @@ class RayBackend:
         worker = new_worker(spec, log_file, partner, partner_first)
         # host_info answers once the constructor (the engine start) has finished.
         self.ready_refs[id(worker)] = worker.actor.host_info.remote()
+        if log_file is not None:
+            self.log_files[id(worker)] = (Path(log_file), time.time())
         return worker
+
+    def placed(self, worker: WorkerHandle) -> Optional[bool]:
+        """Told by the worker's log: its constructor's first act writes a header there
+        (run/worklog.redirect_output), so a log written since the worker was asked for means
+        it runs on its node. None where the log is not on this file system (another node
+        without a shared one) or there is none (hydra.verbose)."""
+        if id(worker) in self.ready:
+            return True
+        if id(worker) not in self.log_files:
+            return None
+        log_file, asked = self.log_files[id(worker)]
+        try:
+            return log_file.stat().st_mtime >= asked - 1.0  # the file's clock may be a second coarse
+        except FileNotFoundError:
+            # on a cluster of several nodes, one without the driver's folders logs elsewhere
+            return False if self._one_node() else None
+
+    def _one_node(self) -> bool:
+        if self.nodes_alive is None:
+            import ray
+
+            self.nodes_alive = sum(1 for node in ray.nodes() if node.get("Alive"))
+        return self.nodes_alive == 1
 
     def submit(self, worker: WorkerHandle, cell: Cell, options: MeasureOptions, companions: tuple[Cell, ...] = ()) -> object:
         return worker.actor.measure.remote(cell, options, companions)

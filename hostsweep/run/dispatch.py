@@ -60,6 +60,10 @@ class WorkerBackend(Protocol):
     def started(self, worker: object) -> bool:
         """Whether the worker's engine is up (or its start has failed)."""
 
+    def placed(self, worker: object) -> Optional[bool]:
+        """Whether the worker runs on its node (its engine starting), False while it is still
+        queued for one, None where that cannot be told."""
+
     def engine_fault(self, worker: object) -> Optional[str]:
         """Why the worker's engine is dead, or None while it is alive (or not yet known)."""
 
@@ -131,6 +135,7 @@ class Dispatcher:
         self.given: dict[EngineSpec, set[str]] = defaultdict(set)
         self.unsure: set[EngineSpec] = set()
         self.started_at: dict[EngineSpec, float] = {}
+        self.placed_at: dict[EngineSpec, float] = {}  # first seen running on its node (backend.placed)
         # When each worker's engine was ready: cell timeouts count from then, so a slow
         # engine start is not charged to its first cell.
         self.ready_at: dict[EngineSpec, float] = {}
@@ -355,8 +360,11 @@ class Dispatcher:
             if spec not in self.ready_at:
                 if self.backend.started(worker):
                     self.ready_at[spec] = now
-                    log.info("%s: engine ready %.1f s after its worker was asked for", spec.label,
-                             now - self.started_at[spec])
+                    queued = self.placed_at[spec] - self.started_at[spec] if spec in self.placed_at else 0.0
+                    # the queue is the node's (another worker still holds it), not the engine's start
+                    log.info("%s: engine ready %.1f s after its worker was asked for%s", spec.label,
+                             now - self.started_at[spec],
+                             f" ({queued:.1f} s of it queued for a node)" if queued >= 1.0 else "")
                 elif now - self.started_at[spec] > self.policy.engine_start_timeout_s:
                     del self.inflight[pending]
                     self.limits.pop(pending, None)
@@ -377,9 +385,18 @@ class Dispatcher:
         """Per worker: its cell and what it is doing ('b2 ctx512: rep: round 3 of 12, 6 cell(s)')."""
         current = {}
         for spec, cell, _ in self.inflight.values():
-            phase = self.backend.phase(self.workers[spec]) if spec in self.ready_at else "starting engine"
+            phase = self.backend.phase(self.workers[spec]) if spec in self.ready_at else self._starting(spec)
             current[spec.label] = f"b{cell.batch} ctx{cell.ctx}" + (f": {phase}" if phase else "")
         return current
+
+    def _starting(self, spec: EngineSpec) -> str:
+        """A not yet ready worker's phase: queued for a node (another worker still holds it)
+        or starting its engine; both where the backend cannot tell."""
+        placed = self.backend.placed(self.workers[spec])
+        if placed:
+            self.placed_at.setdefault(spec, self.backend.now())
+            return "starting engine"
+        return "queued for a node" if placed is False else "starting engine (or queued for a node)"
 
     def _update_progress(self) -> None:
         """The progress line: the ETA extrapolates the time cells took once their engine

@@ -2,6 +2,7 @@
 fault and what it costs, as cells expected / finished / duplicated / lost."""
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 import pytest
@@ -361,3 +362,52 @@ def test_a_paired_side_whose_engine_cannot_start_fails_its_cells_and_the_other_s
     status = Counter((r.params["side"], r.status) for r in results)
     assert status == {("a", "FINISHED"): 4, ("b", "FAILED"): 4}
     assert sum(1 for e in backend.events if e.startswith("start") and e.endswith("/a")) == 3
+
+
+
+class QueuedBackend(FakeBackend):
+    """A fake worker queued for its node until `placed_s` (placed() False, or None where the
+    backend cannot tell), then starting its engine."""
+
+    placed_s: float = 40.0
+    tells: bool = True
+
+    def placed(self, worker):
+        return self.clock >= self.placed_s if self.tells else None
+
+
+class Phases:
+    """A progress reporter that keeps every phase it was shown."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def update(self, done, current, *args) -> None:
+        self.seen.extend(current.values())
+
+    def close(self) -> None:
+        pass
+
+
+def phases_and_ready_line(backend: QueuedBackend, caplog) -> tuple[list[str], str]:
+    progress = Phases()
+    dispatcher = Dispatcher(cells("batch=[1]"), options(), [].append, backend, POLICY, progress=progress)
+    with caplog.at_level("INFO", logger="hostsweep.run.dispatch"):
+        dispatcher.run()
+    ready = next(r.getMessage() for r in caplog.records if "engine ready" in r.getMessage())
+    return list(dict.fromkeys(progress.seen)), ready
+
+
+def test_a_worker_queued_for_its_node_is_said_to_be_queued_and_its_ready_line_counts_the_queue_apart(
+        tmp_path, caplog):
+    said, ready = phases_and_ready_line(QueuedBackend(tmp_path, start_s=100.0), caplog)
+    assert said[:2] == ["b1 ctx16: queued for a node", "b1 ctx16: starting engine"]
+    queued = float(re.search(r"\(([\d.]+) s of it queued for a node\)", ready).group(1))
+    assert 40.0 <= queued <= 40.0 + 2 * POLICY.poll_s
+
+
+def test_a_backend_that_cannot_tell_the_queue_from_the_start_says_both(tmp_path, caplog):
+    backend = QueuedBackend(tmp_path, start_s=100.0)
+    backend.tells = False
+    said, ready = phases_and_ready_line(backend, caplog)
+    assert said[0] == "b1 ctx16: starting engine (or queued for a node)" and "queued" not in ready
