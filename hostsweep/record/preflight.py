@@ -3,7 +3,8 @@ ConfigError within seconds (the CLI exits 2).
 
 config.validation has already checked the config itself; these ask whether the things it
 names exist and answer: the Ray cluster, the tracking store, the run directory, the
-checkpoint, this machine's GPUs, and whether another sweep already measures here.
+checkpoint, this machine's GPUs, whether another sweep already measures here, and (once the
+grid is built) whether its engines fit the node's memory.
 """
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ from urllib.parse import urlsplit
 
 import psutil
 
+from hostsweep.config.grid import Cell, group_by_engine, rounds_partners, runnable
 from hostsweep.config.machine import local_sku_name
+from hostsweep.config.memory import GIB, live_together, memory_plan
 from hostsweep.config.resolve import Study
 from hostsweep.config.schema import ConfigError
 from hostsweep.record.store import check_store_answers, check_writable_folder
-from hostsweep.run.cluster import check_address_answers
+from hostsweep.run.cluster import InfeasiblePlan, check_address_answers
 
 log = logging.getLogger(__name__)
 
@@ -177,3 +180,20 @@ def preflight(study: Study, run_dir: Path) -> Optional[IO[str]]:
         check_address_answers(cfg.ray.address)
     check_store_answers(cfg.tracking.uri)
     return lock_machine(study, run_dir)
+
+
+def check_memory(study: Study, grid: list[Cell]) -> None:
+    """The plan's memory line (config/memory.py), and InfeasiblePlan in one line where the
+    engines do not fit, before Ray or an engine starts. A local cluster's node is this machine
+    (its free memory now); a joined cluster's nodes are not known yet, so only the GPU check runs."""
+    cells = runnable(grid)
+    specs = [spec for spec in group_by_engine(cells) if spec.engine == "vllm"]
+    if not specs:
+        return
+    cfg = study.config
+    free = None if cfg.ray.address else psutil.virtual_memory().available / GIB
+    plan = memory_plan(live_together(specs, rounds_partners(cells)), free,
+                       {sku.name: sku.device_memory_gib for sku in study.skus}, cfg.engine.gpu_memory_utilization)
+    log.info("%s", plan.line)
+    if plan.refusal is not None:
+        raise InfeasiblePlan(plan.refusal)
