@@ -161,6 +161,11 @@ class SweepWorker(SplitProfiling):
         if left:
             log.warning("engine processes still there %.0f s after they were stopped, killed: %s",
                         wait_s, ", ".join(left))
+        if self.watch.processes:
+            # the tracker's "There appear to be N leaked shared_memory objects" that follows in
+            # this log is this release: vLLM's message queues, unlinked here, not left behind
+            log.info("the closed engine's shared memory (vLLM's message queues) goes back through the resource "
+                     "tracker, which calls it leaked as it unlinks it")
         if self.watch.processes and not release_shared_memory():
             log.warning("the engine's shared memory may be left in /dev/shm (the resource tracker did not stop)")
 
