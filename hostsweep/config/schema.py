@@ -34,6 +34,7 @@ MODEL_SOURCES = ("shape", "checkpoint")
 LOAD_FORMATS = ("dummy", "random", "auto", "safetensors", "pt")
 # How a TP-k engine on GPUs runs its ranks (hostsweep/run/placement.py).
 TP_EXECUTORS = ("mp", "ray")
+PRELOADS = ("auto", "none")
 # The prompts a cell decodes from (hostsweep/measure/protocol.py): random token ids, or
 # the model's own greedy text, which n-gram speculation can look up.
 WORKLOADS = ("random", "repeat")
@@ -245,6 +246,10 @@ class EngineConfig:
     # How a TP-k engine on GPUs runs its ranks: "mp" (vLLM's single-node default) or
     # "ray" (vLLM's Ray executor, ranks in the worker's placement group). See placement.py.
     tp_executor: str = "mp"
+    # The CPU build's engine processes: "auto" preloads TCMalloc and Intel OpenMP where this
+    # machine has them, as vLLM's CPU install guide asks (config/machine.cpu_preload); "none"
+    # leaves LD_PRELOAD to vLLM (PyTorch's libgomp, no allocator).
+    preload: str = "auto"
     # More vllm.LLM arguments, added to every mode's (a key the mode sets too is refused,
     # so a mode always means what its name says).
     engine_args: dict[str, Any] = field(default_factory=dict)

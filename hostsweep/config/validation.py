@@ -13,7 +13,7 @@ from hostsweep.config.engine_args import check_engine_args, unsupported_reason, 
 from hostsweep.config.redact import redact
 from hostsweep.config.schema import (
     DELAY_PHASES,
-    DTYPES, ENGINES, LOAD_FORMATS, MODEL_SOURCES, STAGES, TP_EXECUTORS, WORKLOADS, ConfigError, ModeConfig,
+    DTYPES, ENGINES, LOAD_FORMATS, MODEL_SOURCES, PRELOADS, STAGES, TP_EXECUTORS, WORKLOADS, ConfigError, ModeConfig,
     ModelConfig, SkuConfig,
     SweepConfig,
 )
@@ -278,6 +278,7 @@ def validate(cfg: SweepConfig, skus: Iterable[SkuConfig], models: Iterable[Model
     _check_choice("engine.name", cfg.engine.name, ENGINES)
     _check_choice("engine.dtype", cfg.engine.dtype, DTYPES)
     _check_choice("engine.tp_executor", cfg.engine.tp_executor, TP_EXECUTORS)
+    _check_choice("engine.preload", cfg.engine.preload, PRELOADS)
     models = list(models)
     check_models(models)
     for workload in cfg.workload:

@@ -14,12 +14,14 @@ import logging
 import os
 import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
 from hostsweep.config.engine_args import WORKER_EXTENSION
 from hostsweep.config.grid import EngineSpec
-from hostsweep.config.machine import device_name
+from hostsweep.config.machine import device_name, preload_paths
 from hostsweep.config.shapes import hf_config
 from hostsweep.engines.vllm_plugin import register as register_phase_hooks
 from hostsweep.engines.weights import write_random_weights
@@ -179,6 +181,26 @@ def phase_environment(spec: EngineSpec, trace_dir: Path, installed: bool) -> dic
     }
 
 
+@contextmanager
+def engine_preload(spec: EngineSpec) -> Iterator[None]:
+    """LD_PRELOAD the spec's libraries (engine.preload: TCMalloc and Intel OpenMP, resolved on
+    the driver, config/machine.cpu_preload) while the engine starts: vLLM's CPU build spawns its
+    EngineCore and workers, which the loader preloads into; this process keeps its own. vLLM
+    adds PyTorch's libgomp to LD_PRELOAD unless an OpenMP is there, and leaves it set: the
+    variable is put back as it was after the start, so a partner engine started next in this
+    worker (paired rounds) starts from the same environment."""
+    before = os.environ.get("LD_PRELOAD")
+    if spec.preload:
+        os.environ["LD_PRELOAD"] = ":".join([*preload_paths(tuple(spec.preload.split(":"))), *filter(None, [before])])
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = before
+
+
 class VllmEngine:
     """One vllm.LLM, started once and reused for every cell of its spec."""
 
@@ -213,7 +235,8 @@ class VllmEngine:
             kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)
         log.info("starting vLLM for %s: %s", spec.label, kwargs)
         logging.getLogger(RENDERER_LOGGER).addFilter(drop_tokenizerless_chat_warmup)
-        self.llm = LLM(**kwargs)
+        with engine_preload(spec):
+            self.llm = LLM(**kwargs)
         self._last: list[Any] = []
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
@@ -271,6 +294,7 @@ class VllmEngine:
             "device_name": device_name(self.spec.accelerator_type is not None),
             **compiled_path(self.llm.llm_engine.vllm_config),
             "allreduce_backend": self._allreduce_backend(),
+            "ld_preload": self.spec.preload or "none",  # engine.preload, as the engine's processes got it
             **self._sizing(),
         }
 

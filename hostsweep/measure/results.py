@@ -310,7 +310,7 @@ SPLIT_TAGS = ("kernel_source", "regime")
 # What vLLM made of the engine arguments and which prompts a cell decoded (provenance tags,
 # also cell-table columns).
 ENGINE_TAGS = ("compilation_mode", "cudagraph_mode", "cudagraph_capture_sizes", "allreduce_backend",
-               "prompt_digest")
+               "ld_preload", "prompt_digest")
 
 
 def split_tags(result: CellResult) -> dict[str, str]:

@@ -171,16 +171,18 @@ def design_line(rows: list[dict[str, Any]]) -> Optional[str]:
     return "; ".join(parts)
 
 
-def machine_entry(rows: list[dict[str, Any]], dtype_why: str = "") -> dict[str, Any]:
+def machine_entry(rows: list[dict[str, Any]], dtype_why: str = "", preload_why: str = "") -> dict[str, Any]:
     """What the cells ran on (their device_name: the CPU's model, or the GPU's name), the
     vLLM release and the engine's dtype with why (`Study.dtype_why`; the cells' dtype alone
-    for a table read back without its study), and the line the console prints of it."""
+    for a table read back without its study), the CPU build's LD_PRELOAD (`Study.preload_why`),
+    and the line the console prints of it."""
     devices, vllm, dtypes = (sorted({str(v) for r in rows if (v := _plain(r.get(k))) is not None})
                              for k in ("device_name", "vllm_version", "dtype"))
     dtype_text = dtype_why or "/".join(dtypes) or "unknown"
     line = f"{', '.join(devices) or 'device unknown'}" + (f", vLLM {', '.join(vllm)}" if vllm else "") \
-        + f"; engine dtype {dtype_text}"
-    return {"devices": devices, "vllm": vllm, "dtypes": dtypes, "dtype_why": dtype_why, "line": line}
+        + f"; engine dtype {dtype_text}" + (f"; preload {preload_why}" if preload_why else "")
+    return {"devices": devices, "vllm": vllm, "dtypes": dtypes, "dtype_why": dtype_why, "preload": preload_why,
+            "line": line}
 
 
 def _plain(value: Any) -> Any:

@@ -93,7 +93,7 @@ def sweep_meta(study: Study, tracker: RecordedSweep, cells: pd.DataFrame, run_di
                      "vllm": _values(cells, "vllm_version"), "torch": _values(cells, "torch_version"),
                      "ray": tags.get("ray_version", "unknown"), "mlflow": tracker.mlflow_version},
         "git_sha": tags.get("git_sha", "unknown"),
-        "machine": machine_entry(cells.to_dict("records"), study.dtype_why),
+        "machine": machine_entry(cells.to_dict("records"), study.dtype_why, study.preload_why),
         "mlflow": {"tracking_uri": tracker.store_label(), "experiment": tracker.experiment,
                    "experiment_id": tracker.experiment_id, "parent_run_id": tracker.parent_run_id,
                    "runs_table": tracker.runs_table_url()},
@@ -114,7 +114,7 @@ def sweep_figures(study: Study, rows: pd.DataFrame) -> dict[str, Any]:
             "step_times": figures.step_times(cells)}
     if phase_columns(cells):  # cells with host phases (measure/phases.py)
         figs["host_phases"] = figures.host_phases(cells)
-    machine = machine_entry(cells.to_dict("records"), study.dtype_why)["line"]
+    machine = machine_entry(cells.to_dict("records"), study.dtype_why, study.preload_why)["line"]
     for fig in figs.values():  # a step time means little without the machine and dtype it ran on
         figures.subtitle(fig, machine)
     return figs
@@ -180,12 +180,12 @@ def where_results_are(tracker: RecordedSweep, table: TableFile, summary: Optiona
 
 def print_results(rows: pd.DataFrame, resumed: int, tracker: RecordedSweep, table: TableFile,
                   summary: Optional[Path], unrecorded: Optional[str] = None, level: float = 0.95,
-                  dtype_why: str = "") -> None:
+                  dtype_why: str = "", preload_why: str = "") -> None:
     """The console's last lines: where things are, then what the cells ran on (the machine,
     vLLM and the dtype with why) and the table itself."""
     print(where_results_are(tracker, table, summary, unrecorded))
     print()
-    print(f"machine: {machine_entry(rows.to_dict('records'), dtype_why)['line']}")
+    print(f"machine: {machine_entry(rows.to_dict('records'), dtype_why, preload_why)['line']}")
     if len(rows) > MAX_PRINTED_ROWS:
         print(format_overview(rows))
         print(f"(one line per cell for up to {MAX_PRINTED_ROWS} cells; these are in {table.path.name})")

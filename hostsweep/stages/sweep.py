@@ -42,7 +42,7 @@ from hostsweep.measure.results import PART_METRICS, MeasureOptions, missing_part
 from hostsweep.record.celltable import CellTable, ResumedRows
 from hostsweep.record.claims import PARENT_TAG
 from hostsweep.record.journal import JOURNAL_FILE, Journal, pending_folder
-from hostsweep.record.preflight import preflight, record_cluster
+from hostsweep.record.preflight import check_memory, preflight, record_cluster
 from hostsweep.record.provenance import driver_tags
 from hostsweep.record.recorder import SweepRecorder, deliveries, upload_orphans
 from hostsweep.record.store import serve_artifacts_from
@@ -190,7 +190,9 @@ def run(raw_cfg: DictConfig, run_dir: Path, backend: Optional[WorkerBackend] = N
     machine_lock = preflight(study, run_dir)  # ConfigError if the world says no, still before Ray
     try:
         grid = build_cells(study)
-        log.info("%d cells on %d engine(s), dtype %s", len(grid), len(group_by_engine(runnable(grid))), study.dtype_why)
+        log.info("%d cells on %d engine(s), dtype %s%s", len(grid), len(group_by_engine(runnable(grid))), study.dtype_why,
+                 f"; preload {study.preload_why}" if study.preload_why else "")
+        check_memory(study, grid)
         if backend is not None:
             return _sweep(study, grid, run_dir, backend, StudyOpening(study, raw_cfg, grid, run_dir))
         # A local cluster is this machine, whose SKUs preflight has checked: MLflow's side is
@@ -398,7 +400,8 @@ def _measure_and_record(study: Study, grid: list[Cell], run_dir: Path, dispatche
         f"MLflow: not recorded to MLflow ({store} did not answer): {unlogged} measured cell(s) kept in the journal "
         f"{journal.path}" if unlogged else f"MLflow: {store} stopped answering; every measured cell is in MLflow, "
         "but the sweep's runs may be left RUNNING (the next sweep of the study marks them)")
-    print_results(rows, table.resumed_count, tracker, table, summary, unrecorded, study.config.measure.ci_level, study.dtype_why)
+    print_results(rows, table.resumed_count, tracker, table, summary, unrecorded, study.config.measure.ci_level, study.dtype_why,
+                  study.preload_why)
     if stop:
         print(f"hostsweep: stopped early: {stop}; {unlogged} measured cell(s) are kept in {journal.path} for MLflow: "
               "rerun the same command to upload them and measure the rest", file=sys.stderr)

@@ -104,3 +104,17 @@ def test_verbose_streams_the_workers_output_to_the_console(study):
     console = study["first"].stdout + study["first"].stderr
     assert re.search(r"\(SweepWorker pid=\d+\).*\(EngineCore pid=\d+\)", console)
     assert not list((study["root"] / "run1").glob("workers/*.log"))
+
+
+def test_the_engines_processes_get_tcmalloc_and_intel_openmp_where_this_machine_has_them(study):
+    # engine.preload=auto: what config/machine.cpu_preload finds here is what every engine was
+    # started with, and vLLM's worker then has no warning about it in its log
+    from hostsweep.config.machine import cpu_preload
+
+    found, _ = cpu_preload()
+    finished = study["cells"][study["cells"]["status"] == "FINISHED"]
+    assert set(finished["tags.ld_preload"]) == {":".join(found) or "none"}
+    console = study["first"].stdout + study["first"].stderr
+    for library in ("libtcmalloc", "libiomp"):
+        warned = f"{library} is not found in LD_PRELOAD" in console
+        assert warned == (not any(name.startswith(library) for name in found)), library

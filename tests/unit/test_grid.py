@@ -113,14 +113,16 @@ def test_compute_capability_below_the_modes_need_is_named():
 # the house move; the modes ones as modes introduced them): a resumed study finds its cells
 # only if these never change. A new field joins a key only when off its old default.
 # The dtype is part of a key and a CPU sku's default follows the CPU's flags (bfloat16 with
-# AVX-512 BF16, else float32), so the CPU rows pin the dtype the keys were logged with.
+# AVX-512 BF16, else float32), so the CPU rows pin the dtype the keys were logged with; the
+# preload too (engine.preload=auto keys its CPU cells by the libraries this machine has; the
+# keys were logged before it, without one: none).
 PINNED_KEYS = [
-    (["+sku=cpu", "engine.dtype=bfloat16"], "cpu/tiny-llama/eager/tp1/b1/ctx128/T33/2265fdaab9", "cpu/tiny-llama/eager/tp1/b4/ctx512/T33/25d9e9b360"),
+    (["+sku=cpu", "engine.dtype=bfloat16", "engine.preload=none"], "cpu/tiny-llama/eager/tp1/b1/ctx128/T33/2265fdaab9", "cpu/tiny-llama/eager/tp1/b4/ctx512/T33/25d9e9b360"),
     (["+experiment=tp70b"], "h100/llama-3.1-70b/eager/tp2/b1/ctx512/T33/c7b9c98425",
      "h200/llama-3.1-70b/eager/tp4/b8/ctx4096/T33/7cbb3add61"),
     (["+sku=h200", "tp=4", "model=llama-3.1-8b", "modes=[eager,graph]"], "h200/llama-3.1-8b/eager/tp4/b1/ctx128/T33/419e750a98",
      "h200/llama-3.1-8b/graph/tp4/b4/ctx512/T33/85b42584c2"),
-    (["+sku=cpu", "engine.dtype=bfloat16", "modes=[spec-ngram]", "workload=[repeat]"], "cpu/tiny-llama/spec-ngram/tp1/b1/ctx128/T33/6483750ec2",
+    (["+sku=cpu", "engine.dtype=bfloat16", "engine.preload=none", "modes=[spec-ngram]", "workload=[repeat]"], "cpu/tiny-llama/spec-ngram/tp1/b1/ctx128/T33/6483750ec2",
      "cpu/tiny-llama/spec-ngram/tp1/b4/ctx512/T33/a5a110b6a9"),
 ]
 
