@@ -91,6 +91,9 @@ def failed_result(cell: Cell, reason: str, log_file: Optional[Path] = None) -> C
                       host={"worker_log": str(log_file)}, log_tail=log_tail(log_file))
 
 
+WAITING = "waiting for Ray to place its worker"
+
+
 class Dispatcher:
     def __init__(self, cells: list[Cell], options: MeasureOptions, on_result: Callable[[CellResult], None],
                  backend: WorkerBackend, policy: FaultPolicy = FaultPolicy(),
@@ -364,7 +367,7 @@ class Dispatcher:
                     # the queue is the node's (another worker still holds it), not the engine's start
                     log.info("%s: engine ready %.1f s after its worker was asked for%s", spec.label,
                              now - self.started_at[spec],
-                             f" ({queued:.1f} s of it queued for a node)" if queued >= 1.0 else "")
+                             f" ({queued:.1f} s of it waiting for Ray to place the worker)" if queued >= 1.0 else "")
                 elif now - self.started_at[spec] > self.policy.engine_start_timeout_s:
                     del self.inflight[pending]
                     self.limits.pop(pending, None)
@@ -390,13 +393,14 @@ class Dispatcher:
         return current
 
     def _starting(self, spec: EngineSpec) -> str:
-        """A not yet ready worker's phase: queued for a node (another worker still holds it)
-        or starting its engine; both where the backend cannot tell."""
+        """A not yet ready worker's phase: waiting for Ray to place it (queued while another
+        worker holds its node, or its process being launched) or starting its engine; both
+        where the backend cannot tell."""
         placed = self.backend.placed(self.workers[spec])
         if placed:
             self.placed_at.setdefault(spec, self.backend.now())
             return "starting engine"
-        return "queued for a node" if placed is False else "starting engine (or queued for a node)"
+        return WAITING if placed is False else f"starting engine (or {WAITING})"
 
     def _update_progress(self) -> None:
         """The progress line: the ETA extrapolates the time cells took once their engine

@@ -398,11 +398,11 @@ def phases_and_ready_line(backend: QueuedBackend, caplog) -> tuple[list[str], st
     return list(dict.fromkeys(progress.seen)), ready
 
 
-def test_a_worker_queued_for_its_node_is_said_to_be_queued_and_its_ready_line_counts_the_queue_apart(
+def test_a_worker_not_yet_placed_is_said_to_wait_for_ray_and_its_ready_line_counts_that_wait_apart(
         tmp_path, caplog):
     said, ready = phases_and_ready_line(QueuedBackend(tmp_path, start_s=100.0), caplog)
-    assert said[:2] == ["b1 ctx16: queued for a node", "b1 ctx16: starting engine"]
-    queued = float(re.search(r"\(([\d.]+) s of it queued for a node\)", ready).group(1))
+    assert said[:2] == ["b1 ctx16: waiting for Ray to place its worker", "b1 ctx16: starting engine"]
+    queued = float(re.search(r"\(([\d.]+) s of it waiting for Ray to place the worker\)", ready).group(1))
     assert 40.0 <= queued <= 40.0 + 2 * POLICY.poll_s
 
 
@@ -410,4 +410,4 @@ def test_a_backend_that_cannot_tell_the_queue_from_the_start_says_both(tmp_path,
     backend = QueuedBackend(tmp_path, start_s=100.0)
     backend.tells = False
     said, ready = phases_and_ready_line(backend, caplog)
-    assert said[0] == "b1 ctx16: starting engine (or queued for a node)" and "queued" not in ready
+    assert said[0] == "b1 ctx16: starting engine (or waiting for Ray to place its worker)" and "place" not in ready
