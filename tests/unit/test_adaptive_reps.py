@@ -108,8 +108,10 @@ def test_an_unreachable_target_runs_the_worker_to_max_reps(tmp_path):
 
 
 def test_cells_without_a_target_keep_the_key_they_always_had():
-    """Resumed studies find their cells: the key of a fixed-reps cell is the legacy hash."""
-    for cell in build_cells(compose_typed(["+sku=cpu", "measure.min_reps=7", "measure.max_reps=9"])):
+    """Resumed studies find their cells: the key of a fixed-reps cell is the legacy hash (of a
+    cell measured without a preload, as every cell logged before engine.preload was)."""
+    for cell in build_cells(compose_typed(["+sku=cpu", "engine.preload=none", "measure.min_reps=7",
+                                           "measure.max_reps=9"])):
         e = cell.engine
         legacy = json.dumps([e.sku, e.model, e.shape_json, e.model_path, e.mode, None, e.tp, e.dtype,
                              e.engine, cell.batch, cell.ctx, cell.T, cell.warmups, cell.reps], sort_keys=True)
