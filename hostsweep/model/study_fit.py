@@ -27,8 +27,8 @@ from hostsweep.model.hostforms import (DEFAULT_FORM, FORMS, FittedForm, ScaleFit
 from hostsweep.model.inputs import in_regime
 from hostsweep.model.resolution import inconclusive_noise, overall_noise
 from hostsweep.model.term_checks import (ALLREDUCE_MISMATCH, INSITU_COLUMNS, SPLIT_COLUMNS, STANDALONE,
-                                         allreduce_path, decomposition_table, guard_group, host_path,
-                                         insitu_fallback, mark_insitu, path_of)
+                                         decomposition_table, guard_group, insitu_fallback, mark_insitu,
+                                         path_of, term_paths)
 from hostsweep.model.verdict import (StartShift, falsifying_threshold, host_family_verdict, overall_verdict,
                                      relative_shift_sd, start_shift_sd)
 
@@ -283,7 +283,7 @@ def _groups(table: pd.DataFrame, options: FitOptions, terms: CalibrationTerms,
                 "verdict": "falsified", "reason": f"{below} cell(s) below H + T_ar: kept out of the comparison",
                 "evidence_apart": evidence})
         if role == "held-out" and len(inside):
-            paths = {"H": host_path(terms), "T_ar": allreduce_path(terms, sku)}
+            paths = term_paths(terms, sku)
             row = guard_group(row, table.iloc[inside], paths)
         groups.append(row)
     return groups, scores

@@ -66,6 +66,12 @@ def host_path(terms: Any) -> str:
     return ENGINE if value == ENGINE else STANDALONE
 
 
+def term_paths(terms: Any, sku: str) -> dict[str, str]:
+    """The path H and the T_ar of `sku` were measured on (host_path, allreduce_path), as a
+    held-out group records them for its guard and the report."""
+    return {"H": host_path(terms), "T_ar": allreduce_path(terms, sku)}
+
+
 def _column(cells: pd.DataFrame, name: str) -> np.ndarray:
     return pd.to_numeric(cells[name], errors="coerce").to_numpy(float) if name in cells else np.full(len(cells), np.nan)
 

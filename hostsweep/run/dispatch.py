@@ -138,7 +138,10 @@ class Dispatcher:
         self.given: dict[EngineSpec, set[str]] = defaultdict(set)
         self.unsure: set[EngineSpec] = set()
         self.started_at: dict[EngineSpec, float] = {}
-        self.placed_at: dict[EngineSpec, float] = {}  # first seen running on its node (backend.placed)
+        # A not yet ready worker's placement as last asked (backend.placed: None where it cannot
+        # be told), and when it was first seen on its node.
+        self.placement: dict[EngineSpec, Optional[bool]] = {}
+        self.placed_at: dict[EngineSpec, float] = {}
         # When each worker's engine was ready: cell timeouts count from then, so a slow
         # engine start is not charged to its first cell.
         self.ready_at: dict[EngineSpec, float] = {}
@@ -361,6 +364,7 @@ class Dispatcher:
         for pending, (spec, cell, submitted) in list(self.inflight.items()):
             worker = self.workers[spec]
             if spec not in self.ready_at:
+                self._note_placement(spec, worker, now)
                 if self.backend.started(worker):
                     self.ready_at[spec] = now
                     queued = self.placed_at[spec] - self.started_at[spec] if spec in self.placed_at else 0.0
@@ -392,15 +396,22 @@ class Dispatcher:
             current[spec.label] = f"b{cell.batch} ctx{cell.ctx}" + (f": {phase}" if phase else "")
         return current
 
+    def _note_placement(self, spec: EngineSpec, worker: object, now: float) -> None:
+        """Asked on every poll until the worker is seen on its node: the ready line counts the
+        wait for Ray apart from the engine's start, whether or not progress is shown."""
+        if spec not in self.placed_at:
+            self.placement[spec] = self.backend.placed(worker)
+            if self.placement[spec]:
+                self.placed_at[spec] = now
+
     def _starting(self, spec: EngineSpec) -> str:
         """A not yet ready worker's phase: waiting for Ray to place it (queued while another
         worker holds its node, or its process being launched) or starting its engine; both
         where the backend cannot tell."""
-        placed = self.backend.placed(self.workers[spec])
-        if placed:
-            self.placed_at.setdefault(spec, self.backend.now())
+        self._note_placement(spec, self.workers[spec], self.backend.now())
+        if spec in self.placed_at:
             return "starting engine"
-        return WAITING if placed is False else f"starting engine (or {WAITING})"
+        return WAITING if self.placement.get(spec) is False else f"starting engine (or {WAITING})"
 
     def _update_progress(self) -> None:
         """The progress line: the ETA extrapolates the time cells took once their engine

@@ -27,7 +27,7 @@ from hostsweep.config.resolve import Study
 from hostsweep.config.schema import ConfigError
 from hostsweep.config.stages import StageInfo
 from hostsweep.measure.unstable import Exclusion, exclude_unstable
-from hostsweep.model.term_checks import allreduce_path, decomposition_table, host_path
+from hostsweep.model.term_checks import decomposition_table, term_paths
 from hostsweep.record.reports import ReportRun, load_fit_json
 from hostsweep.record.views import absolute_store_uri, open_ui_line, runs_table_url, store_label, ui_base
 from hostsweep.record.read.selection import Selection, select_cells
@@ -76,8 +76,7 @@ def with_report_parts(fit: dict[str, Any]) -> dict[str, Any]:
         fit["decomposition"] = table.where(table.notna(), None).to_dict(orient="records")
     for group in fit["groups"]:
         if "allreduce_check" in group and "term_paths" not in group:
-            group["term_paths"] = {"H": host_path(fit["calibration"]),
-                                   "T_ar": allreduce_path(fit["calibration"], group["sku"])}
+            group["term_paths"] = term_paths(fit["calibration"], group["sku"])
     return fit
 
 
