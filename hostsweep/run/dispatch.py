@@ -92,6 +92,9 @@ def failed_result(cell: Cell, reason: str, log_file: Optional[Path] = None) -> C
 
 
 WAITING = "waiting for Ray to place its worker"
+# Ray launches a free node's worker in a few seconds (more under load); a wait this long is a
+# queue behind another worker, which the ready line then counts apart.
+QUEUE_WORTH_SAYING_S = 30.0
 
 
 class Dispatcher:
@@ -371,7 +374,8 @@ class Dispatcher:
                     # the queue is the node's (another worker still holds it), not the engine's start
                     log.info("%s: engine ready %.1f s after its worker was asked for%s", spec.label,
                              now - self.started_at[spec],
-                             f" ({queued:.1f} s of it waiting for Ray to place the worker)" if queued >= 1.0 else "")
+                             f" ({queued:.1f} s of it waiting for Ray to place the worker)"
+                             if queued >= QUEUE_WORTH_SAYING_S else "")
                 elif now - self.started_at[spec] > self.policy.engine_start_timeout_s:
                     del self.inflight[pending]
                     self.limits.pop(pending, None)
