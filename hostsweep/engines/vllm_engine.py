@@ -23,6 +23,7 @@ from hostsweep.config.engine_args import WORKER_EXTENSION
 from hostsweep.config.grid import EngineSpec
 from hostsweep.config.machine import device_name, preload_paths
 from hostsweep.config.shapes import hf_config
+from hostsweep.engines.packaged import packaged_checkpoint
 from hostsweep.engines.vllm_plugin import register as register_phase_hooks
 from hostsweep.engines.weights import write_random_weights
 
@@ -52,7 +53,10 @@ def cpu_thread_binding(cores: list[int], tp: int) -> str:
 
 
 def materialize_model(spec: EngineSpec, workdir: Path) -> str:
-    """A directory or hub id vLLM can load: shapes become a config.json in workdir."""
+    """A directory or hub id vLLM can load: shapes become a config.json in workdir; a packaged
+    model its cached checkpoint on this node, built first if the node has none."""
+    if spec.model_source == "package":
+        return str(packaged_checkpoint(spec.model_path or ""))
     if spec.shape_json is None or spec.model_source == "checkpoint":
         if spec.model_path is None:
             raise ValueError(f"model {spec.model} has neither a shape nor a path")

@@ -3,7 +3,7 @@ ConfigError within seconds (the CLI exits 2).
 
 config.validation has already checked the config itself; these ask whether the things it
 names exist and answer: the Ray cluster, the tracking store, the run directory, the
-checkpoint, this machine's GPUs, whether another sweep already measures here, and (once the
+checkpoint (a packaged model's built here), this machine's GPUs, whether another sweep already measures here, and (once the
 grid is built) whether its engines fit the node's memory.
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ from hostsweep.config.machine import local_sku_name
 from hostsweep.config.memory import GIB, live_together, memory_plan
 from hostsweep.config.resolve import Study
 from hostsweep.config.schema import ConfigError
+from hostsweep.engines.packaged import COMPLETE, PackagedModelError, checkpoint_dir, packaged_checkpoint
 from hostsweep.record.store import check_store_answers, check_writable_folder
 from hostsweep.run.cluster import InfeasiblePlan, check_address_answers
 
@@ -179,7 +180,25 @@ def preflight(study: Study, run_dir: Path) -> Optional[IO[str]]:
     if cfg.ray.address:
         check_address_answers(cfg.ray.address)
     check_store_answers(cfg.tracking.uri)
+    if not cfg.ray.address and cfg.engine.name == "vllm":
+        build_packaged_models(study)
     return lock_machine(study, run_dir)
+
+
+def build_packaged_models(study: Study) -> None:
+    """A packaged model's checkpoint built here before Ray starts, on a local cluster (whose
+    node is this machine), so a package that cannot be fetched or read is one line now, not
+    an engine failure later; a joined cluster's workers build it on their own nodes."""
+    for model in study.models:
+        if model.source != "package" or model.path is None:
+            continue
+        if (checkpoint_dir(model.path) / COMPLETE).is_file():
+            continue
+        log.info("model %s: building its checkpoint from %s (once per machine, about a minute)", model.name, model.path)
+        try:
+            packaged_checkpoint(model.path)
+        except PackagedModelError as exc:
+            raise ConfigError(f"model={model.name}: {exc}") from None
 
 
 def check_memory(study: Study, grid: list[Cell]) -> None:
