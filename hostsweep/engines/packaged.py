@@ -11,8 +11,10 @@ starting on one node build it once.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -107,13 +109,12 @@ def convert_gguf(gguf_file: Path, folder: Path) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:
         raise PackagedModelError(f"building a packaged model needs transformers and safetensors: {exc}") from None
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()  # a bar per tensor, on the driver's console
     where, name = str(gguf_file.parent), gguf_file.name
     try:
-        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
+        # The GGUF reader draws a tqdm bar per tensor on stderr, which is the driver's console.
+        with contextlib.redirect_stderr(io.StringIO()):
+            tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
+            model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
     except (ImportError, ValueError) as exc:  # no gguf/accelerate package, or a file transformers cannot read
         raise PackagedModelError(f"transformers could not load {name}: {str(exc).splitlines()[0]}") from None
     # The loaded model still says it is GGUF-quantized, and transformers then refuses to
