@@ -130,7 +130,7 @@ def insitu_fallback(cells: pd.DataFrame, groups: list[dict[str, Any]]) -> np.nda
     lack the shared-memory all-reduce (no AVX-512), the ranks reduce through gloo, each rank's
     gloo threads sharing its one bound core, and a gloo all-reduce's time then depends on what
     the rank does between calls: back to back it took 2.0-2.4 ms, single calls 2.5-3.4 ms, inside
-    the engine's decode 1.5 ms (docs/tp-model.md). The group is then judged with the all-reduce
+    the engine's decode 1.5 ms (benchmarks/RESULTS.md, "The all-reduce on a CPU without AVX-512"). The group is then judged with the all-reduce
     the engine paid, and says so, rather than not at all."""
     mismatched = {(g["sku"], int(g["tp"])) for g in groups
                   if g.get("role") == "held-out" and g.get("verdict") == ALLREDUCE_MISMATCH}
