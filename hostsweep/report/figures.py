@@ -253,12 +253,13 @@ def step_times(cells: pd.DataFrame) -> Figure:
     groups = list(cells.groupby("sku"))
     fig, axes = panels(len(groups), 6.0, 4.2, columns=2)
     for ax, (sku, rows) in zip(axes, groups):
-        keys = ["model", "mode", "tp", "ctx"]
+        keys = ["model", "mode", "tp", "ctx", *_workload_key(rows)]
         palette = colors(tuple(k) for k in rows[keys].drop_duplicates().itertuples(index=False))
         lines = rows.sort_values("batch").groupby(keys)
         for key, line in lines:
+            label = f"{key[0]} {key[1]} TP-{key[2]} ctx {key[3]}" + (f", {key[4]} prompts" if len(key) > 4 else "")
             ax.errorbar(line["batch"], line["step_ms"], yerr=_ci_yerr(line), marker="o", ms=4, capsize=3,
-                        color=palette[tuple(key)], label=f"{key[0]} {key[1]} TP-{key[2]} ctx {key[3]}")
+                        color=palette[tuple(key)], label=label)
             _hollow_unstable(ax, line["batch"], line["step_ms"], line, palette[tuple(key)])
         ax.set_xscale("log", base=2)
         batches = sorted(rows["batch"].unique())
@@ -355,18 +356,20 @@ def host_fraction_by_batch(cells: pd.DataFrame, threshold: float = 0.5) -> Figur
     groups = _engines(split)
     fig, axes = panels(len(groups), 5.6, 3.8, columns=2)
     for ax, (key, rows) in zip(axes, groups):
-        contexts = sorted(rows["ctx"].unique())
-        palette = colors(contexts)
-        for i, (ctx, line) in enumerate(rows.sort_values("batch").groupby("ctx")):
-            # each ctx a little apart in x (log scale: a factor), or their CIs and '?' marks overlap
-            x = line["batch"] * 2.0 ** (CTX_SPREAD * (i - (len(contexts) - 1) / 2))
-            ax.errorbar(x, line["host_frac"], yerr=_frac_yerr(line), marker="o", color=palette[ctx],
-                        capsize=3, label=f"ctx {ctx}")
-            _hollow_unstable(ax, x, line["host_frac"], line, palette[ctx])
+        series_keys = ["ctx", *_workload_key(rows)]
+        series = list(rows.sort_values("batch").groupby(series_keys))
+        palette = colors(name for name, _ in series)
+        for i, (name, line) in enumerate(series):
+            # each series a little apart in x (log scale: a factor), or their CIs and '?' marks overlap
+            x = line["batch"] * 2.0 ** (CTX_SPREAD * (i - (len(series) - 1) / 2))
+            label = f"ctx {name[0]}" + (f", {name[1]} prompts" if len(name) > 1 else "")
+            ax.errorbar(x, line["host_frac"], yerr=_frac_yerr(line), marker="o", color=palette[name],
+                        capsize=3, label=label)
+            _hollow_unstable(ax, x, line["host_frac"], line, palette[name])
             undetermined = (line["regime"] == "undetermined").to_numpy(bool) if "regime" in line else []
             if np.any(undetermined):
                 for b, f in zip(x[undetermined], line["host_frac"][undetermined]):
-                    ax.annotate("?", (b, f), textcoords="offset points", xytext=(4, 4), fontsize=8, color=palette[ctx])
+                    ax.annotate("?", (b, f), textcoords="offset points", xytext=(4, 4), fontsize=8, color=palette[name])
         ax.axhline(threshold, color="k", ls="--", lw=1, label=f"host-bound at {threshold:g}")
         batches = sorted(rows["batch"].unique())
         ax.set_xscale("log", base=2)
@@ -377,8 +380,14 @@ def host_fraction_by_batch(cells: pd.DataFrame, threshold: float = 0.5) -> Figur
         ax.set_title(_engine_title(key), fontsize=10)
         ax.legend(fontsize=7)
     fig.suptitle("Host fraction against batch with 95% CI, per context length (?: undetermined;\n"
-                 "contexts drawn slightly apart in batch)", fontsize=11)
+                 "contexts and workloads drawn slightly apart in batch)", fontsize=11)
     return fig
+
+
+def _workload_key(rows: pd.DataFrame) -> list[str]:
+    """["workload"] where the rows hold more than one workload (a line each: random prompts and
+    the model's own text are different series), else nothing."""
+    return ["workload"] if "workload" in rows and rows["workload"].nunique() > 1 else []
 
 
 def _frac_yerr(rows: pd.DataFrame) -> Optional[np.ndarray]:

@@ -123,7 +123,6 @@ def fit_selection(study: Study, selection: Selection, run_dir: Path) -> StudyFit
         if not exclusion.count:
             raise
         raise ConfigError(f"{exc} ({exclusion.describe()})") from None
-    log.info("%s", floors[1])
     extra = {"study": study.name, "floors": floors[1], "experiment": selection.experiment, "mode": cfg.fit.mode,
              "cells": len(cells), "sweep_runs": ",".join(selection.parent_runs)[:500],
              "fit.allreduce": cfg.fit.allreduce, **{f"allreduce_path.{sku}": path

@@ -142,3 +142,15 @@ def test_the_spec_decode_preset_here_runs_the_real_model():
     study = compose_typed(["+sku=cpu", "+experiment=spec-decode-cpu"])
     assert [m.name for m in study.models] == ["smollm2-135m"]
     assert {c.workload for c in build_cells(study)} == {"random", "repeat"}
+
+
+def test_a_file_transformers_cannot_read_is_one_line_from_the_builders_own_process(tmp_path):
+    """The default build runs in a child Python (the driver keeps neither the tensors nor
+    triton's exit report); what went wrong there comes back as one line."""
+    bogus = tmp_path / "not-a-model.gguf"
+    bogus.write_bytes(b"this is no GGUF file")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(PackagedModelError) as info:
+        packaged.convert_apart(bogus, tmp_path / "out")
+    assert "\n" not in str(info.value) and str(info.value)
+    assert not (tmp_path / "out" / "model.safetensors").exists()

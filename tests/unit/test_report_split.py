@@ -114,3 +114,19 @@ def test_a_flagged_splits_device_time_does_not_feed_the_mode_comparison():
                           {**base, "mode": "graph", "batch": 2, "device_ms": 3.0, "host_ms": 5.0}])
     columns = _split_columns(paired(frame, "graph", "eager")).set_index("batch")
     assert pd.isna(columns.loc[1, "device_removed_ms"]) and columns.loc[2, "device_removed_ms"] == 1.0
+
+
+def test_each_workload_is_a_line_of_its_own_in_the_host_fraction_and_step_figures():
+    """random prompts and the model's own text at one (batch, ctx) are two series, named;
+    one line through both would join points of different workloads."""
+    frame = pd.concat([cells([(b, 512, f, "undetermined") for b in (1, 4)]).assign(workload=w)
+                       for w, f in (("random", 0.3), ("repeat", 0.1))]).assign(stable="true")
+    fig = figures.host_fraction_by_batch(frame)
+    (ax,) = [a for a in fig.axes if a.get_visible()]
+    lines = {bars.get_label(): list(bars.lines[0].get_ydata()) for bars in ax.containers}
+    assert lines == {"ctx 512, random prompts": [0.3, 0.3], "ctx 512, repeat prompts": [0.1, 0.1]}
+    step_ax = [a for a in figures.step_times(frame).axes if a.get_visible()][0]
+    assert {bars.get_label() for bars in step_ax.containers} == {
+        "tiny-llama eager TP-1 ctx 512, random prompts", "tiny-llama eager TP-1 ctx 512, repeat prompts"}
+    one_workload = figures.host_fraction_by_batch(frame[frame["workload"] == "random"])
+    assert {b.get_label() for a in one_workload.axes for b in a.containers} == {"ctx 512"}
