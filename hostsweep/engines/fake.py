@@ -11,6 +11,10 @@ HOSTSWEEP_FAKE_SLOWDOWN plants a regression with a known answer (for stage=diff'
 HOSTSWEEP_FAKE_WARMUP plants an engine that warms up with a known curve: "1.2:8" makes the
 engine's first long generate's steps 1.2 times as long, the excess falling linearly to none
 by its 8th (for the group warm-up's tests).
+While its profiler runs, the host part of every step costs `profiler_host_cost` times as
+much, in the sleep and in the traces alike, and the compute ops do not: a real profiler
+records every host op, so a profiled step is never faster than a timed one (the split's
+profiled_faster check would otherwise fire at random on a fake whose profiler is free).
 
 Its "model" writes the next token of a 16-token ring (token c is followed by the next one
 in its block of 16), so its own text repeats every 16 tokens and random prompts do not.
@@ -91,6 +95,9 @@ class FakeEngine:
     device_share = 0.4
     prefill_device_us = 300.0
     verify_cost = 0.25  # a cycle verifying k drafts costs (1 + verify_cost * k) steps
+    # Within the CPU build's measured profiler overhead (profiled / timed step 1.2-1.4):
+    # 1.5 on the host's 0.6 of a step makes a profiled step 1.3 times a timed one.
+    profiler_host_cost = 1.5
     # The host phases of a cycle, as shares of it (the rest of the worker's time is compute,
     # device_share): the EngineCore's and the worker's, with the worker's busy span and the
     # EngineCore's step inside a cycle. Known answers per step: each phase's share x cycle,
@@ -131,6 +138,16 @@ class FakeEngine:
         """One engine step, the debug delay (debug.delay_ms) included."""
         return self.step_seconds(batch, ctx) * (1.0 + self.verify_cost * self.k) + self.delay_s
 
+    def device_seconds(self, cycle_s: float) -> float:
+        """The compute ops' share of an unprofiled cycle (the debug delay is host time)."""
+        return (cycle_s - self.delay_s) * self.device_share
+
+    def profiled_cycle_seconds(self, cycle_s: float) -> float:
+        """A cycle under the profiler: its host ops profiler_host_cost times as long. The
+        debug delay is a wait, not ops the profiler records: it is not stretched."""
+        host_ops = max(0.0, cycle_s - self.delay_s - self.device_seconds(cycle_s))  # none where a test plants device > step
+        return cycle_s + host_ops * (self.profiler_host_cost - 1.0)
+
     def frontend_seconds(self, cycle_s: float) -> float:
         """The front-end's work on one step's outputs (the debug delay included when it is there)."""
         return self.frontend_share * (cycle_s - self.delay_s) + self.frontend_delay_s
@@ -139,12 +156,14 @@ class FakeEngine:
         decoded = [decode(p, max_tokens, self.k) for p in prompts]
         steps = max(d[1] for d in decoded)  # a batch steps until its longest request is done
         cycle = self.cycle_seconds(len(prompts), len(prompts[0]))
-        # A front-end slower than the engine falls behind by the excess every step.
-        behind = max(0.0, self.frontend_seconds(cycle) - cycle) * (steps - 1)
-        if self.time_scale > 0:
-            time.sleep((self.overhead_s + cycle * steps + behind) * self.time_scale)
         if self._profiling is not None:
             self._recorded.append((steps, len(prompts), len(prompts[0]), cycle))
+        # The front-end is not profiled: its work stays, the engine's cycle may stretch.
+        front, cycle = self.frontend_seconds(cycle), self.engine_cycle_seconds(cycle)
+        # A front-end slower than the engine falls behind by the excess every step.
+        behind = max(0.0, front - cycle) * (steps - 1)
+        if self.time_scale > 0:
+            time.sleep((self.overhead_s + cycle * steps + behind) * self.time_scale)
         self._last = [(text, stats) for text, _, stats in decoded]
         self.long_generates += max_tokens > 1
         return [len(text) for text, _ in self._last]
@@ -182,9 +201,13 @@ class FakeEngine:
         path = self.trace_dir / f"{prefix}_frontend.json"
         return path if path.exists() else None
 
+    def engine_cycle_seconds(self, cycle_s: float) -> float:
+        """The cycle as it runs now: stretched while the profiler records."""
+        return self.profiled_cycle_seconds(cycle_s) if self._profiling is not None else cycle_s
+
     def _shares(self, cycle_s: float) -> dict[str, float]:
-        """Each host phase of a cycle in us; the delayed phase (debug.) holds the delay."""
-        base = cycle_s - self.delay_s  # the delay is not scaled with the shares
+        """Each host phase of a profiled cycle in us; the delayed phase (debug.) holds the delay."""
+        base = (cycle_s - self.delay_s) * self.profiler_host_cost  # the delay is not scaled with the shares
         shares = {name: share * base * 1e6 for name, share in self.phase_shares.items()}
         target = "forward_dispatch" if self.delay_phase == "forward" else self.delay_phase
         if target in shares:
@@ -212,11 +235,13 @@ class FakeEngine:
         for steps, batch, ctx, cycle_s in self._recorded:
             op("aten::addmm", clock, self.prefill_device_us)
             clock += self.prefill_device_us + 50.0
-            device_us = (cycle_s - self.delay_s) * self.device_share * 1e6
-            cycle_us, ph = cycle_s * 1e6, self._shares(cycle_s)
+            # The timed cycle's compute ops, and its host phases as the profiler stretched them.
+            device_us, host = self.device_seconds(cycle_s) * 1e6, self.profiler_host_cost
+            cycle_us = self.profiled_cycle_seconds(cycle_s) * 1e6
+            ph = self._shares(cycle_s)
             # The cycle: [other_engine_loop | schedule | ipc/2 | worker busy | ipc/2 | update]
-            base = cycle_s - self.delay_s
-            gap_us, half_ipc_us, other_worker_us = 0.1 * base * 1e6, 0.025 * base * 1e6, 0.05 * base * 1e6
+            base_us = (cycle_s - self.delay_s) * 1e6 * host
+            gap_us, half_ipc_us, other_worker_us = 0.1 * base_us, 0.025 * base_us, 0.05 * base_us
             front_us, front_free, front_start = self.frontend_seconds(cycle_s) * 1e6, 0.0, None
             for _ in range(steps):
                 step_start = clock + gap_us

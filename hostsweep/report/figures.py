@@ -409,7 +409,8 @@ def host_phases(cells: pd.DataFrame) -> Figure:
     """Each cell's decode step stacked: device ms, then each named host phase (measure/phases.py),
     then what the phases leave of host_ms ("other"); one panel per engine, so modes sit side
     by side (which phase CUDA graphs remove, which speculation amortizes)."""
-    columns = phase_columns(cells) if "device_ms" in cells else []
+    # A sweep whose every split was implausible has device_ms and phases but no host_ms column.
+    columns = phase_columns(cells) if {"device_ms", "host_ms"} <= set(cells) else []
     split = cells.dropna(subset=["device_ms", "host_ms"]) if columns else cells.iloc[0:0]
     if split.empty:
         return empty("no host phases (split off, or hostsweep's vLLM plugin not installed)")

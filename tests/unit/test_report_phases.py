@@ -96,3 +96,17 @@ def test_a_negative_phase_within_noise_shows_as_zero_and_one_beyond_it_as_measur
     table = host_phase_table(frame)
     assert list(table["phase_sample_ms"][:2]) == [0.0, -0.3]
     assert frame.loc[0, "phase_sample_ms"] == -0.006  # the cells' own value is left as measured
+
+
+def test_a_sweep_whose_only_split_was_implausible_still_gets_its_summary_and_figures():
+    """An implausible split keeps device_ms and its phases but has no host_ms: when every cell's
+    split was, cells.csv has no host_ms column, and the outputs must not need one."""
+    from hostsweep.report.summary import build_summary
+
+    frame = cells().drop(columns=["host_ms"]).assign(status="FINISHED")
+    empty_stack = figures.host_phases(frame)
+    assert not [ax for ax in empty_stack.axes if ax.patches]
+    assert not [ax for ax in figures.split_composition(frame).axes if ax.patches]
+    assert len(host_phase_table(frame)) == 3
+    summary = build_summary(frame, {"ci_level": 0.95})
+    assert [(cell["split"]["device_ms"], cell["split"]["host_ms"]) for cell in summary["cells"]] == [(2.0, None)] * 3

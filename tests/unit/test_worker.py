@@ -89,8 +89,11 @@ def test_host_phases_through_the_fake_profiler_have_the_known_shares(tmp_path):
     worker = SweepWorker(cell.engine, str(tmp_path))
     result = worker.measure(cell, options())
     cycle_ms = FakeEngine.cycle_seconds(worker.engine, 2, 64) * 1e3
-    expected = {name: share * cycle_ms for name, share in FakeEngine.phase_shares.items()}
-    expected.update(other_worker=0.05 * cycle_ms, engine_worker_ipc=0.05 * cycle_ms, other_engine_loop=0.1 * cycle_ms)
+    # The traces' host phases are the profiled ones: the fake profiler stretches the host's part.
+    host_cycle_ms = cycle_ms * FakeEngine.profiler_host_cost
+    expected = {name: share * host_cycle_ms for name, share in FakeEngine.phase_shares.items()}
+    expected.update(other_worker=0.05 * host_cycle_ms, engine_worker_ipc=0.05 * host_cycle_ms,
+                    other_engine_loop=0.1 * host_cycle_ms)
     expected.update(frontend_exposed=0.0)  # the front-end keeps up: all its work is overlapped
     phases = result.split.phases
     assert phases.host_ms == pytest.approx(expected, rel=1e-6, abs=1e-9)
@@ -100,9 +103,9 @@ def test_host_phases_through_the_fake_profiler_have_the_known_shares(tmp_path):
     # timed host time as the traces' 0.6 cycle names of the profiled one.
     split = result.split
     assert phases.scale == pytest.approx(split.host_ms / (split.profiled_step_ms - split.device_ms), rel=1e-9)
-    assert phases.attributed_frac == pytest.approx(0.6 * cycle_ms * phases.scale / split.host_ms, rel=1e-6)
+    assert phases.attributed_frac == pytest.approx(0.6 * host_cycle_ms * phases.scale / split.host_ms, rel=1e-6)
     metrics = cell_metrics(result)
-    assert metrics["phase_sample_ms"] == pytest.approx(0.1 * cycle_ms * phases.scale, abs=1e-3)
+    assert metrics["phase_sample_ms"] == pytest.approx(0.1 * host_cycle_ms * phases.scale, abs=1e-3)
     assert metrics["overlapped_frontend_process_outputs_ms"] == pytest.approx(0.08 * cycle_ms, abs=1e-3)
 
 
@@ -162,8 +165,11 @@ def test_a_debug_delay_in_the_front_end_is_overlapped_until_the_front_end_falls_
     cycle_ms = FakeEngine.cycle_seconds(worker.engine, 1, 16) * 1e3
     excess_ms = max(0.0, FakeEngine.frontend_share * cycle_ms + delay_ms - cycle_ms)
     assert (excess_ms > 0) == exposed
+    # The traces' excess is over the profiled cycle, which the fake profiler stretches.
+    profiled_cycle_ms = FakeEngine.profiled_cycle_seconds(worker.engine, cycle_ms / 1e3) * 1e3
+    traced_excess_ms = max(0.0, FakeEngine.frontend_share * cycle_ms + delay_ms - profiled_cycle_ms)
     before, after = plain.split.phases.host_ms, delayed.split.phases.host_ms
-    assert after["frontend_exposed"] == pytest.approx(excess_ms, abs=1e-6)
+    assert after["frontend_exposed"] == pytest.approx(traced_excess_ms, abs=1e-6)
     assert all(after[p] == pytest.approx(before[p], rel=1e-6) for p in before if p != "frontend_exposed")
     p, d = plain.measurement, delayed.measurement  # slept: as noisy as the machine, give or take 0.5 ms
     assert d.step_ci_low_ms - p.step_ci_high_ms - 0.5 <= excess_ms <= d.step_ci_high_ms - p.step_ci_low_ms + 0.5
