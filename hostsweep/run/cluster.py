@@ -134,9 +134,11 @@ def _join(ray, address: str, log_to_driver: bool, timeout_s: float) -> None:  # 
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
             outcome["error"] = exc
 
-    # Ray's C++ GCS client warns on the console at every retry ("Failed to connect to GCS
-    # ... within 5 seconds"): its errors still show; a user who wants more sets the variable.
-    os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")
+    # Ray's C++ GCS client warns at every retry ("Failed to connect to GCS ... within 5
+    # seconds"); preflight's gRPC probe has already refused a port that never answers, so a
+    # retry here is news (another Ray's GCS, one still starting). RAY_BACKEND_LOG_LEVEL is
+    # left to the user: set, Ray announces it on the console of every process it starts,
+    # and in os.environ it would reach every engine and child this driver starts.
     thread = threading.Thread(target=attempt, name="ray-connect", daemon=True)
     with _quiet(SIGTERM_NOTICE_LOGGER):
         thread.start()

@@ -2,6 +2,7 @@
 before Ray is handed it; and joining a cluster is bounded and stays interruptible."""
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import threading
@@ -83,6 +84,19 @@ def test_joining_a_cluster_that_never_connects_gives_up_at_the_timeout_in_one_li
     finally:
         ray.release.set()
     assert ray.called.is_set() and time.monotonic() - started < 3
+
+
+def test_joining_leaves_the_drivers_environment_as_it_was(monkeypatch):
+    """Whatever a join sets in os.environ reaches every engine and child the driver starts
+    (and, in a test run, every later test's sweep): a set RAY_BACKEND_LOG_LEVEL put Ray's
+    announcement of it on their consoles."""
+    monkeypatch.delenv("RAY_BACKEND_LOG_LEVEL", raising=False)
+    ray = HangingRay()
+    ray.release.set()
+    before = dict(os.environ)
+    with pytest.raises(ConfigError, match="could not join the cluster: released by the test"):
+        cluster._join(ray, "127.0.0.1:1", log_to_driver=False, timeout_s=5.0)
+    assert dict(os.environ) == before
 
 
 def test_a_stop_signal_while_joining_stops_the_wait(monkeypatch):
