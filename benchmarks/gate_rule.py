@@ -37,6 +37,7 @@ RHOS = (0.0, 0.5, 0.9)
 DESIGNS = (("rounds 12 (default reps)", 12, 0), ("rounds 24", 24, 0), ("rounds 40", 40, 0),
            ("start pairs 5", 0, 5))
 MDE_STUDIES = 60
+ROUNDS_MDE_STUDIES = 12  # each rounds cell's MDE is a simulation of its own
 
 
 def simulate(rounds: int, starts: int, noise: G.Noise, studies: int, planted: np.ndarray, seed: list[int]
@@ -57,26 +58,26 @@ def judge(rounds: int, base: np.ndarray, head: np.ndarray, rule: str) -> np.ndar
     return S.judge_arrays(base, head, THRESHOLD, ALPHA, paired=True, level=LEVEL, rule=rule)
 
 
-def cell_se(rounds: int, base: np.ndarray, head: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(se, df) per cell as the diff computes its MDE: a rounds cell's widened CI read as a
-    normal one; a start-pairs cell's t."""
-    if rounds:
-        var = DiffOptions(instance_floor_pct=FLOOR_PCT).instance_var
-        median, low, high, _ = S.rounds_log_ratio(base, head, LEVEL)
-        z = 1.959963984540054
-        low = median - np.sqrt((median - low) ** 2 + z * z * var)
-        high = median + np.sqrt((high - median) ** 2 + z * z * var)
-        return (high - low) / (2 * z), np.full(median.shape, math.inf)
+def start_pairs_se(base: np.ndarray, head: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(se, df) per start-pairs cell: its t, as the diff computes its MDE."""
     _, se, df = S.paired_log_ratio(np.median(base, axis=-1), np.median(head, axis=-1))
     return se, df
 
 
 def mdes(rounds: int, base: np.ndarray, head: np.ndarray, rule: str) -> np.ndarray:
-    """Per study, the median over its cells of the MDE the diff prints (first MDE_STUDIES)."""
-    se, df = cell_se(rounds, base[:MDE_STUDIES], head[:MDE_STUDIES])
-    cells = se.shape[-1]
-    m = np.array([[mde_from_se(e, f, ALPHA, cells, threshold_pct=THRESHOLD, rule=rule) for e, f in zip(s, d)]
-                  for s, d in zip(se, df)])
+    """Per study, the median over its cells of the MDE the diff prints: a rounds cell's from
+    its own widened sign test (stats.sign_mde_pct, first ROUNDS_MDE_STUDIES studies, fewer
+    draws than the diff takes), a start-pairs cell's from its t (first MDE_STUDIES)."""
+    cells = base.shape[1]
+    if rounds:
+        var = DiffOptions(instance_floor_pct=FLOOR_PCT).instance_var
+        d = np.log(head[:ROUNDS_MDE_STUDIES]) - np.log(base[:ROUNDS_MDE_STUDIES])
+        m = np.array([[S.sign_mde_pct(cell, var, ALPHA / cells, THRESHOLD, rule, draws=400) for cell in study]
+                      for study in d])
+    else:
+        se, df = start_pairs_se(base[:MDE_STUDIES], head[:MDE_STUDIES])
+        m = np.array([[mde_from_se(e, f, ALPHA, cells, threshold_pct=THRESHOLD, rule=rule) for e, f in zip(s, d)]
+                      for s, d in zip(se, df)])
     return np.median(m, axis=-1)
 
 

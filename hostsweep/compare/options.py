@@ -138,7 +138,7 @@ def stable_flag(value: Any) -> Optional[bool]:
 
 def by_rounds(cells: pd.DataFrame) -> pd.Series:
     """The rows judged over paired rounds: those with matched rounds, whether by the sign test
-    or, widened by diff.instance_floor_pct, by the normal of their widened CI (test "t")."""
+    widened by diff.instance_floor_pct or not (both test "sign")."""
     if "rounds" not in cells:
         return pd.Series(False, index=cells.index)
     return pd.to_numeric(cells["rounds"], errors="coerce").fillna(0) > 0

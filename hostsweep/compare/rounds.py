@@ -98,17 +98,19 @@ def rounds_compared(quantity: str, base: Mapping[str, Any], head: Mapping[str, A
             d_rounds = tuple(zip(rounds.keys, (float(x) for x in d)))
             if options.instance_var > 0:
                 # one instance a side, shared by every round: its variance added to each half of
-                # the rounds' CI in quadrature (exact when it is 0), and judged by the normal
-                # whose CI that is, so the verdict and the printed CI agree
+                # the rounds' CI in quadrature (exact when it is 0); the sign tests widened the
+                # same way at every level (stats.widened_sign_pvalues), so the verdict and the
+                # printed CI agree, and Holm's levels are read from the rounds, not a normal
                 log_ci = widened(median, log_ci, options.instance_var, options.level)
-                se = (log_ci[1] - log_ci[0]) / (2 * float(stats.norm.ppf(0.5 + options.level / 2)))
-                return Compared(math.exp(median), source, median, se, math.inf,
-                                f"paired: {rounds.n} rounds{left_out} + instance floor "
-                                f"diff.instance_floor_pct={options.instance_floor_pct:g}", (starts, starts), "paired",
+                p = S.widened_sign_pvalues(d, options.threshold_pct, options.null_pct, options.instance_var)
+                return Compared(math.exp(median), source, median,
+                                between=f"paired: {rounds.n} rounds{left_out} + instance floor "
+                                f"diff.instance_floor_pct={options.instance_floor_pct:g}", starts=(starts, starts),
+                                design="paired",
                                 # the level, unless the rounds' own order statistics fall below it
                                 # (rounds_warnings says so): the floor widens, it does not make up rounds
-                                log_ci=log_ci, coverage=min(options.level, coverage), rounds=rounds.n,
-                                d_rounds=d_rounds,
+                                log_ci=log_ci, coverage=min(options.level, coverage),
+                                p=tuple(float(x) for x in p), rounds=rounds.n, d_rounds=d_rounds,
                                 between_var=options.instance_var)
             return Compared(math.exp(median), source, median, between=f"paired: {rounds.n} rounds{left_out}",
                             starts=(starts, starts), design="paired", log_ci=log_ci, coverage=coverage, p=p,
@@ -146,8 +148,8 @@ def rounds_geometric_mean(rows: pd.DataFrame, level: float) -> Optional[tuple[fl
     cell has count, so each per-round mean is over the same cells (a cell that stopped early
     would change what a round averages). None unless every row is paired by rounds with its
     shared rounds recorded and at least MIN_ROUNDS of them common to all. Rows widened by an
-    instance floor (test "t", between_var > 0) count too: the caller widens the mean once."""
-    if rows.empty or not by_rounds(rows).all() or not rows["test"].isin(("sign", "t")).all():
+    instance floor (between_var > 0) count too: the caller widens the mean once."""
+    if rows.empty or not by_rounds(rows).all() or not rows["test"].eq("sign").all():
         return None
     per_cell: list[dict[str, float]] = []
     for text_ in rows["d_rounds"]:
@@ -182,13 +184,13 @@ def rounds_warnings(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]]
     if dropped:
         out.append(f"{sum(dropped.values())} round(s) of {len(dropped)} cell(s) paired by rounds left out: a step "
                    "not > 0 on a side")
-    judged = cells[by_rounds(cells) & cells["test"].isin(("sign", "t"))]
+    judged = cells[by_rounds(cells) & cells["test"].eq("sign")]
     below = judged[judged["ci_coverage"] < level - 1e-12]
     if len(below):
         out.append(f"{below['cell'].nunique()} cell(s) paired by rounds have too few rounds for a {level:.0%} CI: "
                    f"theirs cover {below['ci_coverage'].min():.1%} (order statistics, exact"
-                   + ("; an instance floor widens them but does not add rounds)" if (below["test"] == "t").any()
-                      else ")"))
+                   + ("; an instance floor widens them but does not add rounds)"
+                      if "between_var" in below and (below["between_var"] > 0).any() else ")"))
     odd = judged[judged["quantity"] == GATED]
     odd = odd[pd.to_numeric(odd["rounds"], errors="coerce").fillna(0).astype(int) % ROUND_CYCLE != 0]
     if len(odd):

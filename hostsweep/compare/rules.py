@@ -103,6 +103,24 @@ def sign_bounds(d: np.ndarray, a_low: np.ndarray, a_high: np.ndarray) -> tuple[n
     return np.where(c_low <= n, low, -np.inf), np.where(c_high <= n, high, np.inf)
 
 
+def widened_sign_bounds(d: np.ndarray, a_low: np.ndarray, a_high: np.ndarray, variance: float | np.ndarray
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """sign_bounds widened by a normal component of `variance` shared by every round (one engine
+    instance a side: diff.instance_floor_pct): each bound's distance from the median of d and
+    the normal's own quantile at that bound's level, added in quadrature. At the printed CI's
+    level these are the printed CI (compare/rounds.widened); at Holm's levels they stay exact
+    order statistics in the rounds' part, where a normal read from the 95 % CI would assume
+    tails the rounds' medians need not have."""
+    d = np.asarray(d, dtype=float)
+    low, high = sign_bounds(d, a_low, a_high)
+    centre = np.median(d, axis=-1)
+    var = np.asarray(variance, dtype=float)
+    z_low, z_high = (np.clip(np.nan_to_num(stats.norm.isf(np.asarray(a, dtype=float)), nan=0.0), 0.0, None)
+                     for a in (a_low, a_high))
+    return (centre - np.sqrt(np.clip(centre - low, 0.0, None) ** 2 + z_low ** 2 * var),
+            centre + np.sqrt(np.clip(high - centre, 0.0, None) ** 2 + z_high ** 2 * var))
+
+
 def rule_verdicts(d: np.ndarray, low: np.ndarray, high: np.ndarray, same: np.ndarray, rule: str,
                   threshold_pct: float) -> np.ndarray:
     """Verdicts read from the verdict interval [low, high] (log scale) and the point d: under

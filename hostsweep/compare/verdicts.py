@@ -10,7 +10,6 @@ import pandas as pd
 from hostsweep.compare import rules as R
 from hostsweep.compare import stats as S
 from hostsweep.compare.options import MIN_ROUNDS, DiffOptions
-from hostsweep.compare.rounds import rounds_se
 from hostsweep.measure.detectable import mde_from_se
 
 def rounds_for_a_verdict(cells: int, alpha: float) -> int:
@@ -26,11 +25,18 @@ def _round_values(text: object) -> np.ndarray:
     return np.array([float(item.rsplit("=", 1)[1]) for item in str(text).split()], dtype=float)
 
 
+def _floor_of(row: pd.Series) -> float:
+    """The instance variance a rounds row was widened by (0: none)."""
+    value = pd.to_numeric(row.get("between_var", 0.0), errors="coerce")
+    return float(value) if np.isfinite(value) and value > 0 else 0.0
+
+
 def judge_cells(cells: pd.DataFrame, options: DiffOptions) -> pd.DataFrame:
     """p-values under the rule in force, Holm over each quantity's tested cells, the verdict
     interval and the verdicts read from it (compare/rules.py), the printed CIs and the MDE per
     row. A t row (d, se, df) gets its p-values, CI and bounds from the t; a paired-rounds row
-    (test "sign") its sign tests and order-statistic CI and bounds from its rounds. A row with a
+    (test "sign") its sign tests and order-statistic CI and bounds from its rounds, widened
+    by its instance floor (between_var) where it has one. A row with a
     note (NO_BETWEEN) is inconclusive with no CI; a rounds row with fewer rounds than any
     slower/faster verdict needs says so in its note, and its MDE is infinite."""
     out = cells.copy()
@@ -61,9 +67,11 @@ def judge_cells(cells: pd.DataFrame, options: DiffOptions) -> pd.DataFrame:
             out.loc[t, ["p_slower", "p_faster", "p_same", "ci_low", "ci_high"]] = \
                 np.column_stack([*S.pvalues(d, se, df, options.threshold_pct, null), low, high])
         rounds = {i: _round_values(text) for i, text in out.loc[sign, "d_rounds"].items()}
+        # a rounds row widened by the instance floor: its sign tests and bounds widened alike
+        floor = {i: _floor_of(out.loc[i]) for i in rounds}
         for i, values in rounds.items():
-            out.loc[i, ["p_slower", "p_faster", "p_same"]] = [float(x) for x in
-                                                              S.sign_pvalues(values, options.threshold_pct, null)]
+            out.loc[i, ["p_slower", "p_faster", "p_same"]] = [
+                float(x) for x in S.widened_sign_pvalues(values, options.threshold_pct, null, floor[i])]
         slower, faster, same = (out.loc[mine, c].to_numpy(float) for c in ("p_slower", "p_faster", "p_same"))
         out.loc[mine, "p_slower_holm"], out.loc[mine, "p_faster_holm"] = S.holm(slower), S.holm(faster)
         is_t = t[mine].to_numpy()
@@ -75,7 +83,8 @@ def judge_cells(cells: pd.DataFrame, options: DiffOptions) -> pd.DataFrame:
                 low[is_t], high[is_t] = R.t_bounds(*(out.loc[index[is_t], c].to_numpy(float) for c in ("d", "se", "df")),
                                                    a_low[is_t], a_high[is_t])
             for j in np.flatnonzero(~is_t):
-                low[j], high[j] = (float(x) for x in R.sign_bounds(rounds[index[j]], a_low[j], a_high[j]))
+                low[j], high[j] = (float(x) for x in R.widened_sign_bounds(rounds[index[j]], a_low[j], a_high[j],
+                                                                           floor[index[j]]))
             return low, high
 
         shown = R.same_shown(same, options.alpha, out.loc[mine, "ci_low"].to_numpy(float),
@@ -86,12 +95,13 @@ def judge_cells(cells: pd.DataFrame, options: DiffOptions) -> pd.DataFrame:
         out.loc[mine, "verdict_low"], out.loc[mine, "verdict_high"] = np.exp(v_low), np.exp(v_high)
         out.loc[mine, "verdict_alpha"] = a_low
         m = int(mine.sum())
-        se = [e if kind == "t" else rounds_se(math.log(lo), math.log(hi), cov)
-              for kind, e, lo, hi, cov in zip(out.loc[mine, "test"], out.loc[mine, "se"], out.loc[mine, "ci_low"],
-                                              out.loc[mine, "ci_high"], out.loc[mine, "ci_coverage"])]
-        df = [f if kind == "t" else math.inf for kind, f in zip(out.loc[mine, "test"], out.loc[mine, "df"])]
-        out.loc[mine, "mde_pct"] = [mde_from_se(e, f, options.alpha, m, threshold_pct=options.threshold_pct,
-                                                rule=options.rule) for e, f in zip(se, df)]
+        if t.any():
+            out.loc[t, "mde_pct"] = [mde_from_se(e, f, options.alpha, m, threshold_pct=options.threshold_pct,
+                                                 rule=options.rule) for e, f in zip(out.loc[t, "se"], out.loc[t, "df"])]
+        # a rounds cell's MDE from its own test's power (the sign test, widened by its floor)
+        for i, values in rounds.items():
+            out.loc[i, "mde_pct"] = S.sign_mde_pct(values, floor[i], options.alpha / m, options.threshold_pct,
+                                                   options.rule)
         need = rounds_for_a_verdict(m, options.alpha)
         short = sign & (out["rounds"] < need) if "rounds" in out else sign & False
         if short.any():
