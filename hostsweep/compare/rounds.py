@@ -130,9 +130,9 @@ def widened(centre: float, log_ci: tuple[float, float], variance: float, level: 
 
 
 def rounds_se(low: float, high: float, coverage: float) -> float:
-    """The standard error of a normal estimate whose CI at `coverage` spans [low, high] (log):
-    only for a rounds cell's MDE, a planning figure (the sign test has no se of its own); its
-    verdict stays on the sign test."""
+    """The standard error of a normal estimate whose CI at `coverage` spans [low, high] (log).
+    The diff no longer reads a rounds cell's MDE this way (stats.sign_mde_pct: its own test's
+    power); benchmarks/gate_realistic.py still does, for its dated table."""
     if not (math.isfinite(low) and math.isfinite(high) and 0 < coverage < 1):
         return math.nan
     return (high - low) / (2 * float(stats.norm.ppf(0.5 + coverage / 2)))

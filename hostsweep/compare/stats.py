@@ -307,10 +307,11 @@ def sign_mde_pct(d: Sequence[float], variance: float, level: float, threshold_pc
     sample = resid[rng.integers(0, d.size, (draws, d.size))]
     # A smoothed bootstrap (variance kept): a plain one never draws beyond the most extreme of
     # the cell's rounds, and at 12 rounds that tail is what the sign test's power turns on.
-    spread = float(min(np.std(resid, ddof=1), stats.iqr(resid) / 1.349)) if d.size > 1 else 0.0
+    sd = float(np.std(resid, ddof=1)) if d.size > 1 else 0.0
+    spread = min(sd, float(stats.iqr(resid)) / 1.349)  # Silverman's robust spread
     if spread > 0:
         h = 1.06 * spread * d.size ** -0.2
-        sample = (sample + rng.normal(0.0, h, sample.shape)) / math.sqrt(1 + (h / float(np.std(resid, ddof=1))) ** 2)
+        sample = (sample + rng.normal(0.0, h, sample.shape)) / math.sqrt(1 + (h / sd) ** 2)
     if variance > 0:
         sample = sample + rng.normal(0.0, math.sqrt(variance), (draws, 1))
     null, point = math.log1p(null_pct(rule, threshold_pct) / 100), math.log1p(threshold_pct / 100)

@@ -98,12 +98,14 @@ def judge_cells(cells: pd.DataFrame, options: DiffOptions) -> pd.DataFrame:
         if t.any():
             out.loc[t, "mde_pct"] = [mde_from_se(e, f, options.alpha, m, threshold_pct=options.threshold_pct,
                                                  rule=options.rule) for e, f in zip(out.loc[t, "se"], out.loc[t, "df"])]
-        # a rounds cell's MDE from its own test's power (the sign test, widened by its floor)
-        for i, values in rounds.items():
-            out.loc[i, "mde_pct"] = S.sign_mde_pct(values, floor[i], options.alpha / m, options.threshold_pct,
-                                                   options.rule)
         need = rounds_for_a_verdict(m, options.alpha)
         short = sign & (out["rounds"] < need) if "rounds" in out else sign & False
+        # a rounds cell's MDE from its own test's power (the sign test, widened by its floor);
+        # a cell short of rounds gets infinity below, without the simulation
+        for i, values in rounds.items():
+            if not short[i]:
+                out.loc[i, "mde_pct"] = S.sign_mde_pct(values, floor[i], options.alpha / m, options.threshold_pct,
+                                                       options.rule)
         if short.any():
             out.loc[short, "mde_pct"] = math.inf
             out.loc[short, "note"] = [f"too few rounds for slower or faster ({int(n)} of the {need} that "
