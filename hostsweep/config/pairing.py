@@ -42,6 +42,19 @@ DEFAULT_STARTS = 3
 ROUND_CYCLE = 4
 
 
+# measure.reps when not given: 12 timed pairs a cell; 40 rounds in paired rounds gated by
+# diff.fail_on. A floored rounds cell's sign test (compare/stats.py) at 12 rounds finds a true
+# +10 % in 0.07-0.63 of cells, at 40 in 0.99 (benchmarks/gate_rule.py, RESULTS.md): a gate's
+# default must be able to see what its threshold names, and its console says which it took.
+DEFAULT_REPS, GATED_ROUNDS = 12, 40
+
+
+def default_reps(design: Optional[str], gated: bool) -> int:
+    """measure.reps for a study that did not give it: GATED_ROUNDS for paired rounds (design
+    'rounds') under a gate (diff.fail_on), else DEFAULT_REPS."""
+    return GATED_ROUNDS if design == "rounds" and gated else DEFAULT_REPS
+
+
 def balanced_rounds(rounds: int) -> int:
     """rounds rounded up to a multiple of ROUND_CYCLE (config/grid.py applies it to paired rounds)."""
     return -(-int(rounds) // ROUND_CYCLE) * ROUND_CYCLE

@@ -17,7 +17,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from hostsweep.config.machine import cpu_flags, cpu_preload, default_dtype, dtype_reason, local_sku_name
 from hostsweep.config.options import check_option, load_mode, load_model, load_sku
 from hostsweep.config.pairing import (
-    DEFAULT_STARTS, check_pair, check_side_python, check_sides, choose_design, side_b_raw, unpaired_pair_keys,
+    DEFAULT_STARTS, check_pair, check_side_python, check_sides, choose_design, default_reps, side_b_raw,
+    unpaired_pair_keys,
 )
 from hostsweep.config.schema import ConfigError, ModeConfig, ModelConfig, ShapeConfig, SkuConfig, SweepConfig
 from hostsweep.config.shapes import shape_from_hf_config
@@ -127,6 +128,11 @@ def resolve(raw: DictConfig, engine_fields: Collection[str] = ENGINE_ARG_FIELDS)
     A paired study's `raw` is given the paired design's measure settings, so the config a
     sweep logs says what ran."""
     cfg: SweepConfig = OmegaConf.to_object(raw)  # type: ignore[assignment]
+    reps_given = cfg.measure.reps is not None
+    if not reps_given:  # an unpaired study's; a gated paired one in rounds takes more below
+        cfg.measure.reps = default_reps(None, gated=False)
+        with open_dict(raw):  # the logged config says what ran
+            raw.measure.reps = cfg.measure.reps
     skus, modes = _skus(cfg), _modes(cfg)
     cfg.tp, cfg.batch, cfg.ctx = (positive_ints(name, getattr(cfg, name)) for name in ("tp", "batch", "ctx"))
     cfg.workload = names("workload", cfg.workload)
@@ -163,8 +169,15 @@ def resolve(raw: DictConfig, engine_fields: Collection[str] = ENGINE_ARG_FIELDS)
         # Both engines live in one process, whose front-end hooks the profiled pairs need one engine to own.
         log.warning("pair.design=rounds: the split (split.enabled) is not measured in paired rounds; "
                     "pair.design=starts measures it")
+    reps = cfg.measure.reps if reps_given else default_reps(design, gated=cfg.diff.fail_on is not None)
+    if reps != cfg.measure.reps:
+        log.info("diff.fail_on=%s gates paired rounds: %d rounds a cell, not %d (measure.reps not given: "
+                    "%d rounds find a change of twice the threshold in too few cells; docs/diff.md#gating-a-release-in-ci)",
+                    cfg.diff.fail_on, reps, cfg.measure.reps, cfg.measure.reps)
     for side in (cfg, side_b.config):
         side.pair.design, side.pair.starts, side.split.enabled = design, starts, split
+        side.measure.reps = reps
     with open_dict(raw):
         raw.pair.design, raw.pair.starts, raw.split.enabled = design, starts, split
+        raw.measure.reps = reps
     return replace(study, side_b=side_b)

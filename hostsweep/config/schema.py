@@ -108,7 +108,9 @@ class MeasureConfig:
     warmups: int = 2
     warmup_settle_pct: float = 3.0
     warmup_max_rounds: int = 6
-    reps: int = 12
+    # Timed pairs a cell (rounds, in paired rounds). None: DEFAULT_REPS, or GATED_ROUNDS in a
+    # paired study in rounds gated by diff.fail_on (config/pairing.default_reps).
+    reps: Optional[int] = None
     # The level of every cell CI (order statistics; a t-interval across engine starts) and
     # of the drift and replicate tests (at 1 - ci_level). The one default: StabilityRules and
     # summarize() read theirs from here.

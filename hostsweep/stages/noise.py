@@ -1,7 +1,7 @@
 """`stage=noise`: this machine's noise floors measured on the study's grid and engine, logged to
 MLflow, and found again by every diff and TP verdict whose floors are `auto` (the default).
 
-    python -m hostsweep stage=noise measure.reps=40
+    python -m hostsweep stage=noise
     python -m hostsweep stage=noise +sku=h200 noise.aas=5
 
 It runs noise.aas paired A/As by rounds (pair.enabled=true, pair.design=rounds), each a sweep
@@ -37,6 +37,7 @@ from scipy import stats
 
 from hostsweep.compare.floors import (MACHINE_KEYS, FloorEstimate, MachineEngine, NoiseCalibration,
                                       instance_floor, start_floor)
+from hostsweep.config.pairing import default_reps
 from hostsweep.config.redact import redact
 from hostsweep.config.schema import ConfigError
 from hostsweep.config.stages import StageInfo
@@ -133,9 +134,10 @@ def check_noise(cfg: Any) -> None:
         raise ConfigError(f"noise.confidence must be in [0.5, 1), got {n.confidence}")
 
 
-def aa_config(raw_cfg: DictConfig, study: str, design: str, starts: Optional[int], start_first: str = "a"
-              ) -> DictConfig:
-    """One A/A of the calibration: the study's grid and engine, paired, no floors, no split, not resumed."""
+def aa_config(raw_cfg: DictConfig, study: str, design: str, starts: Optional[int], reps: int,
+              start_first: str = "a") -> DictConfig:
+    """One A/A of the calibration: the study's grid and engine, paired, `reps` timed pairs a
+    cell (rounds, or pairs a start), no floors, no split, not resumed."""
     cfg = copy.deepcopy(raw_cfg)  # the composed config, its schema and interpolations kept
     with open_dict(cfg):
         cfg.study = study
@@ -145,6 +147,7 @@ def aa_config(raw_cfg: DictConfig, study: str, design: str, starts: Optional[int
         cfg.pair.design = design
         cfg.pair.starts = starts
         cfg.pair.start_first = start_first
+        cfg.measure.reps = reps
         cfg.split.enabled = False  # the floors are the step's; the split's profiled pairs would only add time
         cfg.diff.noise_floor_pct = None
         cfg.diff.instance_floor_pct = None
@@ -179,14 +182,14 @@ class AaOutcome:
 Backends = Optional[Callable[[Path], WorkerBackend]]  # one backend per A/A (its folder); None: Ray's
 
 
-def measure_aa(raw_cfg: DictConfig, name: str, design: str, starts: Optional[int], run_dir: Path,
+def measure_aa(raw_cfg: DictConfig, name: str, design: str, starts: Optional[int], reps: int, run_dir: Path,
                backends: Backends, start_first: str = "a") -> AaOutcome:
     """One A/A of the calibration swept (its own study, run folder and engine starts), and its diff."""
     folder = run_dir / name
     print(f"\nnoise calibration: {name} ({'paired rounds' if design == 'rounds' else f'{starts} start pairs a side'})")
     from hostsweep.stages import sweep  # the sweep's modules only when measuring: diff and fit import this one
 
-    code = sweep.run(aa_config(raw_cfg, f"{raw_cfg.study}-noise-{name}", design, starts, start_first), folder,
+    code = sweep.run(aa_config(raw_cfg, f"{raw_cfg.study}-noise-{name}", design, starts, reps, start_first), folder,
                      backends(folder) if backends else None)
     written = folder / "diff" / "diff.json"
     return AaOutcome(name, code, json.loads(written.read_text()) if written.is_file() else None)
@@ -200,13 +203,14 @@ def machine_of(outcomes: list[AaOutcome]) -> Optional[MachineEngine]:
     return MachineEngine(*next(iter(seen)))
 
 
-def document(calibration: NoiseCalibration, draws: list[AaOutcome], starts: Optional[AaOutcome], cfg: Any) -> str:
+def document(calibration: NoiseCalibration, draws: list[AaOutcome], starts: Optional[AaOutcome], cfg: Any,
+             rounds: int) -> str:
     def floor(name: str, estimate: Optional[FloorEstimate], why: str) -> str:
         return f"- {name}: " + (estimate.text() if estimate else f"not measured ({why})")
 
     lines = [f"# Noise calibration of {calibration.where.text()}", "",
              f"Run {calibration.run_id}, {calibration.created}; grid of study {cfg.study}, "
-             f"{cfg.measure.reps} rounds an A/A.", "",
+             f"{rounds} rounds an A/A.", "",
              floor("instance floor (diff.instance_floor_pct)", calibration.instance, "no paired A/A made a diff"),
              floor("between-start floor (diff.noise_floor_pct, fit.start_floor_pct)", calibration.start,
                    "noise.starts=0" if starts is None else "its A/A by start pairs made no between-start estimate"),
@@ -227,13 +231,19 @@ def run(raw_cfg: DictConfig, run_dir: Path, backends: Backends = None) -> int:
     from hostsweep.stages import sweep
 
     quiet_mlflow()
+    # The A/As by rounds take a gate's rounds unless measure.reps is given: the floors are for
+    # gated diffs (config/pairing.default_reps), and more rounds pin each draw down better.
+    given = raw_cfg.measure.reps
+    rounds = int(given) if given is not None else default_reps("rounds", gated=True)
     study = sweep.resolve_sweep(raw_cfg)  # the grid, engine and diff section checked before anything starts
     cfg = study.config
     check_noise(cfg)
     n = cfg.noise
     # the A/As alternate which side's engine starts first in their shared worker
-    draws = [measure_aa(raw_cfg, f"aa{i + 1}", "rounds", None, run_dir, backends, "ab"[i % 2]) for i in range(n.aas)]
-    starts = measure_aa(raw_cfg, "starts", "starts", int(n.starts), run_dir, backends) if n.starts else None
+    draws = [measure_aa(raw_cfg, f"aa{i + 1}", "rounds", None, rounds, run_dir, backends, "ab"[i % 2])
+             for i in range(n.aas)]
+    starts = measure_aa(raw_cfg, "starts", "starts", int(n.starts), cfg.measure.reps, run_dir, backends) \
+        if n.starts else None
     outcomes = [*draws, *([starts] if starts else [])]
     where = machine_of(outcomes)
     usable = [o for o in draws if o.geomean_log() is not None and o.geomean_se() is not None]
@@ -249,10 +259,10 @@ def run(raw_cfg: DictConfig, run_dir: Path, backends: Backends = None) -> int:
     calibration = NoiseCalibration(run.run_id, datetime.now().strftime("%Y-%m-%d"), where, instance, start)
     folder = run_dir / "noise"
     folder.mkdir(parents=True, exist_ok=True)
-    text = document(calibration, draws, starts, cfg)
+    text = document(calibration, draws, starts, cfg, rounds)
     (folder / "noise.md").write_text(text)
     params = {"study": cfg.study, "aas": n.aas, "starts": n.starts, "confidence": n.confidence,
-              "reps": cfg.measure.reps, "a_a_exit_codes": ",".join(f"{o.name}:{o.code}" for o in outcomes)}
+              "reps": rounds, "a_a_exit_codes": ",".join(f"{o.name}:{o.code}" for o in outcomes)}
     log_noise_calibration(run, calibration, params, folder, text)
     print(f"\n{text}\nlogged as run {run.run_name} ({run.run_id}) of experiment {n.experiment!r} in "
           f"{redact(cfg.tracking.uri)}: every diff and TP verdict of this machine and engine whose floors are "

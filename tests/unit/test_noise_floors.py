@@ -19,7 +19,7 @@ from hostsweep.compare.floors import (AUTO, CALIBRATE_COMMAND, DEFAULT_INSTANCE_
                                       FloorEstimate, MachineEngine, NoiseCalibration, floor_setting, instance_floor,
                                       machine_engine, resolve_floors, resolve_start_floor, sd_upper_pct, start_floor)
 from hostsweep.config.schema import ConfigError
-from hostsweep.stages.noise import newest_calibration, open_calibration_run, log_noise_calibration
+from hostsweep.stages.noise import aa_config, log_noise_calibration, newest_calibration, open_calibration_run
 from hostsweep.stages import noise as noise_stage
 from hostsweep.stages import sweep
 from tests.conftest import compose_raw, compose_typed
@@ -182,3 +182,19 @@ def test_a_noise_calibration_of_a_b_side_or_without_an_aa_is_refused_in_one_line
                           (["noise.confidence=1.2"], "noise.confidence must be in")):
         with pytest.raises(ConfigError, match=needle):
             noise_stage.run(compose_raw([*FAKE, "stage=noise", *extra]), tmp_path / "refused")
+
+
+@pytest.mark.parametrize("given,rounds,per_start", [(None, 40, 12), (24, 24, 24)])
+def test_the_calibrations_aas_by_rounds_take_a_gates_forty_rounds_unless_measure_reps_is_given(
+        given, rounds, per_start, monkeypatch, tmp_path):
+    asked = []
+
+    def measured(raw_cfg, name, design, starts, reps, run_dir, backends, start_first="a"):
+        asked.append((design, reps, aa_config(raw_cfg, name, design, starts, reps).measure.reps))
+        return noise_stage.AaOutcome(name, 1, None)
+
+    monkeypatch.setattr(noise_stage, "measure_aa", measured)
+    args = [arg for arg in FAKE if not arg.startswith("measure.reps")] + ([f"measure.reps={given}"] if given else [])
+    with contextlib.redirect_stderr(io.StringIO()):
+        assert noise_stage.run(compose_raw([*args, "stage=noise", "noise.aas=2", "noise.starts=2"]), tmp_path) == 1
+    assert asked == [("rounds", rounds, rounds)] * 2 + [("starts", per_start, per_start)]

@@ -10,6 +10,7 @@ import mlflow
 import pytest
 
 from hostsweep.config.grid import build_cells, group_by_engine, partner_keys
+from hostsweep.config.resolve import resolve
 from hostsweep.config.schema import ConfigError
 from hostsweep.stages import sweep
 from tests.conftest import compose_raw, compose_typed
@@ -141,3 +142,22 @@ def test_a_side_b_key_on_a_study_that_is_not_paired_is_refused_in_one_line(overr
         compose_typed(["+sku=cpu", override])
     if not override.startswith("pair.python"):  # that one is then probed for its Ray (above)
         assert compose_typed(["+sku=cpu", override, "pair.enabled=true"]).config.pair.paired
+
+
+@pytest.mark.parametrize("extra,rounds", [
+    (["pair.enabled=true", "diff.fail_on=slower"], 40),  # a gate in paired rounds: 12 could not see its threshold
+    (["pair.enabled=true", "diff.fail_on=slower_overall"], 40),
+    (["pair.enabled=true", "diff.fail_on=slower", "measure.reps=16"], 16),  # given: kept
+    (["pair.enabled=true"], 12),  # no gate
+    (["pair.enabled=true", "diff.fail_on=slower", "pair.design=starts"], 12),  # pairs a start, not rounds
+    ([], 12),
+])
+def test_a_gated_paired_study_in_rounds_takes_forty_rounds_unless_measure_reps_is_given(extra, rounds, caplog):
+    base = [arg for arg in FAST if not arg.startswith("measure.reps")]
+    raw = compose_raw([*base, *extra])
+    study = resolve(raw)
+    assert study.config.measure.reps == rounds and raw.measure.reps == rounds  # the logged config says what ran
+    assert {c.reps for c in build_cells(study)} == {rounds}
+    if study.side_b is not None:
+        assert study.side_b.config.measure.reps == rounds
+    assert ("40 rounds a cell, not 12" in caplog.text) == (rounds == 40)
