@@ -45,6 +45,9 @@ RULE = "margin"
 PLANTED = (1.0, 1.05, 1.10, 1.20)
 RHOS = (0.0, 0.5, 0.9)
 MDE_STUDIES = 100  # studies whose cells' MDE is computed (scalar scipy calls)
+# Studies whose rounds cells' MDE is simulated, as the diff does (stats.sign_mde_pct, fewer
+# draws): about 0.1 s a cell.
+ROUNDS_MDE_STUDIES = 12
 GM_STUDIES = 400  # studies whose rounds geometric mean is computed (a DataFrame each)
 
 
@@ -83,17 +86,16 @@ def simulate(design: Design, noise: G.Noise, studies: int, planted: float, seed:
 
 def judge(S, new: bool, design: Design, noise: G.Noise, base: np.ndarray, head: np.ndarray
           ) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray, object]]:
-    """(verdicts, CI low, CI high on log scale, se for the MDE) by the rules of module S (new:
-    hostsweep.compare.stats; old: hostsweep.report.diff_stats); None where the rules have no
-    such design."""
+    """(verdicts, CI low, CI high on log scale, what the MDE is computed from) by the rules of
+    module S (new: hostsweep.compare.stats; old: hostsweep.report.diff_stats); None where the
+    rules have no such design. A rounds cell's MDE comes from its rounds and its floor's
+    variance (as the diff's: stats.sign_mde_pct), a start design's from its se and df."""
     level = {"level": LEVEL, "rule": RULE} if new else {}
     if design.rounds:
-        median, low, high, coverage = S.rounds_log_ratio(base, head, LEVEL)
+        median, low, high, _ = S.rounds_log_ratio(base, head, LEVEL)
         if design.floor:
             if not new:
                 return None  # the old code had no instance floor
-            from scipy import stats
-
             from hostsweep.compare.options import DiffOptions
             from hostsweep.compare.rounds import widened
 
@@ -101,16 +103,10 @@ def judge(S, new: bool, design: Design, noise: G.Noise, base: np.ndarray, head: 
             wide = np.array([widened(c, (lo, hi), var, LEVEL) for c, lo, hi in
                              zip(median.ravel(), low.ravel(), high.ravel())]).reshape(*median.shape, 2)
             low, high = wide[..., 0], wide[..., 1]
-            se = (high - low) / (2 * float(stats.norm.ppf(0.5 + LEVEL / 2)))
             v = S.judge_rounds(base, head, THRESHOLD, ALPHA, LEVEL, rule=RULE, instance_var=var)
-            return v, low, high, se
+            return v, low, high, ("rounds", np.log(head) - np.log(base), var)
         v = S.judge_rounds(base, head, THRESHOLD, ALPHA, **level)
-        se = None
-        if new:
-            from hostsweep.compare.rounds import rounds_se
-
-            se = np.vectorize(rounds_se)(low, high, coverage)
-        return v, low, high, se
+        return v, low, high, ("rounds", np.log(head) - np.log(base), 0.0)
     between = G.floor_var(noise) if design.floor else math.nan
     v = S.judge_arrays(base, head, THRESHOLD, ALPHA, between, math.inf, paired=design.paired, **level)
     if design.paired:
@@ -126,12 +122,18 @@ def judge(S, new: bool, design: Design, noise: G.Noise, base: np.ndarray, head: 
 
 
 def median_mde(design: Design, se, cells: int) -> float:
-    """The median over the first MDE_STUDIES studies' cells of the MDE the diff prints."""
+    """The median over the first studies' cells of the MDE the diff prints: a rounds cell's
+    from its sign test's power (ROUNDS_MDE_STUDIES), a start design's from its t (MDE_STUDIES)."""
+    from hostsweep.compare.stats import sign_mde_pct
     from hostsweep.compare.verdicts import rounds_for_a_verdict
     from hostsweep.measure.detectable import mde_from_se
 
     if design.rounds and design.rounds < rounds_for_a_verdict(cells, ALPHA):
         return math.inf
+    if isinstance(se, tuple) and se[0] == "rounds":
+        _, d, var = se
+        return float(np.median([sign_mde_pct(cell, var, ALPHA / cells, THRESHOLD, RULE, draws=400)
+                                for study in d[:ROUNDS_MDE_STUDIES] for cell in study]))
     se, df = se if isinstance(se, tuple) else (se, np.full(np.shape(se), math.inf))
     if not np.isfinite(se).any():
         return math.inf  # no CI (no between-start estimate): the diff prints an infinite MDE

@@ -129,15 +129,6 @@ def widened(centre: float, log_ci: tuple[float, float], variance: float, level: 
             centre + math.sqrt((log_ci[1] - centre) ** 2 + extra))
 
 
-def rounds_se(low: float, high: float, coverage: float) -> float:
-    """The standard error of a normal estimate whose CI at `coverage` spans [low, high] (log).
-    The diff no longer reads a rounds cell's MDE this way (stats.sign_mde_pct: its own test's
-    power); benchmarks/gate_realistic.py still does, for its dated table."""
-    if not (math.isfinite(low) and math.isfinite(high) and 0 < coverage < 1):
-        return math.nan
-    return (high - low) / (2 * float(stats.norm.ppf(0.5 + coverage / 2)))
-
-
 def rounds_geometric_mean(rows: pd.DataFrame, level: float) -> Optional[tuple[float, float, float, float]]:
     """The geometric mean of cells paired by rounds, with its CI over the shared rounds: the
     pairs of every cell of a group in round r ran in the same minute, so a spell that outlasts

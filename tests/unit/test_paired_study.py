@@ -3,6 +3,7 @@ overrides, refused in one line where the sides cannot pair, every cell keyed by 
 and a rerun after a stop that never pairs a start of one sweep with a start of another."""
 from __future__ import annotations
 
+import logging
 import sys
 from collections import Counter
 
@@ -153,6 +154,7 @@ def test_a_side_b_key_on_a_study_that_is_not_paired_is_refused_in_one_line(overr
     ([], 12),
 ])
 def test_a_gated_paired_study_in_rounds_takes_forty_rounds_unless_measure_reps_is_given(extra, rounds, caplog):
+    caplog.set_level(logging.INFO, logger="hostsweep.config.resolve")
     base = [arg for arg in FAST if not arg.startswith("measure.reps")]
     raw = compose_raw([*base, *extra])
     study = resolve(raw)
