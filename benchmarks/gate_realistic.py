@@ -130,7 +130,7 @@ def median_mde(design: Design, se, cells: int) -> float:
 
     if design.rounds and design.rounds < rounds_for_a_verdict(cells, ALPHA):
         return math.inf
-    if isinstance(se, tuple) and se[0] == "rounds":
+    if isinstance(se, tuple) and isinstance(se[0], str):  # ("rounds", d, variance)
         _, d, var = se
         return float(np.median([sign_mde_pct(cell, var, ALPHA / cells, THRESHOLD, RULE, draws=400)
                                 for study in d[:ROUNDS_MDE_STUDIES] for cell in study]))
