@@ -244,7 +244,8 @@ def realistic(studies: int, with_old: bool = True, noises: tuple[str, ...] = G.P
     new_rows = rates("new", studies, noises)
     old_rows = old_rates(studies, noises) if with_old else []
     print_table(new_rows, old_rows, studies)
-    print(f"(old rules: commit {OLD_COMMIT}, the same seeds; {time.time() - started:.0f} s; a rate near 0.05 over "
+    old = f"old rules: commit {OLD_COMMIT}, the same seeds; " if with_old else ""
+    print(f"({old}{time.time() - started:.0f} s; a rate near 0.05 over "
           f"{studies} studies has a standard error of about {math.sqrt(0.05 * 0.95 / studies):.3f})")
 
 
