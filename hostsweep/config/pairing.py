@@ -32,8 +32,9 @@ ALLOWED_KEYS = ("mode", "modes", "model", "models", "tp", "sku", "skus", "engine
 GROUP_LOADERS = {"mode": load_mode, "model": load_model, "sku": load_sku}
 # What side b's Python must hold: the worker's own code and Ray at the driver's release.
 SIDE_MODULES = ("ray", "hostsweep", "vllm")
-# rounds: both engines in one worker, a cell's two sides timed back to back in every round;
-# starts: engine starts alternated ABBA; auto: rounds where the sides can share a worker.
+# rounds: both engines on one node (one worker, or a partner worker: run/sides.py), a cell's
+# two sides timed back to back in every round; starts: engine starts alternated ABBA; auto:
+# rounds where the sides can share a node.
 PAIR_DESIGNS = ("auto", "rounds", "starts")
 DEFAULT_STARTS = 3
 # Paired rounds meet every (side order, T order) combination once in this many rounds
@@ -185,13 +186,19 @@ def check_sides(a: Any, b: Any) -> None:
 
 
 def rounds_refusal(a: Any, b: Any, asked: bool) -> Optional[str]:
-    """Why the sides cannot be measured in paired rounds (both engines in one worker), or None.
-    `asked`: pair.design=rounds was given (on a GPU the user then vouches for the memory split)."""
-    if a.config.pair.python:
-        return "side b runs under another Python (pair.python), so its engine cannot live in side a's worker"
-    if [s.name for s in a.skus] != [s.name for s in b.skus] or list(a.config.tp) != list(b.config.tp):
-        return "the sides differ in SKU or TP, so their engines need other nodes or GPUs"
-    if any(s.accelerator_type is not None for s in a.skus):
+    """Why the sides cannot be measured in paired rounds, or None. Both engines live on one
+    node: in one worker, or, on CPU nodes, side b's in a partner worker of its own where it
+    runs under another Python (pair.python) or at another TP degree (run/sides.py). `asked`:
+    pair.design=rounds was given (on a GPU the user then vouches for the memory split)."""
+    gpu = any(s.accelerator_type is not None for s in (*a.skus, *b.skus))
+    if [s.name for s in a.skus] != [s.name for s in b.skus]:
+        return "the sides differ in SKU, so their engines need other nodes"
+    if gpu and a.config.pair.python:
+        return ("side b runs under another Python (pair.python): on GPUs its engine would need a partner worker "
+                "with GPUs of its own, which paired rounds do not place yet")
+    if gpu and list(a.config.tp) != list(b.config.tp):
+        return "the sides differ in TP, so on GPUs their engines need other GPUs"
+    if gpu:
         if not asked:
             return ("on a GPU both engines would share its memory (give each side engine.gpu_memory_utilization "
                     "that fit together, then pair.design=rounds)")
@@ -204,7 +211,7 @@ def rounds_refusal(a: Any, b: Any, asked: bool) -> Optional[str]:
 
 def choose_design(a: Any, b: Any) -> str:
     """The paired design a study is measured in (rounds or starts), from pair.design. auto:
-    paired rounds unless the sides cannot share a worker (rounds_refusal) or the study asks
+    paired rounds unless the sides cannot share a node (rounds_refusal) or the study asks
     for what only start pairs take (pair.starts, adaptive stopping, linearity); rounds asked for
     where it cannot be is a one-line ConfigError."""
     p, m = a.config.pair, a.config.measure

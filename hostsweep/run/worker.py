@@ -34,6 +34,7 @@ from hostsweep.measure.warmup import warmed_up
 from hostsweep.run.canary import Canary
 from hostsweep.run.contention import ContentionProbe, sweep_root_pid
 from hostsweep.run.rounds import RoundJournal, round_journal
+from hostsweep.run.sides import WorkerSide, needs_own_worker, partner_log, start_partner, worker_side
 from hostsweep.run.faults import EngineDied
 from hostsweep.run.hygiene import (
     descendant_pids, engine_temp_folder, freeze_long_lived, new_scratch_folder, release_ray_thread_limits,
@@ -55,9 +56,24 @@ ENGINE_EXIT_WAIT_S, KILLED_EXIT_WAIT_S = 10.0, 2.0
 WARMUP_CANARIES = 3  # canary timings a warm-up round (their median): ~5 ms, one pair's noise halved
 
 
+@dataclasses.dataclass
+class _SideRounds:
+    """A side's cells in the paired rounds under way: prepared, and their pairs so far."""
+
+    group: GroupMeasurement
+    cells: dict[str, Cell]
+    canary: bool
+    timings: dict[str, list[RepTiming]] = dataclasses.field(default_factory=dict)
+
+
 class SweepWorker(SplitProfiling):
     def __init__(self, spec: EngineSpec, workdir: Optional[str] = None, log_file: Optional[str] = None,
-                 own_process: bool = False, partner: Optional[EngineSpec] = None, partner_first: bool = False) -> None:
+                 own_process: bool = False, partner: Optional[EngineSpec] = None, partner_first: bool = False
+                 ) -> None:
+        """`partner`: side b of paired rounds, its engine started in this worker beside side a's
+        (partner_first: before it), or, where it needs another Python or TP degree
+        (sides.needs_own_worker), in a partner worker on this node that this worker starts,
+        owns and times in the same rounds (run/sides.py)."""
         # First, so the engine's processes inherit the redirected fds.
         self.log_path = redirect_output(Path(log_file), f"worker for {spec.label}") if log_file else None
         self._phase = "starting engine"
@@ -77,6 +93,10 @@ class SweepWorker(SplitProfiling):
             tp_gpus = hand_gpus_to_ranks(spec.tp_executor, os.environ)
         before = descendant_pids(os.getpid())
         self.partner = partner
+        apart = partner is not None and needs_own_worker(spec, partner)
+        self.partner_worker: Optional[object] = None  # the partner worker, where side b has one
+        partner_side: Optional[WorkerSide] = None
+        self._partner_side: Optional[WorkerSide] = None
         self.engines: dict[EngineSpec, Engine] = {}
         start_s: dict[EngineSpec, float] = {}
         try:
@@ -91,15 +111,26 @@ class SweepWorker(SplitProfiling):
                     self._phase = f"starting the engine for {which.label}"
                     where.mkdir(parents=True, exist_ok=True)
                     started = time.perf_counter()
-                    self.engines[which] = start_engine(which, where)
+                    if which is partner and apart:
+                        self.partner_worker, partner_side = start_partner(partner, str(where), partner_log(log_file),
+                                                                          as_actor=own_process)
+                        self._partner_side = partner_side
+                    else:
+                        self.engines[which] = start_engine(which, where)
                     start_s[which] = time.perf_counter() - started
         except BaseException:
             log.exception("the engine for %s did not start", self._phase[len("starting the engine for "):])
             for engine in self.engines.values():  # side a's, when side b's did not start
                 engine.close()
+            self._end_partner()
             self._remove_scratch()
             raise
         self.engine: Engine = self.engines[spec]
+        own = worker_side(self, "this worker")
+        self.sides: dict[EngineSpec, WorkerSide] = {which: own for which in self.engines}
+        if partner is not None and partner_side is not None:
+            self.sides[partner] = partner_side
+        self._sides_in_rounds: dict[EngineSpec, _SideRounds] = {}
         engine_start_s = start_s[spec]
         self.watch = EngineWatch(engine_processes(os.getpid(), before) if self.engine.starts_processes else [])
         self._profile_count = 0
@@ -126,7 +157,9 @@ class SweepWorker(SplitProfiling):
             self.host["worker_log"] = str(self.log_path)
         # Each side's provenance is its own engine's; the machine's is the worker's.
         self.hosts = {spec: self.host}
-        if partner is not None:
+        if partner is not None and partner_side is not None:
+            self.hosts[partner] = partner_side.host()  # its own Python, engine and start
+        elif partner is not None:
             self.hosts[partner] = {**self.host, **self.engines[partner].describe(),
                                    "engine_start_s": f"{start_s[partner]:.1f}"}
         if own_process:  # a Ray actor: what the engine's start made lives as long as this worker
@@ -142,14 +175,24 @@ class SweepWorker(SplitProfiling):
         return self._phase
 
     def engine_health(self) -> Optional[str]:
-        """Why the engine is dead (which process, exit code or signal), or None."""
-        return self.watch.fault()
+        """Why the engine is dead (which process, exit code or signal), or None; a partner
+        worker's engine counts as this worker's (its cells are measured here)."""
+        fault = self.watch.fault()
+        if fault is None and self._partner_side is not None:
+            fault = self._partner_side.health()
+        return fault
+
+    def _end_partner(self, abort: bool = False) -> None:
+        if self._partner_side is not None:
+            self._partner_side.end(abort)
+            self._partner_side = None
 
     def abort(self) -> None:
         """Kill the engine's processes, unlink their shared memory and drop the scratch
         folder: the driver is about to kill this worker, which would leave all three behind."""
         self.watch.kill()
         try:
+            self._end_partner(abort=True)
             self._engine_gone(KILLED_EXIT_WAIT_S)
         finally:
             self._remove_scratch()
@@ -319,52 +362,82 @@ class SweepWorker(SplitProfiling):
         slot's round carry its id (RepTiming.pair_round), which the paired diff matches them
         by: drift slower than a round's two pairs lands on both sides alike. A cell whose
         partner is not in the group (its partner reported earlier, a retry) is timed in the
-        rounds alone and carries no partner's round. The rounds are not journaled: a killed
-        paired sweep measures the group again."""
+        rounds alone and carries no partner's round. Each side is a RoundsSide: its engine in
+        this worker, or in a partner worker on the same node (run/sides.py), which prepares and
+        times its own pairs in its own process. The rounds are not journaled: a killed paired
+        sweep measures the group again."""
         slots: list[list[Cell]] = []
-        partners = {(c.batch, c.ctx, c.workload): c for c in cells if c.engine == self.partner}
+        partners = {(c.batch, c.ctx, c.workload): c for c in cells if c.engine != self.spec}
         for cell in cells:
             if cell.engine == self.spec:
                 slots.append([cell, *([p] if (p := partners.pop((cell.batch, cell.ctx, cell.workload), None)) else [])])
         slots += [[alone] for alone in partners.values()]
-        sides = {spec: [c for slot in slots for c in slot if c.engine == spec] for spec in self.engines}
-        groups = {spec: GroupMeasurement(side, [self.prompts(c) for c in side], options)
-                  for spec, side in sides.items() if side}
-        generates: dict[str, object] = {}
-        for spec, group in groups.items():
-            group.generates = [self._timed_generate(p, log, self.engines[spec])
-                               for p, log in zip(group.prompts, group.spec_logs)]
-            generates.update((c.key, g) for c, g in zip(group.cells, group.generates))
-            group.warmup_rounds = self._warm_up(group.cells, group.generates, options)
-            group.mark_attempt(range(len(group.cells)))
-        timings: dict[str, list[RepTiming]] = {c.key: [] for slot in slots for c in slot}
+        sides = {spec: [c for slot in slots for c in slot if c.engine == spec] for spec in self.sides}
+        active = {spec: self.sides[spec] for spec, side_cells in sides.items() if side_cells}
+        for spec, side in active.items():
+            side.prepare(spec, sides[spec], options)
         where = {"round": 0}
         rounds_id = f"{os.getpid()}-{time.time_ns() % 10**12}"  # unique per group: a retry's rounds never match
-        m = options.measure
-
-        def timed(cell: Cell, k: int, t1_first: bool, round_id: str) -> RepTiming:
-            timing = self._timed_pair(generates[cell.key], cell.T, k, t1_first, m.canary)  # type: ignore[arg-type]
-            return dataclasses.replace(timing, pair_round=round_id)
 
         def pair(i: int, k: int, t1_first: bool) -> RepTiming:
             slot, r = slots[i], where["round"]
-            round_id = f"{rounds_id}:{r}"
             order = slot if side_a_first(k, i) else slot[::-1]  # counterbalanced with the T order
-            for cell in order:
-                timing = timed(cell, k, t1_first, round_id)
-                timings[cell.key].append(dataclasses.replace(timing, rep=k, round=r))
-            return timings[slot[0].key][-1]
+            timed = {cell.key: self.sides[cell.engine].time(cell.engine, cell.key, k, t1_first, f"{rounds_id}:{r}", r)
+                     for cell in order}
+            return timed[slot[0].key]
 
-        def on_round(r: int, active: int) -> None:
+        def on_round(r: int, active_slots: int) -> None:
             where["round"] = r - 1
-            self._round_canary = None
-            self._phase = f"paired rounds: round {r} of {max(c.reps for c in cells)}, {active} slot(s)"
-            self.probe.refresh()
+            for side in {id(side): side for side in active.values()}.values():  # once a worker
+                side.new_round()
+            self._phase = f"paired rounds: round {r} of {max(c.reps for c in cells)}, {active_slots} slot(s)"
 
         interleaved_rounds([slot[0].reps for slot in slots], pair, cells[0].seed, None, on_round)
-        for group in groups.values():
-            group.take_period([timings[c.key] for c in group.cells])
-        return {key: timed_cell for group in groups.values() for key, timed_cell in group.timed_cells().items()}
+        return {key: timed_cell for spec, side in active.items() for key, timed_cell in side.finish(spec).items()}
+
+    # The side of paired rounds this worker's own engines are (run/sides.py's LocalSide calls
+    # these; a partner worker answers them as actor methods for the coordinating worker).
+
+    def side_prepare(self, spec: EngineSpec, cells: Sequence[Cell], options: MeasureOptions) -> None:
+        """The side's cells ready to time: prompts, timed generates on its engine, warm-up rounds."""
+        self._engine_alive()
+        engine = self.engines[spec]
+        group = GroupMeasurement(cells, [self.prompts(c) for c in cells], options)
+        group.generates = [self._timed_generate(p, log, engine) for p, log in zip(group.prompts, group.spec_logs)]
+        group.warmup_rounds = self._warm_up(group.cells, group.generates, options)
+        group.mark_attempt(range(len(group.cells)))
+        self._sides_in_rounds[spec] = _SideRounds(group, {c.key: c for c in cells}, options.measure.canary)
+
+    def side_new_round(self) -> None:
+        """A new round begins: the speed canary is timed again, the foreign processes looked up again."""
+        self._round_canary = None
+        self.probe.refresh()
+
+    def side_time(self, spec: EngineSpec, key: str, k: int, t1_first: bool, round_id: str, r: int) -> RepTiming:
+        """One timed pair of the side's cell in round r, kept with the side and returned."""
+        side = self._sides_in_rounds[spec]
+        cell = side.cells[key]
+        i = list(side.cells).index(key)
+        self._engine_alive()
+        try:
+            timing = self._timed_pair(side.group.generates[i], cell.T, k, t1_first, side.canary)
+        except Exception:
+            self._engine_alive()  # a generate that failed because the engine died: EngineDied
+            raise
+        timing = dataclasses.replace(timing, pair_round=round_id, rep=k, round=r)
+        side.timings.setdefault(key, []).append(timing)
+        return timing
+
+    def _engine_alive(self) -> None:
+        dead = self.watch.fault()
+        if dead is not None:
+            raise EngineDied(dead)
+
+    def side_finish(self, spec: EngineSpec) -> dict[str, TimedCell]:
+        """The side's cells measured: their pairs of the rounds as one period."""
+        side = self._sides_in_rounds.pop(spec)
+        side.group.take_period([side.timings.get(c.key, []) for c in side.group.cells])
+        return side.group.timed_cells()
 
     def _timed_cell(self, cell: Cell, options: MeasureOptions, companions: Sequence[Cell]) -> TimedCell:
         """The cell's timed measurement: kept from its group's rounds, or measured now with the
@@ -406,9 +479,12 @@ class SweepWorker(SplitProfiling):
                 split, stability = self._split_checked(cell, timed, options, keep)
             lin = self._linearity(prompts, options, keep) if options.linearity_T else None
             self._phase = "py-spy" if options.pyspy_seconds > 0 else self._phase
+            # a partner worker's engine runs in its process, not this one: py-spy sees it not
             states = record_thread_states(os.getpid(), options.pyspy_seconds,
                                           lambda: self._timed_generate(prompts, engine=self.engine_of(cell))(cell.T)) \
-                if options.pyspy_seconds > 0 else None
+                if options.pyspy_seconds > 0 and cell.engine in self.engines else None
+        except EngineDied:  # a partner worker's engine (run/sides.py): the group is retried
+            raise
         except Exception as exc:  # the sweep goes on; the reason is recorded with the cell
             dead = self.watch.fault()
             if dead is not None:  # not the cell's fault: a new engine should measure it
@@ -438,6 +514,7 @@ class SweepWorker(SplitProfiling):
         try:
             for engine in self.engines.values():
                 engine.close()
+            self._end_partner()
             self._engine_gone(ENGINE_EXIT_WAIT_S)
         finally:
             self._remove_scratch()

@@ -38,24 +38,30 @@ def test_a_paired_study_on_a_cpu_node_is_measured_in_paired_rounds_one_engine_st
     assert "the split (split.enabled) is not measured in paired rounds" in caplog.text
 
 
-def test_sides_that_cannot_share_a_worker_pair_engine_starts_unless_rounds_were_asked_for(tmp_path):
+def test_cpu_sides_that_need_their_own_worker_are_paired_in_rounds_and_the_rest_pair_engine_starts(tmp_path):
     import sys
 
+    # another Python or another TP degree: side b's engine in a partner worker on the same node
     auto = compose_typed([*FAST, "pair.enabled=true", f"pair.python={sys.executable}"])
-    assert (auto.config.pair.design, auto.config.pair.starts) == ("starts", 3)
-    assert compose_typed([*FAST, "+pair.against.tp=2", "tp=[1]"]).config.pair.design == "starts"
+    assert (auto.config.pair.design, auto.config.pair.starts) == ("rounds", 1)
+    assert compose_typed([*FAST, "+pair.against.tp=2", "tp=[1]"]).config.pair.design == "rounds"
+    assert compose_typed([*FAST, "pair.enabled=true", f"pair.python={sys.executable}",
+                          "pair.design=starts"]).config.pair.starts == 3
     for asks_starts in ("pair.starts=4", "measure.target_mde_pct=5", "linearity.enabled=true"):
         assert compose_typed([*FAST, "pair.enabled=true", asks_starts]).config.pair.design == "starts", asks_starts
     gpu = ["+sku=h200", "engine.name=fake", "ctx=[16]", "batch=[1]", "pair.enabled=true"]
     assert compose_typed(gpu).config.pair.design == "starts"
     shared = compose_typed([*gpu, "pair.design=rounds", "engine.gpu_memory_utilization=0.45"])
     assert shared.config.pair.design == "rounds"
+    # on GPUs a partner worker would need GPUs of its own: start pairs
+    assert compose_typed([*gpu, f"pair.python={sys.executable}"]).config.pair.design == "starts"
+    with pytest.raises(ConfigError, match="on GPUs its engine would need a partner worker"):
+        compose_typed([*gpu, f"pair.python={sys.executable}", "pair.design=rounds",
+                       "engine.gpu_memory_utilization=0.45"])
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    (["pair.design=rounds", "pair.python=" + __import__("sys").executable],
-     "pair.design=rounds: side b runs under another Python (pair.python)"),
-    (["pair.design=rounds", "+pair.against.tp=2"], "pair.design=rounds: the sides differ in SKU or TP"),
+    (["pair.design=rounds", "+pair.against.sku=h100"], "pair.design=rounds: the sides differ in SKU"),
     (["pair.design=rounds", "pair.starts=3"], "pair.starts=3 is the starts design's"),
     (["pair.design=rounds", "measure.target_ci_pct=2"], "paired rounds time both sides measure.reps rounds each"),
     (["pair.design=rounds", "linearity.enabled=true"], "linearity.enabled: the linearity check runs on one engine"),
@@ -74,24 +80,33 @@ def test_two_gpu_engines_whose_memory_does_not_fit_beside_each_other_are_refused
 
 
 def paired_worker(tmp_path, monkeypatch, cells, planted: float, swing: float, noise: float = 0.01,
-                  switch_s: float = 0.0):
+                  switch_s: float = 0.0, across_workers: bool = False):
     """A worker holding both sides' fake engines on a virtual clock. Every generate takes the
     fake engine's modelled time times the machine's speed, which swings between 1 and `swing`
     every 5 generates (a machine whose speed changes faster than an engine start), times
     `planted` on side b, with lognormal `noise`; the first generate after the other side's
     engine ran costs `switch_s` more (a cost of switching engines: caches, the other engine's
-    threads). Returns the worker and the generate log (side, batch, tokens) in call order."""
+    threads). across_workers: side b's engine in a partner worker of its own (another Python
+    or TP degree would need one), which the first worker times in the same rounds. Returns the
+    worker that coordinates and the generate log (side, batch, tokens) in call order."""
     from hostsweep.run import worker as worker_module
 
     monkeypatch.setenv("HOSTSWEEP_FAKE_TIME_SCALE", "0")
     clock, rng, calls = VirtualClock(), np.random.default_rng(5), []
     monkeypatch.setattr(worker_module, "time", clock)
     a, b = sides(cells)
+    # as if side b ran under another Python: its engine in a partner worker (in-process here)
+    monkeypatch.setattr(worker_module, "needs_own_worker", lambda spec, partner: across_workers)
     worker = worker_module.SweepWorker(a[0].engine, str(tmp_path), partner=b[0].engine)
+    partner = worker.partner_worker
+    if across_workers:
+        assert set(worker.engines) == {a[0].engine} and set(partner.engines) == {b[0].engine}
+    engines = {**worker.engines, **(partner.engines if across_workers else {})}
     # the speed canary runs on the real clock: a constant one keeps the warm-up rounds, and so
     # the generates the swing and the noise fall on, the same however busy the machine is
-    monkeypatch.setattr(worker.canary, "time_ms", lambda: 2.0)
-    for spec, engine in worker.engines.items():
+    for holder in {id(w): w for w in (worker, partner if across_workers else worker)}.values():
+        monkeypatch.setattr(holder.canary, "time_ms", lambda: 2.0)
+    for spec, engine in engines.items():
         generate = engine.generate
 
         def timed(prompts, tokens, engine=engine, generate=generate, side=spec.side):
@@ -113,10 +128,12 @@ def measured(worker, cells, options):
     return {c.key: worker.measure(c, options, tuple(queue[i + 1:])) for i, c in enumerate(queue)}
 
 
-def test_a_cells_two_sides_are_timed_back_to_back_in_every_round_each_side_first_as_often(tmp_path, monkeypatch):
+@pytest.mark.parametrize("across_workers", [False, True])
+def test_a_cells_two_sides_are_timed_back_to_back_in_every_round_each_side_first_as_often(tmp_path, monkeypatch,
+                                                                                         across_workers):
     study = compose_typed([*FAST, "pair.enabled=true"])
     cells = build_cells(study)
-    worker, calls = paired_worker(tmp_path, monkeypatch, cells, planted=1.0, swing=1.0)
+    worker, calls = paired_worker(tmp_path, monkeypatch, cells, planted=1.0, swing=1.0, across_workers=across_workers)
     results = measured(worker, cells, MeasureOptions.of(study.config))
     assert {r.status for r in results.values()} == {"FINISHED"}
     assert {r.host["hostname"] for r in results.values()} and len(group_by_engine(cells)) == 2
@@ -145,9 +162,9 @@ def test_every_slot_meets_all_four_side_and_t_orders_within_four_rounds():
             assert combos == {(True, True), (True, False), (False, True), (False, False)}
 
 
-@pytest.mark.parametrize("counterbalanced", [True, False])
+@pytest.mark.parametrize("counterbalanced,across_workers", [(True, False), (False, False), (True, True)])
 def test_a_cost_of_switching_engines_leaves_a_paired_aa_at_one_only_when_the_orders_are_counterbalanced(
-        tmp_path, monkeypatch, counterbalanced):
+        tmp_path, monkeypatch, counterbalanced, across_workers):
     """A paired A/A whose first generate after the other engine's costs 0.1 ms more (steps of
     about 0.6 ms, T=5): with the side order counterbalanced against the T order the rounds'
     geometric mean ratio stays within 1.2 % of 1 (0.4 and 0.7 % here: the switch raises a
@@ -160,7 +177,8 @@ def test_a_cost_of_switching_engines_leaves_a_paired_aa_at_one_only_when_the_ord
         monkeypatch.setattr(worker_module, "side_a_first", lambda k, slot: (k + slot) % 2 == 0)
     study = compose_typed([*FAST, "pair.enabled=true", "measure.reps=16"])
     cells = build_cells(study)
-    worker, _ = paired_worker(tmp_path, monkeypatch, cells, planted=1.0, swing=1.0, noise=0.002, switch_s=1e-4)
+    worker, _ = paired_worker(tmp_path, monkeypatch, cells, planted=1.0, swing=1.0, noise=0.002, switch_s=1e-4,
+                              across_workers=across_workers)
     results = measured(worker, cells, MeasureOptions.of(study.config))
     for a, b in zip(*sides(cells)):
         pa, pb = results[a.key].measurement.reps, results[b.key].measurement.reps
@@ -169,12 +187,12 @@ def test_a_cost_of_switching_engines_leaves_a_paired_aa_at_one_only_when_the_ord
         assert (lean < 0.012) if counterbalanced else (lean > 0.015), lean
 
 
-@pytest.mark.parametrize("planted", [1.0, 1.10])
+@pytest.mark.parametrize("planted,across_workers", [(1.0, False), (1.10, False), (1.10, True)])
 def test_a_machine_whose_speed_swings_between_rounds_leaves_the_per_round_ratio_at_the_planted_one(
-        tmp_path, monkeypatch, planted):
+        tmp_path, monkeypatch, planted, across_workers):
     study = compose_typed([*FAST, "pair.enabled=true"])
     cells = build_cells(study)
-    worker, _ = paired_worker(tmp_path, monkeypatch, cells, planted=planted, swing=1.5)
+    worker, _ = paired_worker(tmp_path, monkeypatch, cells, planted=planted, swing=1.5, across_workers=across_workers)
     results = measured(worker, cells, MeasureOptions.of(study.config))
     for a, b in zip(*sides(cells)):
         pa, pb = results[a.key].measurement.reps, results[b.key].measurement.reps
@@ -193,7 +211,13 @@ def study_args(request, new_store, tmp_path, monkeypatch):
                    f"study={request.node.name[:50]}"]
 
 
-def test_a_paired_rounds_sweep_starts_one_worker_per_pair_holding_both_engines(study_args, tmp_path):
+@pytest.mark.parametrize("side_b_python", [False, True])
+def test_a_paired_rounds_sweep_starts_one_worker_per_pair_holding_both_engines(study_args, tmp_path, side_b_python):
+    """Side b as an engine argument lives in side a's worker; under another Python (here the
+    driver's own interpreter, named as pair.python) in a partner worker that side a's worker
+    starts and times in the same rounds: one start asked of the backend either way."""
+    import sys
+
     import mlflow
 
     from hostsweep.record.read.sides import timed_pairs
@@ -202,12 +226,16 @@ def test_a_paired_rounds_sweep_starts_one_worker_per_pair_holding_both_engines(s
     from tests.fakes import FakeBackend
 
     store, args = study_args
-    args = [*args, "+pair.against.debug.delay_phase=sample", "+pair.against.debug.delay_ms=0.5"]
+    args = [*args, "+pair.against.debug.delay_phase=sample", "+pair.against.debug.delay_ms=0.5",
+            *([f"pair.python={sys.executable}"] if side_b_python else [])]
     backend = FakeBackend(tmp_path / "w")
     assert sweep.run(compose_raw(args), tmp_path / "run", backend) == 0
     cells = build_cells(compose_typed(args))
     a, b = sides(cells)
     assert [e for e in backend.events if e.startswith("start")] == [f"start {a[0].engine.label} with {b[0].engine.label}"]
+    worker = backend.workers[0].real
+    assert (worker.partner_worker is not None) == side_b_python
+    assert set(worker.engines) == ({a[0].engine} if side_b_python else {a[0].engine, b[0].engine})
     assert Counter(backend.measured) == {c.key: 1 for c in cells}
     mlflow.set_tracking_uri(store)
     runs = mlflow.search_runs(experiment_names=[compose_typed(args).experiment])
@@ -263,3 +291,32 @@ def test_pair_start_first_b_starts_side_bs_engine_first_in_the_shared_worker(new
         assert started == (["b", "a"] if first == "b" else ["a", "b"])
     with pytest.raises(ConfigError, match="pair.start_first must be a or b"):
         compose_typed([*args, "pair.start_first=c"])
+
+
+def test_a_partner_worker_whose_engine_dies_mid_rounds_hands_the_group_back_for_a_retry_measuring_nothing(
+        tmp_path, monkeypatch):
+    """Side b in a partner worker (another Python's): its engine dies after a few rounds. The
+    coordinating worker's cell raises EngineDied (the driver retries the group on new workers)
+    instead of reporting a cell FAILED or one side's pairs without the other's, and its
+    engine_health names the partner's fault."""
+    from hostsweep.run.faults import EngineDied
+
+    study = compose_typed([*FAST, "pair.enabled=true"])
+    cells = build_cells(study)
+    worker, calls = paired_worker(tmp_path, monkeypatch, cells, planted=1.0, swing=1.0, across_workers=True)
+    partner = worker.partner_worker
+    engine = partner.engines[sides(cells)[1][0].engine]
+    generate = engine.generate
+
+    def dies(prompts, tokens):
+        if sum(1 for c in calls if c[0] == "b") >= 30:
+            monkeypatch.setattr(partner.watch, "fault", lambda: "EngineCore (pid 4242) killed by SIGKILL")
+            raise RuntimeError("engine core is gone")
+        return generate(prompts, tokens)
+
+    engine.generate = dies
+    queue = [c for pair in zip(*sides(cells)) for c in pair]
+    with pytest.raises(EngineDied, match="killed by SIGKILL"):
+        worker.measure(queue[0], MeasureOptions.of(study.config), tuple(queue[1:]))
+    assert "killed by SIGKILL" in (worker.engine_health() or "")
+    assert not worker._timed_cells  # nothing of the group kept to be handed out later
