@@ -171,9 +171,9 @@ def resolve(raw: DictConfig, engine_fields: Collection[str] = ENGINE_ARG_FIELDS)
                     "pair.design=starts measures it")
     reps = cfg.measure.reps if reps_given else default_reps(design, gated=cfg.diff.fail_on is not None)
     if reps != cfg.measure.reps:
-        log.info("diff.fail_on=%s gates paired rounds: %d rounds a cell, not %d (measure.reps not given: "
-                    "%d rounds find a change of twice the threshold in too few cells; docs/diff.md#gating-a-release-in-ci)",
-                    cfg.diff.fail_on, reps, cfg.measure.reps, cfg.measure.reps)
+        log.info("diff.fail_on=%s gates paired rounds: %d rounds a cell, not %d (measure.reps not given: %d rounds "
+                 "find a change of twice the threshold in too few cells; docs/diff.md#gating-a-release-in-ci)",
+                 cfg.diff.fail_on, reps, cfg.measure.reps, cfg.measure.reps)
     for side in (cfg, side_b.config):
         side.pair.design, side.pair.starts, side.split.enabled = design, starts, split
         side.measure.reps = reps

@@ -24,10 +24,9 @@ class WorkerSide:
     (and `watch(...)`, which answers while a pair is being timed): the coordinating worker
     itself or a partner worker."""
 
-    def __init__(self, call: Callable[..., Any], what: str, watch: Optional[Callable[..., Any]] = None,
+    def __init__(self, call: Callable[..., Any], watch: Optional[Callable[..., Any]] = None,
                  end: Optional[Callable[[], None]] = None) -> None:
         self._call, self._watch, self._end = call, watch or call, end
-        self.what = what
 
     def prepare(self, spec: EngineSpec, cells: Sequence[Cell], options: MeasureOptions) -> None:
         self._call("side_prepare", spec, list(cells), options)
@@ -62,11 +61,11 @@ class WorkerSide:
             self._end()
 
 
-def worker_side(worker: Any, what: str) -> WorkerSide:
+def worker_side(worker: Any) -> WorkerSide:
     """A side held by a SweepWorker in this process: the coordinating worker's own engines, or
     a partner worker in-process (the tests' fake backend). Its side_* methods raise
     EngineDied themselves when its engine is gone."""
-    return WorkerSide(lambda name, *args: getattr(worker, name)(*args), what)
+    return WorkerSide(lambda name, *args: getattr(worker, name)(*args))
 
 
 # How long a partner actor's watch methods (engine_health, abort) may take to answer.
@@ -107,8 +106,7 @@ def remote_side(actor: Any, label: str) -> WorkerSide:
 
         ray.kill(actor)
 
-    return WorkerSide(ActorCall(actor, label), f"the partner worker for {label}", ActorCall(actor, label, watch=True),
-                      end)
+    return WorkerSide(ActorCall(actor, label), ActorCall(actor, label, watch=True), end)
 
 
 def needs_own_worker(spec: EngineSpec, partner: EngineSpec) -> bool:
@@ -137,7 +135,7 @@ def start_partner(partner: EngineSpec, workdir: Optional[str], log_file: Optiona
     label = f"{partner.label}/{partner.side or 'b'}"
     if not as_actor:
         worker = SweepWorker(partner, workdir, log_file)
-        return worker, worker_side(worker, f"the partner worker for {label}")
+        return worker, worker_side(worker)
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

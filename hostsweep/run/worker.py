@@ -61,7 +61,7 @@ class _SideRounds:
     """A side's cells in the paired rounds under way: prepared, and their pairs so far."""
 
     group: GroupMeasurement
-    cells: dict[str, Cell]
+    cells: dict[str, tuple[Cell, Callable[[int], float]]]  # by key: the cell and its timed generate
     canary: bool
     timings: dict[str, list[RepTiming]] = dataclasses.field(default_factory=dict)
 
@@ -95,7 +95,6 @@ class SweepWorker(SplitProfiling):
         self.partner = partner
         apart = partner is not None and needs_own_worker(spec, partner)
         self.partner_worker: Optional[object] = None  # the partner worker, where side b has one
-        partner_side: Optional[WorkerSide] = None
         self._partner_side: Optional[WorkerSide] = None
         self.engines: dict[EngineSpec, Engine] = {}
         start_s: dict[EngineSpec, float] = {}
@@ -112,9 +111,8 @@ class SweepWorker(SplitProfiling):
                     where.mkdir(parents=True, exist_ok=True)
                     started = time.perf_counter()
                     if which is partner and apart:
-                        self.partner_worker, partner_side = start_partner(partner, str(where), partner_log(log_file),
-                                                                          as_actor=own_process)
-                        self._partner_side = partner_side
+                        self.partner_worker, self._partner_side = start_partner(
+                            partner, str(where), partner_log(log_file), as_actor=own_process)
                     else:
                         self.engines[which] = start_engine(which, where)
                     start_s[which] = time.perf_counter() - started
@@ -126,10 +124,10 @@ class SweepWorker(SplitProfiling):
             self._remove_scratch()
             raise
         self.engine: Engine = self.engines[spec]
-        own = worker_side(self, "this worker")
+        own = worker_side(self)
         self.sides: dict[EngineSpec, WorkerSide] = {which: own for which in self.engines}
-        if partner is not None and partner_side is not None:
-            self.sides[partner] = partner_side
+        if partner is not None and self._partner_side is not None:
+            self.sides[partner] = self._partner_side
         self._sides_in_rounds: dict[EngineSpec, _SideRounds] = {}
         engine_start_s = start_s[spec]
         self.watch = EngineWatch(engine_processes(os.getpid(), before) if self.engine.starts_processes else [])
@@ -157,8 +155,8 @@ class SweepWorker(SplitProfiling):
             self.host["worker_log"] = str(self.log_path)
         # Each side's provenance is its own engine's; the machine's is the worker's.
         self.hosts = {spec: self.host}
-        if partner is not None and partner_side is not None:
-            self.hosts[partner] = partner_side.host()  # its own Python, engine and start
+        if partner is not None and self._partner_side is not None:
+            self.hosts[partner] = self._partner_side.host()  # its own Python, engine and start
         elif partner is not None:
             self.hosts[partner] = {**self.host, **self.engines[partner].describe(),
                                    "engine_start_s": f"{start_s[partner]:.1f}"}
@@ -362,7 +360,7 @@ class SweepWorker(SplitProfiling):
         slot's round carry its id (RepTiming.pair_round), which the paired diff matches them
         by: drift slower than a round's two pairs lands on both sides alike. A cell whose
         partner is not in the group (its partner reported earlier, a retry) is timed in the
-        rounds alone and carries no partner's round. Each side is a RoundsSide: its engine in
+        rounds alone and carries no partner's round. Each side is a WorkerSide: its engine in
         this worker, or in a partner worker on the same node (run/sides.py), which prepares and
         times its own pairs in its own process. The rounds are not journaled: a killed paired
         sweep measures the group again."""
@@ -395,7 +393,7 @@ class SweepWorker(SplitProfiling):
         interleaved_rounds([slot[0].reps for slot in slots], pair, cells[0].seed, None, on_round)
         return {key: timed_cell for spec, side in active.items() for key, timed_cell in side.finish(spec).items()}
 
-    # The side of paired rounds this worker's own engines are (run/sides.py's LocalSide calls
+    # The side of paired rounds this worker's own engines are (run/sides.py's worker_side calls
     # these; a partner worker answers them as actor methods for the coordinating worker).
 
     def side_prepare(self, spec: EngineSpec, cells: Sequence[Cell], options: MeasureOptions) -> None:
@@ -406,7 +404,8 @@ class SweepWorker(SplitProfiling):
         group.generates = [self._timed_generate(p, log, engine) for p, log in zip(group.prompts, group.spec_logs)]
         group.warmup_rounds = self._warm_up(group.cells, group.generates, options)
         group.mark_attempt(range(len(group.cells)))
-        self._sides_in_rounds[spec] = _SideRounds(group, {c.key: c for c in cells}, options.measure.canary)
+        self._sides_in_rounds[spec] = _SideRounds(group, {c.key: (c, g) for c, g in zip(cells, group.generates)},
+                                                  options.measure.canary)
 
     def side_new_round(self) -> None:
         """A new round begins: the speed canary is timed again, the foreign processes looked up again."""
@@ -416,11 +415,10 @@ class SweepWorker(SplitProfiling):
     def side_time(self, spec: EngineSpec, key: str, k: int, t1_first: bool, round_id: str, r: int) -> RepTiming:
         """One timed pair of the side's cell in round r, kept with the side and returned."""
         side = self._sides_in_rounds[spec]
-        cell = side.cells[key]
-        i = list(side.cells).index(key)
+        cell, generate = side.cells[key]
         self._engine_alive()
         try:
-            timing = self._timed_pair(side.group.generates[i], cell.T, k, t1_first, side.canary)
+            timing = self._timed_pair(generate, cell.T, k, t1_first, side.canary)
         except Exception:
             self._engine_alive()  # a generate that failed because the engine died: EngineDied
             raise
@@ -479,7 +477,7 @@ class SweepWorker(SplitProfiling):
                 split, stability = self._split_checked(cell, timed, options, keep)
             lin = self._linearity(prompts, options, keep) if options.linearity_T else None
             self._phase = "py-spy" if options.pyspy_seconds > 0 else self._phase
-            # a partner worker's engine runs in its process, not this one: py-spy sees it not
+            # a partner worker's engine runs in its own process, which py-spy here does not see
             states = record_thread_states(os.getpid(), options.pyspy_seconds,
                                           lambda: self._timed_generate(prompts, engine=self.engine_of(cell))(cell.T)) \
                 if options.pyspy_seconds > 0 and cell.engine in self.engines else None
